@@ -1,0 +1,163 @@
+"""Lazy access to the CUDA driver (cuda-bindings) and to NVML (nvidia-ml-py).
+
+This is the only module that imports ``cuda.bindings`` or ``pynvml``; it does
+so on first use, so that importing syncless needs neither a GPU, a driver nor
+those packages. Missing pieces raise :class:`MissingDependencyError` with the
+command that fixes them; failing driver calls raise :class:`CudaError` with
+the driver's own error name.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from types import ModuleType
+from typing import Any
+
+from syncless._core.errors import CudaError, MissingDependencyError
+
+CUDA_EXTRA_HINT = "install it with `pip install 'syncless[cuda]'` (cuda-bindings and nvidia-ml-py)"
+DRIVER_HINT = "install the NVIDIA driver, or run on a machine with an NVIDIA GPU"
+
+_init_lock = threading.Lock()
+_initialized = False
+
+
+@functools.cache
+def driver_module() -> ModuleType:
+    """Return ``cuda.bindings.driver``, importing it on first use.
+
+    Raises:
+        MissingDependencyError: cuda-bindings is not installed.
+    """
+    try:
+        from cuda.bindings import driver
+    except ImportError as err:
+        raise MissingDependencyError(f"cuda-bindings is not installed: {CUDA_EXTRA_HINT}") from err
+    return driver
+
+
+def _error_text(drv: ModuleType, code: Any) -> tuple[str, str]:
+    name_err, name = drv.cuGetErrorName(code)
+    text_err, text = drv.cuGetErrorString(code)
+    name_str = name.decode() if name_err == drv.CUresult.CUDA_SUCCESS and name else str(code)
+    text_str = text.decode() if text_err == drv.CUresult.CUDA_SUCCESS and text else "no description"
+    return name_str, text_str
+
+
+def check(call: str, result: Any, hint: str = "") -> Any:
+    """Unpack a cuda-bindings result tuple, raising :class:`CudaError` on failure.
+
+    cuda-bindings returns ``(CUresult, value...)``. This returns ``None`` for
+    no value, the value for one, and a tuple for several.
+    """
+    drv = driver_module()
+    if isinstance(result, tuple):
+        code, values = result[0], result[1:]
+    else:
+        code, values = result, ()
+    if code != drv.CUresult.CUDA_SUCCESS:
+        name, text = _error_text(drv, code)
+        raise CudaError(call, int(code), name, text, hint)
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else values
+
+
+def call(name: str, *args: Any, hint: str = "") -> Any:
+    """Call driver function ``name`` with ``args`` and :func:`check` its result."""
+    drv = ensure_driver()
+    return check(name, getattr(drv, name)(*args), hint)
+
+
+def ensure_driver() -> ModuleType:
+    """Import cuda-bindings and initialize the driver once; return the module.
+
+    Blocks the host only for ``cuInit`` on first call.
+
+    Raises:
+        MissingDependencyError: cuda-bindings or the driver library is missing,
+            or no GPU is present.
+    """
+    global _initialized
+    drv = driver_module()
+    if _initialized:
+        return drv
+    with _init_lock:
+        if _initialized:
+            return drv
+        try:
+            result = drv.cuInit(0)
+        except RuntimeError as err:  # cuda.pathfinder: libcuda.so not found
+            raise MissingDependencyError(f"the CUDA driver library (libcuda) was not found: {DRIVER_HINT}") from err
+        code = result[0] if isinstance(result, tuple) else result
+        if code == drv.CUresult.CUDA_ERROR_NO_DEVICE:
+            raise MissingDependencyError(f"the CUDA driver sees no GPU: {DRIVER_HINT}")
+        check("cuInit", result, DRIVER_HINT)
+        _initialized = True
+    return drv
+
+
+def driver_version() -> tuple[int, int]:
+    """Return the driver's CUDA version as ``(major, minor)``."""
+    version = call("cuDriverGetVersion")
+    return version // 1000, (version % 1000) // 10
+
+
+def device_attribute(ordinal: int, attribute_name: str) -> int:
+    """Return ``CU_DEVICE_ATTRIBUTE_<attribute_name>`` of GPU ``ordinal``."""
+    drv = ensure_driver()
+    device = call("cuDeviceGet", ordinal)
+    attribute = getattr(drv.CUdevice_attribute, f"CU_DEVICE_ATTRIBUTE_{attribute_name}")
+    return int(call("cuDeviceGetAttribute", attribute, device))
+
+
+def supports_64bit_stream_mem_ops(ordinal: int) -> bool:
+    """Return whether GPU ``ordinal`` can wait on and write 64-bit flags from a stream."""
+    return device_attribute(ordinal, "CAN_USE_64_BIT_STREAM_MEM_OPS") == 1
+
+
+def can_access_peer(ordinal: int, peer_ordinal: int) -> bool:
+    """Return whether GPU ``ordinal`` can map memory of GPU ``peer_ordinal``."""
+    ensure_driver()
+    device = call("cuDeviceGet", ordinal)
+    peer = call("cuDeviceGet", peer_ordinal)
+    return bool(call("cuDeviceCanAccessPeer", device, peer))
+
+
+# NVML ----------------------------------------------------------------------
+
+_nvml_lock = threading.Lock()
+_nvml_ready = False
+
+
+@functools.cache
+def nvml_module() -> ModuleType:
+    """Return ``pynvml`` (from nvidia-ml-py), importing it on first use."""
+    try:
+        import pynvml
+    except ImportError as err:
+        raise MissingDependencyError(f"nvidia-ml-py is not installed: {CUDA_EXTRA_HINT}") from err
+    return pynvml
+
+
+def ensure_nvml() -> ModuleType:
+    """Import and initialize NVML once; return ``pynvml``.
+
+    Raises:
+        MissingDependencyError: nvidia-ml-py or the NVML library is missing.
+    """
+    global _nvml_ready
+    nvml = nvml_module()
+    if _nvml_ready:
+        return nvml
+    with _nvml_lock:
+        if not _nvml_ready:
+            try:
+                nvml.nvmlInit()
+            except nvml.NVMLError_LibraryNotFound as err:
+                raise MissingDependencyError(f"the NVML library (libnvidia-ml) was not found: {DRIVER_HINT}") from err
+            except nvml.NVMLError_DriverNotLoaded as err:
+                raise MissingDependencyError(f"the NVIDIA driver is not loaded: {DRIVER_HINT}") from err
+            _nvml_ready = True
+    return nvml

@@ -1,0 +1,61 @@
+"""The error hierarchy shared by every syncless capability.
+
+Everything syncless raises on purpose derives from :class:`SynclessError`,
+except bad arguments, which raise the built-in ``ValueError``/``TypeError``
+that Python users expect (``ConfigError`` is both).
+"""
+
+from __future__ import annotations
+
+
+class SynclessError(Exception):
+    """Root of every error that syncless raises on purpose."""
+
+
+class ConfigError(SynclessError, ValueError):
+    """A ``SYNCLESS_*`` variable or an explicit setting has a bad value."""
+
+
+class MissingDependencyError(SynclessError, ImportError):
+    """A package, the CUDA driver or a GPU that a call needs is not there.
+
+    The message always says how to get it.
+    """
+
+
+class CudaError(SynclessError):
+    """A CUDA driver call failed.
+
+    Attributes:
+        call: the driver function that failed, e.g. ``"cuIpcOpenMemHandle"``.
+        code: the numeric ``CUresult``.
+        name: the driver's error name, e.g. ``"CUDA_ERROR_INVALID_VALUE"``.
+        explanation: the driver's own description of the error.
+    """
+
+    def __init__(self, call: str, code: int, name: str, explanation: str, hint: str = ""):
+        self.call = call
+        self.code = code
+        self.name = name
+        self.explanation = explanation
+        self.hint = hint
+        message = f"{call} failed with {name} ({code}): {explanation}"
+        if hint:
+            message += f". {hint}"
+        super().__init__(message)
+
+
+class SyncViolation(SynclessError):
+    """Raised in ``error`` mode when code marked hot synchronizes with the GPU."""
+
+
+class CopyEngineUnavailable(SynclessError):
+    """The copy-engine pipeline transport cannot be used on this group.
+
+    Raised identically on every rank of the group, with the first rank's
+    reason, so that all ranks take the same fallback.
+    """
+
+
+class PeerTimeoutError(SynclessError, TimeoutError):
+    """A pipeline peer sent nothing within the configured timeout (it may have died)."""
