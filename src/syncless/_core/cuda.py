@@ -38,11 +38,13 @@ def driver_module() -> ModuleType:
 
 
 def _error_text(drv: ModuleType, code: Any) -> tuple[str, str]:
-    name_err, name = drv.cuGetErrorName(code)
-    text_err, text = drv.cuGetErrorString(code)
-    name_str = name.decode() if name_err == drv.CUresult.CUDA_SUCCESS and name else str(code)
+    name = getattr(code, "name", None) or str(code)
+    try:
+        text_err, text = drv.cuGetErrorString(code)
+    except RuntimeError:  # cuda.pathfinder: the driver library itself is missing
+        return name, "no description (the CUDA driver library is not loaded)"
     text_str = text.decode() if text_err == drv.CUresult.CUDA_SUCCESS and text else "no description"
-    return name_str, text_str
+    return name, text_str
 
 
 def check(call: str, result: Any, hint: str = "") -> Any:

@@ -1,0 +1,138 @@
+"""Collect what this machine offers, one section at a time.
+
+Each probe returns plain data. A piece that is absent (no GPU, no driver, no
+cuda-bindings) is reported with how to get it, never raised: ``syncless
+doctor`` must work on any machine.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+from collections.abc import Callable
+from typing import Any
+
+from syncless._core import config, cuda, topology
+from syncless._core.errors import CudaError, MissingDependencyError
+
+Missing = list[dict[str, str]]
+
+
+def _package_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def probe_software(missing: Missing) -> dict[str, Any]:
+    """Versions of Python, torch, the CUDA runtime and driver, NCCL, cuda-bindings and NVML."""
+    import torch
+
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "torch_cuda_runtime": torch.version.cuda,
+        "torch_cuda_available": torch.cuda.is_available(),
+        "nccl": None,
+        "cuda_bindings": _package_version("cuda-bindings") or _package_version("cuda-python"),
+        "nvidia_ml_py": _package_version("nvidia-ml-py"),
+        "driver": None,
+        "driver_cuda": None,
+    }
+    if torch.version.cuda is None:
+        missing.append({"what": "a CUDA build of torch", "fix": "install torch from a CUDA wheel index (this one is CPU-only)"})
+    if info["cuda_bindings"] is None:
+        missing.append({"what": "cuda-bindings", "fix": "pip install 'syncless[cuda]'"})
+    if info["nvidia_ml_py"] is None:
+        missing.append({"what": "nvidia-ml-py", "fix": "pip install 'syncless[cuda]'"})
+    if torch.cuda.is_available() and torch.distributed.is_available() and torch.distributed.is_nccl_available():
+        version = torch.cuda.nccl.version()
+        info["nccl"] = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+    try:
+        nvml = cuda.ensure_nvml()
+        driver = nvml.nvmlSystemGetDriverVersion()
+        info["driver"] = driver.decode() if isinstance(driver, bytes) else driver
+    except MissingDependencyError as err:
+        _note_missing(missing, err)
+    try:
+        major, minor = cuda.driver_version()
+        info["driver_cuda"] = f"{major}.{minor}"
+    except MissingDependencyError as err:
+        _note_missing(missing, err)
+    return info
+
+
+def _note_missing(missing: Missing, err: MissingDependencyError) -> None:
+    text = str(err)
+    what, _, fix = text.partition(": ")
+    if all(entry["what"] != what for entry in missing):
+        missing.append({"what": what, "fix": fix or text})
+
+
+def probe_gpus(missing: Missing) -> dict[str, Any]:
+    """Every GPU, and the link between each ordered pair."""
+    try:
+        gpus = topology.list_gpus()
+    except MissingDependencyError as err:
+        _note_missing(missing, err)
+        return {"gpus": [], "links": []}
+    links = topology.link_matrix(gpus)
+    return {
+        "gpus": [
+            {
+                "ordinal": g.ordinal,
+                "name": g.name,
+                "memory_mib": g.total_memory_bytes // (1 << 20),
+                "compute_capability": f"{g.compute_capability[0]}.{g.compute_capability[1]}",
+                "sm_count": g.sm_count,
+                "pci_bus_id": g.pci_bus_id,
+                "stream_mem_ops_64bit": g.mem_ops_64bit,
+            }
+            for g in gpus
+        ],
+        "links": [
+            {"src": link.src, "dst": link.dst, "kind": link.kind, "label": link.label,
+             "nvlink_count": link.nvlink_count, "peer_access": link.peer_access}
+            for link in links.values()
+        ],
+    }
+
+
+def probe_confidential_compute() -> dict[str, Any]:
+    """The CC state as NVML reports it, and the mode syncless.cc would use."""
+    from syncless import cc
+
+    return cc.describe_state()
+
+
+def probe_pp_choice() -> dict[str, Any]:
+    """Which pipeline transport make_transport would pick here, and why."""
+    from syncless import pp
+
+    return pp.describe_local_choice()
+
+
+def probe_config() -> list[dict[str, Any]]:
+    """Every SYNCLESS_* variable, its effective value and where it came from."""
+    return config.effective()
+
+
+def _guarded(probe: Callable[[], Any]) -> Any:
+    try:
+        return probe()
+    except (MissingDependencyError, CudaError) as err:
+        return {"error": str(err)}
+
+
+def collect() -> dict[str, Any]:
+    """Run every probe; return one JSON-able report."""
+    missing: Missing = []
+    report: dict[str, Any] = {"software": probe_software(missing)}
+    report.update(probe_gpus(missing))
+    report["confidential_compute"] = _guarded(probe_confidential_compute)
+    report["pp_transport"] = _guarded(probe_pp_choice)
+    report["config"] = probe_config()
+    report["missing"] = missing
+    return report

@@ -1,0 +1,93 @@
+"""The SYNCLESS_* registry: defaults, parsing, and errors that name variable, value and allowed values."""
+
+import pytest
+
+from syncless._core import config
+from syncless._core.errors import ConfigError
+
+
+def test_every_setting_has_a_valid_default_and_doc():
+    for decl in config.settings():
+        assert decl.name.startswith("SYNCLESS_")
+        assert decl.doc and decl.allowed
+        decl.parse(decl.default)  # the default itself must be allowed
+
+
+def test_defaults_apply_when_unset():
+    assert config.read("SYNCLESS_SYNC_CHECK", {}) == "off"
+    assert config.read("SYNCLESS_CC", {}) == "auto"
+    assert config.read("SYNCLESS_PP_TIMEOUT_S", {}) == 60.0
+    assert config.read("SYNCLESS_REQUIRE_GPU", {}) is False
+    assert config.read("SYNCLESS_CC_MAX_STAGED_BYTES", {}) == 64 << 20
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "expected"),
+    [
+        ("SYNCLESS_SYNC_CHECK", "Record", "record"),
+        ("SYNCLESS_CC", " emulate ", "emulate"),
+        ("SYNCLESS_PP_TRANSPORT", "copy_engine", "copy_engine"),
+        ("SYNCLESS_PP_TIMEOUT_S", "2.5", 2.5),
+        ("SYNCLESS_REQUIRE_GPU", "yes", True),
+        ("SYNCLESS_REQUIRE_GPU", "0", False),
+        ("SYNCLESS_CC_MAX_STAGED_BYTES", "1GiB", 1 << 30),
+        ("SYNCLESS_CC_MAX_STAGED_BYTES", "4096", 4096),
+        ("SYNCLESS_CC_MAX_STAGED_BYTES", "8k", 8192),
+    ],
+)
+def test_valid_values_parse(name, text, expected):
+    assert config.read(name, {name: text}) == expected
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("SYNCLESS_SYNC_CHECK", "loud"),
+        ("SYNCLESS_CC", "maybe"),
+        ("SYNCLESS_PP_TRANSPORT", "nccl"),
+        ("SYNCLESS_PP_TIMEOUT_S", "-1"),
+        ("SYNCLESS_PP_TIMEOUT_S", "nan"),
+        ("SYNCLESS_PP_TIMEOUT_S", "soon"),
+        ("SYNCLESS_REQUIRE_GPU", "sometimes"),
+        ("SYNCLESS_CC_MAX_STAGED_BYTES", "12 parsecs"),
+        ("SYNCLESS_CC_MAX_STAGED_BYTES", "-5"),
+    ],
+)
+def test_bad_values_name_variable_value_and_allowed(name, text):
+    with pytest.raises(ConfigError) as info:
+        config.read(name, {name: text})
+    message = str(info.value)
+    assert name in message
+    assert repr(text) in message
+    assert config.setting(name).allowed in message
+    assert isinstance(info.value, ValueError)
+
+
+def test_every_registered_variable_rejects_garbage():
+    for decl in config.settings():
+        with pytest.raises(ConfigError, match=decl.name):
+            config.read(decl.name, {decl.name: "\x00garbage\x00"})
+
+
+def test_explicit_argument_beats_environment(monkeypatch):
+    monkeypatch.setenv("SYNCLESS_CC", "on")
+    assert config.resolve("SYNCLESS_CC") == "on"
+    assert config.resolve("SYNCLESS_CC", "off") == "off"
+
+
+def test_unknown_syncless_variable_is_rejected_by_validate_all():
+    with pytest.raises(ConfigError, match="SYNCLESS_CC_MODE is not a syncless setting"):
+        config.validate_all({"SYNCLESS_CC_MODE": "on"})
+    config.validate_all({"SYNCLESS_CC": "off", "PATH": "/bin"})
+
+
+def test_effective_reports_source_and_errors_without_raising():
+    rows = {row["name"]: row for row in config.effective({"SYNCLESS_CC": "bogus", "SYNCLESS_PP_TIMEOUT_S": "5"})}
+    assert rows["SYNCLESS_CC"]["error"] and "bogus" in rows["SYNCLESS_CC"]["error"]
+    assert rows["SYNCLESS_PP_TIMEOUT_S"] == {**rows["SYNCLESS_PP_TIMEOUT_S"], "value": 5.0, "source": "env", "error": None}
+    assert rows["SYNCLESS_SYNC_CHECK"]["source"] == "default"
+
+
+def test_unknown_name_lookup_lists_known_names():
+    with pytest.raises(KeyError, match="SYNCLESS_CC"):
+        config.setting("SYNCLESS_NOPE")
