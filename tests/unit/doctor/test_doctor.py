@@ -1,0 +1,76 @@
+"""``syncless doctor`` runs anywhere, names what is missing, and renders a two-GPU report."""
+
+import json
+
+from syncless import cli
+from syncless._core.hardware import cuda_device_count
+from syncless.doctor import render
+
+
+def _fake_two_h200_report():
+    gpu = {"name": "NVIDIA H200", "memory_mib": 143771, "compute_capability": "9.0", "sm_count": 132,
+           "stream_mem_ops_64bit": True}
+    links = [
+        {"src": a, "dst": b, "kind": "same" if a == b else "nvlink", "label": "X" if a == b else "NV18",
+         "nvlink_count": 0 if a == b else 18, "peer_access": True}
+        for a in (0, 1) for b in (0, 1)
+    ]
+    return {
+        "software": {"python": "3.12.3", "platform": "Linux", "torch": "2.11.0+cu130", "torch_cuda_runtime": "13.0",
+                     "torch_cuda_available": True, "nccl": "2.28.9", "cuda_bindings": "13.3.1",
+                     "nvidia_ml_py": "13.580", "driver": "580.159.04", "driver_cuda": "13.0"},
+        "gpus": [{**gpu, "ordinal": 0, "pci_bus_id": "0000:18:00.0"}, {**gpu, "ordinal": 1, "pci_bus_id": "0000:2a:00.0"}],
+        "links": links,
+        "confidential_compute": {"state": "off", "mode": "auto -> off"},
+        "pp_transport": {"choice": "copy_engine", "reason": "2 GPUs, every pair on NVLink"},
+        "config": [{"name": "SYNCLESS_CC", "value": "auto", "source": "default", "error": None, "doc": ""}],
+        "missing": [],
+    }
+
+
+def test_render_two_gpus_shows_nvlink_matrix_and_mem_ops():
+    text = render(_fake_two_h200_report())
+    assert text.count("NVIDIA H200") == 2
+    assert "64-bit stream memory ops: yes" in text
+    assert "NV18" in text
+    assert "copy_engine" in text
+    assert "SYNCLESS_CC = auto (default)" in text
+    assert "Missing" not in text
+
+
+def test_render_marks_invalid_settings_and_missing_pieces():
+    report = _fake_two_h200_report()
+    report["config"] = [{"name": "SYNCLESS_CC", "value": "bogus", "source": "env", "error": "SYNCLESS_CC='bogus' is not valid", "doc": ""}]
+    report["missing"] = [{"what": "cuda-bindings", "fix": "pip install 'syncless[cuda]'"}]
+    report["confidential_compute"] = {"error": "nvidia-ml-py is not installed"}
+    text = render(report)
+    assert "INVALID" in text and "bogus" in text
+    assert "cuda-bindings: pip install 'syncless[cuda]'" in text
+    assert "unavailable: nvidia-ml-py is not installed" in text
+
+
+def test_doctor_exits_zero_here_and_names_what_is_missing(capsys):
+    assert cli.main(["doctor"]) == 0
+    text = capsys.readouterr().out
+    for heading in ("Software", "GPUs", "Confidential Computing", "Pipeline-parallel transport", "Configuration"):
+        assert heading in text
+    if cuda_device_count() == 0:
+        assert "Missing" in text
+
+
+def test_doctor_json_has_every_section(capsys):
+    assert cli.main(["doctor", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert {"software", "gpus", "links", "confidential_compute", "pp_transport", "config", "missing"} <= set(report)
+    names = {row["name"] for row in report["config"]}
+    assert "SYNCLESS_SYNC_CHECK" in names and "SYNCLESS_PP_TIMEOUT_S" in names
+    if cuda_device_count() == 0:
+        assert report["gpus"] == []
+        assert report["missing"], "a machine without GPU must say what is missing"
+
+
+def test_doctor_reports_a_bad_setting_without_crashing(monkeypatch, capsys):
+    monkeypatch.setenv("SYNCLESS_PP_TIMEOUT_S", "forever")
+    assert cli.main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "SYNCLESS_PP_TIMEOUT_S" in out and "forever" in out and "INVALID" in out
