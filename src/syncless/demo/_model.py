@@ -1,0 +1,134 @@
+"""A small decoder-only transformer with random weights, cut into pipeline stages.
+
+Weights are drawn from a seed per layer, so the model is the same however
+it is split. Decoding keeps a preallocated KV cache per layer; nothing in
+the forward pass reads a GPU value on the host.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Sizes of the demo model."""
+
+    vocab: int = 8192
+    hidden: int = 1024
+    heads: int = 16
+    layers: int = 8
+    max_tokens: int = 512
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` on sizes that cannot form a model."""
+        for name in ("vocab", "hidden", "heads", "layers", "max_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model {name} must be positive, got {getattr(self, name)}")
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
+
+
+PRESETS = {
+    "tiny": ModelConfig(vocab=1024, hidden=256, heads=4, layers=4, max_tokens=256),
+    "small": ModelConfig(),
+    "medium": ModelConfig(vocab=32768, hidden=4096, heads=32, layers=16, max_tokens=1024),
+}
+
+
+def split_layers(layers: int, stages: int) -> list[range]:
+    """Give each stage a contiguous, near-equal range of layer indices."""
+    if stages <= 0 or stages > layers:
+        raise ValueError(f"stages must be between 1 and the layer count ({layers}), got {stages}")
+    base, extra = divmod(layers, stages)
+    ranges, start = [], 0
+    for stage in range(stages):
+        count = base + (1 if stage < extra else 0)
+        ranges.append(range(start, start + count))
+        start += count
+    return ranges
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP with a KV cache for ``batch`` sequences."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        self.cfg = cfg
+        self.norm1 = nn.LayerNorm(cfg.hidden, device=device, dtype=dtype)
+        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden, bias=False, device=device, dtype=dtype)
+        self.proj = nn.Linear(cfg.hidden, cfg.hidden, bias=False, device=device, dtype=dtype)
+        self.norm2 = nn.LayerNorm(cfg.hidden, device=device, dtype=dtype)
+        self.up = nn.Linear(cfg.hidden, 4 * cfg.hidden, bias=False, device=device, dtype=dtype)
+        self.down = nn.Linear(4 * cfg.hidden, cfg.hidden, bias=False, device=device, dtype=dtype)
+        shape = (batch, cfg.heads, cfg.max_tokens, cfg.head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+
+    def forward(self, x: torch.Tensor, position: int, first_row: int) -> torch.Tensor:
+        """Run one decode step for ``x`` (rows, hidden) at ``position``, cache rows from ``first_row``."""
+        batch = x.shape[0]
+        rows = slice(first_row, first_row + batch)
+        q, k, v = self.qkv(self.norm1(x)).view(batch, 3, self.cfg.heads, self.cfg.head_dim).unbind(1)
+        self.k_cache[rows, :, position] = k
+        self.v_cache[rows, :, position] = v
+        keys = self.k_cache[rows, :, : position + 1]
+        values = self.v_cache[rows, :, : position + 1]
+        attended = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values).reshape(batch, self.cfg.hidden)
+        x = x + self.proj(attended)
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class Stage(nn.Module):
+    """One pipeline stage: the embedding (first), some layers, the head (last)."""
+
+    def __init__(self, cfg: ModelConfig, layer_ids: range, *, first: bool, last: bool, batch: int,
+                 device: torch.device, dtype: torch.dtype, seed: int = 0):
+        super().__init__()
+        cfg.validate()
+        self.cfg, self.first, self.last = cfg, first, last
+        self.embed = self.head = None
+        if first:
+            torch.manual_seed(seed)
+            self.embed = nn.Embedding(cfg.vocab, cfg.hidden, device=device, dtype=dtype)
+            self.position_embed = nn.Embedding(cfg.max_tokens, cfg.hidden, device=device, dtype=dtype)
+        self.layers = nn.ModuleList()
+        for index in layer_ids:
+            torch.manual_seed(seed + 1 + index)
+            self.layers.append(DecoderLayer(cfg, batch, device, dtype))
+        if last:
+            torch.manual_seed(seed + 1 + cfg.layers)
+            self.norm = nn.LayerNorm(cfg.hidden, device=device, dtype=dtype)
+            self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False, device=device, dtype=dtype)
+        for parameter in self.parameters():
+            parameter.requires_grad_(False)
+        with torch.no_grad():
+            for layer in self.layers:
+                for linear in (layer.qkv, layer.proj, layer.up, layer.down):
+                    linear.weight.mul_(1.0 / math.sqrt(cfg.layers + 1))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, position: int, first_row: int) -> torch.Tensor:
+        """Decode one step of one micro-batch.
+
+        The first stage takes token ids (rows,) and their ``positions`` (a
+        device tensor); the others take hidden states (rows, hidden). The
+        last stage returns the next token ids (greedy), the others hidden
+        states. ``position`` indexes the KV cache; ``first_row`` is the
+        micro-batch's first row in it.
+        """
+        if self.embed is not None:
+            x = self.embed(x) + self.position_embed(positions)
+        for layer in self.layers:
+            x = layer(x, position, first_row)
+        if self.head is not None:
+            x = self.head(self.norm(x)).argmax(dim=-1)
+        return x

@@ -1,0 +1,199 @@
+"""One pipeline stage of the demo: its part of the model and its decode loop.
+
+Each rank runs :func:`run_stage`. Activations go stage to stage through
+``make_transport``; the last stage's sampled tokens go back to the first
+stage through a second transport, and to the host on a D2H stream. Several
+micro-batches are in flight so every stage has work while the others run.
+
+Streams on a GPU rank, one step of one micro-batch (stage 0 of 2)::
+
+    current  |upload pos (H2D, non_blocking)|embed+layers|send pack|...
+    side     (transport)                              |wait empty|copy->peer|full=N|
+    d2h      (last stage only)          wait current |tokens -> pinned host|
+
+The host never waits inside the hot loop: it only enqueues, and the syncs
+it would make are recorded by the detector.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from syncless.demo._model import ModelConfig, Stage, split_layers
+
+
+@dataclass
+class DemoOptions:
+    """What the demo runs (picklable: sent to every rank)."""
+
+    model: ModelConfig
+    steps: int = 64
+    batch: int = 8
+    micro_batches: int = 2
+    stages: int = 2
+    devices: list[str] = field(default_factory=list)
+    transport: str | None = None
+    cc_mode: str | None = None
+    dtype: str = "bfloat16"
+    warmup_steps: int = 4
+    seed: int = 0
+    progress_every: int = 16
+
+
+@dataclass
+class StageResult:
+    """What one stage reports back to the launcher."""
+
+    rank: int
+    device: str
+    layers: list[int]
+    transport: str | None
+    transport_reason: str | None
+    tokens_generated: int
+    elapsed_s: float
+    syncs: list[dict[str, Any]]
+    sync_report: str
+    cc: dict[str, Any]
+    sample: list[list[int]]
+
+
+def _dtype(name: str, device: torch.device) -> torch.dtype:
+    if device.type == "cpu":
+        return torch.float32  # bf16 matmuls on CPU are slow and add nothing to the demo
+    return getattr(torch, name)
+
+
+def run_stage(rank: int, world_size: int, options: DemoOptions) -> StageResult:
+    """Build this rank's stage, decode ``options.steps`` steps, return its report."""
+    from syncless import cc, pp, syncs
+
+    device = torch.device(options.devices[rank])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    cc_state = cc.describe_state(options.cc_mode) if device.type == "cuda" else {"mode": "off", "reason": "CPU run"}
+    if device.type == "cuda" and cc_state["mode"] in ("on", "emulate"):
+        if cc_state["mode"] == "emulate":
+            cc.emulate()
+        cc.install()
+
+    cfg = options.model
+    dtype = _dtype(options.dtype, device)
+    layer_ranges = split_layers(cfg.layers, world_size)
+    first, last = rank == 0, rank == world_size - 1
+    rows = options.batch
+    micro = options.micro_batches
+    stage = Stage(cfg, layer_ranges[rank], first=first, last=last, batch=rows * micro, device=device, dtype=dtype,
+                  seed=options.seed)
+
+    hidden_in = None if first else {"hidden": torch.empty(rows, cfg.hidden, device=device, dtype=dtype)}
+    activations = pp.make_transport(None, hidden_in, backend=options.transport) if world_size > 1 else None
+    token_link = None
+    if world_size > 1:
+        ends = dist.new_group([0, world_size - 1])
+        if first or last:
+            tokens_in = {"ids": torch.empty(rows, device=device, dtype=torch.int64)} if first else None
+            token_link = pp.make_transport(ends, tokens_in, stage_ranks=[world_size - 1, 0], backend=options.transport)
+
+    d2h_stream = None
+    if last and device.type == "cuda":
+        d2h_stream = cc.new_d2h_stream(device) if cc.is_installed() else torch.cuda.Stream(device)
+
+    generator = torch.Generator().manual_seed(options.seed + 17)
+    prompts = [torch.randint(0, cfg.vocab, (rows,), generator=generator) for _ in range(micro)]
+    local_tokens: list[torch.Tensor | None] = [None] * micro
+    readbacks: list[tuple[torch.Tensor, Any]] = []
+    total_steps = options.warmup_steps + options.steps
+
+    def upload(host: torch.Tensor) -> torch.Tensor:
+        """Pinned host tensor -> device, ``non_blocking`` (enqueued on the current stream)."""
+        if device.type == "cuda":
+            host = host.pin_memory()
+        return host.to(device, non_blocking=True)
+
+    def one_step(step: int) -> None:
+        position = step % cfg.max_tokens
+        for slot in range(micro):
+            positions = None
+            if first:
+                positions = upload(torch.full((rows,), position, dtype=torch.int64))
+                if step == 0:
+                    x = upload(prompts[slot])
+                elif world_size == 1:
+                    x = local_tokens[slot]
+                else:
+                    x = token_link.recv()["ids"]
+            else:
+                x = activations.recv()["hidden"]
+            out = stage(x, positions, position, slot * rows)
+            if not last:
+                activations.send({"hidden": out})
+                continue
+            if world_size == 1:
+                local_tokens[slot] = out
+            elif step < total_steps - 1:  # the first stage takes no tokens after the final step
+                token_link.send({"ids": out})
+            readbacks.append(_read_back(out, d2h_stream))
+
+    with torch.inference_mode():
+        for step in range(options.warmup_steps):
+            one_step(step)
+        _settle(device)
+        readbacks.clear()
+        syncs.enable(mode="record")
+        start_s = time.perf_counter()
+        for step in range(options.warmup_steps, total_steps):
+            with syncs.checking():
+                one_step(step)
+            done = step + 1 - options.warmup_steps
+            if last and done % options.progress_every == 0:
+                print(f"  stage {rank}: {done}/{options.steps} steps enqueued ({time.perf_counter() - start_s:.1f} s)",
+                      flush=True)
+        _settle(device)
+        elapsed_s = time.perf_counter() - start_s
+    report = syncs.report()
+    sample = _collect_tokens(readbacks) if last else []
+    for link in (activations, token_link):
+        if link is not None:
+            link.close()
+    return StageResult(
+        rank=rank, device=str(device), layers=list(layer_ranges[rank]),
+        transport=activations.backend if activations else None,
+        transport_reason=activations.fallback_reason if activations else None,
+        tokens_generated=options.steps * micro * rows if last else 0,
+        elapsed_s=elapsed_s, syncs=report.as_rows(), sync_report=report.format(), cc=cc_state, sample=sample,
+    )
+
+
+def _read_back(tokens: torch.Tensor, d2h_stream: Any) -> tuple[torch.Tensor, Any]:
+    """Copy ``tokens`` to pinned host memory on ``d2h_stream``; never blocks the host."""
+    if d2h_stream is None:
+        return tokens.clone(), None
+    d2h_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(d2h_stream):
+        host = tokens.to("cpu", non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(d2h_stream)
+    tokens.record_stream(d2h_stream)
+    return host, done
+
+
+def _collect_tokens(readbacks: list[tuple[torch.Tensor, Any]]) -> list[list[int]]:
+    """After the loop: wait for the last read-backs and return a few for the summary."""
+    sample = []
+    for host, done in readbacks[-4:]:
+        if done is not None:
+            done.synchronize()
+        sample.append(host[:8].tolist())
+    return sample
+
+
+def _settle(device: torch.device) -> None:
+    """Wait for this rank's GPU work, then line the ranks up (outside the hot loop)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier()
