@@ -36,4 +36,4 @@ def test_doctor_sees_nvlink_between_gpus_and_picks_copy_engines(capsys):
     report = _doctor_json(capsys)
     links = [link for link in report["links"] if link["src"] != link["dst"]]
     assert links and all(link["kind"] == "nvlink" and link["nvlink_count"] > 0 for link in links), links
-    assert report["pp_transport"].get("choice") == "copy_engine", report["pp_transport"]
+    assert report["pp_transport"].get("transport") == "copy_engine", report["pp_transport"]

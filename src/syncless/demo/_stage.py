@@ -75,11 +75,12 @@ def run_stage(rank: int, world_size: int, options: DemoOptions) -> StageResult:
     device = torch.device(options.devices[rank])
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    cc_state = cc.describe_state(options.cc_mode) if device.type == "cuda" else {"mode": "off", "reason": "CPU run"}
-    if device.type == "cuda" and cc_state["mode"] in ("on", "emulate"):
-        if cc_state["mode"] == "emulate":
-            cc.emulate()
-        cc.install()
+    if device.type == "cuda":
+        decision = cc.decide_mode(options.cc_mode)
+        cc_state = {"mode": decision.mode, "reason": decision.reason}
+        cc.install(decision.mode)  # "off" patches nothing; "emulate" adds the emulator beneath the shim
+    else:
+        cc_state = {"mode": "off", "reason": "CPU run: no host<->device copies"}
 
     cfg = options.model
     dtype = _dtype(options.dtype, device)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from syncless._core import config, cuda, topology
-from syncless._core.errors import CudaError, MissingDependencyError
+from syncless._core.errors import ConfigError, CudaError, MissingDependencyError
 
 Missing = list[dict[str, str]]
 
@@ -104,7 +104,12 @@ def probe_confidential_compute() -> dict[str, Any]:
     """The CC state as NVML reports it, and the mode syncless.cc would use."""
     from syncless import cc
 
-    return cc.describe_state()
+    try:
+        nvml_state = "on" if cc.is_confidential_compute() else "off"
+    except MissingDependencyError as err:
+        nvml_state = f"unknown ({err})"
+    decision = cc.decide_mode()
+    return {"nvml_state": nvml_state, "requested": decision.requested, "mode": decision.mode, "reason": decision.reason}
 
 
 def probe_pp_choice() -> dict[str, Any]:
@@ -122,7 +127,7 @@ def probe_config() -> list[dict[str, Any]]:
 def _guarded(probe: Callable[[], Any]) -> Any:
     try:
         return probe()
-    except (MissingDependencyError, CudaError) as err:
+    except (MissingDependencyError, CudaError, ConfigError) as err:
         return {"error": str(err)}
 
 

@@ -49,7 +49,13 @@ def _section_lines(title: str, section: Any) -> list[str]:
         return [title, f"  unavailable: {section['error']}"]
     lines = [title]
     for key, value in section.items():
-        lines.append(f"  {key.replace('_', ' ')}: {value}")
+        if isinstance(value, list) and all(isinstance(item, dict) and "ok" in item for item in value):
+            lines.append(f"  {key.replace('_', ' ')}:")
+            lines += [f"    [{'ok' if item['ok'] else 'no'}] {item.get('name')}: {item.get('detail', '')}" for item in value]
+        elif isinstance(value, list):
+            lines += [f"  {key.replace('_', ' ')}: {item}" for item in value] or [f"  {key.replace('_', ' ')}: none"]
+        else:
+            lines.append(f"  {key.replace('_', ' ')}: {value}")
     return lines
 
 

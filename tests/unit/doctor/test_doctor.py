@@ -22,7 +22,7 @@ def _fake_two_h200_report():
         "gpus": [{**gpu, "ordinal": 0, "pci_bus_id": "0000:18:00.0"}, {**gpu, "ordinal": 1, "pci_bus_id": "0000:2a:00.0"}],
         "links": links,
         "confidential_compute": {"state": "off", "mode": "auto -> off"},
-        "pp_transport": {"choice": "copy_engine", "reason": "2 GPUs, every pair on NVLink"},
+        "pp_transport": {"transport": "copy_engine", "reason": "2 GPUs, every pair on NVLink"},
         "config": [{"name": "SYNCLESS_CC", "value": "auto", "source": "default", "error": None, "doc": ""}],
         "missing": [],
     }

@@ -1,0 +1,230 @@
+"""``syncless bench cc``: a decode-like loop with and without the CC shim, under emulated CC.
+
+Four setups, measured in the same run on one GPU:
+
+- ``plain``: no CC, no shim (the target).
+- ``shim``: the shim installed without CC (its overhead).
+- ``emulated``: CC emulated, no shim (what CC costs a naive loop).
+- ``emulated+shim``: CC emulated with the shim (what syncless recovers).
+
+Each step uploads small ``non_blocking`` inputs (token ids, positions), runs a
+few ms of GPU work (embedding, a stack of matmuls, an argmax) and reads the
+sampled tokens back on a D2H stream; the host consumes a step's tokens one
+step later (async scheduling). A second measurement times how long a 1 MiB
+``non_blocking`` H2D takes to return to the host with 20 ms of GPU work queued.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+from syncless._core.errors import MissingDependencyError
+from syncless.bench._report import BenchOutput, Goal
+
+SETUPS = ("plain", "shim", "emulated", "emulated+shim")
+BATCH = 64
+HIDDEN = 4096
+VOCAB = 32000
+
+
+def _require_gpu():
+    import torch
+
+    if not torch.cuda.is_available():
+        raise MissingDependencyError(
+            "syncless bench cc needs a CUDA GPU (torch.cuda.is_available() is False); run it on a machine with an "
+            "NVIDIA GPU and a CUDA build of torch"
+        )
+    return torch
+
+
+def _enter(setup: str):
+    import syncless.cc as cc
+
+    cc.uninstall()
+    if setup == "shim":
+        cc.install("on")
+    elif setup == "emulated":
+        cc.emulate()
+    elif setup == "emulated+shim":
+        cc.install("emulate")
+
+
+class _Model:
+    """Random weights; ``step(ids, pos)`` returns the sampled token ids on the current stream."""
+
+    def __init__(self, torch, dev, layers: int):
+        gen = torch.Generator(device=dev).manual_seed(0)
+        self.torch = torch
+        self.emb = torch.randn(VOCAB, HIDDEN, device=dev, dtype=torch.bfloat16, generator=gen)
+        self.pos = torch.randn(4096, HIDDEN, device=dev, dtype=torch.bfloat16, generator=gen)
+        self.weights = [torch.randn(HIDDEN, HIDDEN, device=dev, dtype=torch.bfloat16, generator=gen) / 64
+                        for _ in range(8)]
+        self.out = torch.randn(HIDDEN, VOCAB, device=dev, dtype=torch.bfloat16, generator=gen) / 64
+        self.layers = layers
+
+    def step(self, ids, pos):
+        x = self.emb[ids] + self.pos[pos]
+        for i in range(self.layers):
+            x = self.torch.tanh(x @ self.weights[i % len(self.weights)])
+        return (x @ self.out).argmax(dim=-1)
+
+
+def _calibrate_layers(torch, dev, target_ms: float) -> int:
+    model = _Model(torch, dev, layers=16)
+    ids = torch.randint(0, VOCAB, (BATCH,), device=dev)
+    pos = torch.arange(BATCH, device=dev)
+    for _ in range(3):
+        model.step(ids, pos)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        model.step(ids, pos)
+    end.record()
+    end.synchronize()
+    per_step_ms = start.elapsed_time(end) / 10
+    return max(4, int(round(16 * target_ms / per_step_ms)))
+
+
+def _decode_loop(torch, dev, model: _Model, d2h, steps: int, warmup: int) -> float:
+    """Run the loop; return tokens per second over the measured steps."""
+    current = torch.cuda.current_stream(dev)
+    next_ids = torch.randint(0, VOCAB, (BATCH,))
+    pending = None  # (tokens on host, event) of the previous step
+    start_s = 0.0
+    for step in range(warmup + steps):
+        if step == warmup:
+            if pending is not None:
+                pending[1].synchronize()
+            start_s = time.perf_counter()
+        ids_host = torch.empty(BATCH, dtype=torch.int64, pin_memory=True)
+        ids_host.copy_(next_ids)
+        pos_host = torch.full((BATCH,), step % 4096, dtype=torch.int64, pin_memory=True)
+        ids = ids_host.to(dev, non_blocking=True)
+        pos = pos_host.to(dev, non_blocking=True)
+        tokens = model.step(ids, pos)
+        d2h.wait_stream(current)
+        with torch.cuda.stream(d2h):
+            tokens_host = tokens.to("cpu", non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(d2h)
+        if pending is not None:  # consume the previous step's tokens while this step runs
+            pending[1].synchronize()
+            next_ids = pending[0] % VOCAB
+        pending = (tokens_host, ready)
+    pending[1].synchronize()
+    torch.cuda.synchronize(dev)
+    return BATCH * steps / (time.perf_counter() - start_s)
+
+
+def _h2d_return_us(torch, dev, cycles_per_ms: int, repeats: int) -> float:
+    """Median host time (us) for a 1 MiB non_blocking H2D issued behind 20 ms of queued work."""
+    host = torch.randn(1 << 18).pin_memory()
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize(dev)
+        torch.cuda._sleep(cycles_per_ms * 20)
+        t0 = time.perf_counter()
+        out = host.to(dev, non_blocking=True)
+        times.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize(dev)
+        del out
+    return statistics.median(times)
+
+
+def _cycles_per_ms(torch) -> int:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1_000_000)
+    start.record()
+    torch.cuda._sleep(20_000_000)
+    end.record()
+    end.synchronize()
+    return int(20_000_000 / max(start.elapsed_time(end), 1e-3))
+
+
+def run(args: Any, progress) -> BenchOutput:
+    """Measure the four setups; return tables, goals and a plot."""
+    torch = _require_gpu()
+    import syncless.cc as cc
+
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    quick = bool(getattr(args, "quick", False))
+    steps, warmup, rounds = (40, 10, 2) if quick else (300, 30, 3)
+    target_ms = 3.0
+    cc.uninstall()
+    layers = _calibrate_layers(torch, dev, target_ms)
+    model = _Model(torch, dev, layers)
+    d2h = cc.new_d2h_stream(dev)
+    progress(f"model: batch {BATCH}, hidden {HIDDEN}, {layers} layers (~{target_ms} ms of GPU work per step)")
+    tokens_per_s: dict[str, list[float]] = {s: [] for s in SETUPS}
+    stats: dict[str, Any] = {}
+    try:
+        for round_index in range(rounds):
+            for setup in SETUPS:  # interleaved, so drift hits every setup alike
+                _enter(setup)
+                cc.reset_stats()
+                rate = _decode_loop(torch, dev, model, d2h, steps, warmup)
+                tokens_per_s[setup].append(rate)
+                stats[setup] = cc.stats().__dict__ | {"left_alone": dict(cc.stats().left_alone)}
+                progress(f"round {round_index + 1}/{rounds} {setup}: {rate:,.0f} tokens/s")
+        cycles = _cycles_per_ms(torch)
+        h2d_us: dict[str, float] = {}
+        for setup in ("plain", "emulated", "emulated+shim"):
+            _enter(setup)
+            h2d_us[setup] = _h2d_return_us(torch, dev, cycles, 5 if quick else 9)
+            progress(f"1 MiB H2D behind 20 ms, {setup}: {h2d_us[setup]:,.0f} us to return")
+    finally:
+        cc.uninstall()
+
+    median = {s: statistics.median(v) for s, v in tokens_per_s.items()}
+    plain = median["plain"]
+    rows = [[s, median[s], median[s] / plain, min(tokens_per_s[s]), max(tokens_per_s[s])] for s in SETUPS]
+    h2d_rows = [[s, h2d_us[s], h2d_us[s] / h2d_us["emulated"]] for s in h2d_us]
+    goals = [
+        Goal("emulated CC with the shim vs plain no-CC, tokens/s", median["emulated+shim"] / plain, 0.95, "x", True),
+        Goal("shim installed without CC vs plain, tokens/s", median["shim"] / plain, 0.98, "x", True),
+        Goal("1 MiB H2D behind 20 ms: host return with shim / without (emulated CC)",
+             h2d_us["emulated+shim"] / h2d_us["emulated"], 0.02, "x", False),
+    ]
+
+    def plot(path):
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+        left.bar(list(SETUPS), [median[s] for s in SETUPS], color=["#555", "#888", "#c44", "#4a4"])
+        left.set_ylabel("tokens/s (median)")
+        left.set_title(f"decode loop, batch {BATCH}, ~{target_ms:g} ms/step")
+        left.tick_params(axis="x", labelrotation=15)
+        names = list(h2d_us)
+        right.bar(names, [h2d_us[n] for n in names], color=["#555", "#c44", "#4a4"])
+        right.set_yscale("log")
+        right.set_ylabel("host time to return (us, log)")
+        right.set_title("1 MiB non_blocking H2D behind 20 ms of GPU work")
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+
+    return BenchOutput(
+        name="cc",
+        title="Confidential Computing copies (emulated CC)",
+        data={"tokens_per_s": tokens_per_s, "median_tokens_per_s": median, "h2d_return_us": h2d_us,
+              "layers": layers, "batch": BATCH, "hidden": HIDDEN, "steps": steps, "rounds": rounds, "stats": stats},
+        tables=[
+            ("Decode loop throughput", ["setup", "tokens/s (median)", "vs plain", "min", "max"], rows),
+            ("1 MiB non_blocking H2D behind 20 ms of queued GPU work (median host time)",
+             ["setup", "us to return", "vs emulated"], h2d_rows),
+        ],
+        goals=goals,
+        plot=plot,
+        notes=[
+            "The reference GPUs have CC off; 'emulated' makes every non_blocking host<->device copy wait for its "
+            "stream, as the driver does under CC (syncless.cc.emulate).",
+            "Tokens are read back on a stream from syncless.cc.new_d2h_stream(); the host consumes them one step late.",
+        ],
+    )

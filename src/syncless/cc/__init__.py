@@ -1,0 +1,105 @@
+"""Non-blocking host<->device copies under NVIDIA Confidential Computing.
+
+Under CC, ``cudaMemcpyAsync`` between host and device returns only after the
+copy and all earlier work on its stream. :func:`install` reroutes
+``non_blocking`` copies so the host waits for the transfer alone (H2D on an
+idle staging stream) or not at all (D2H on a stream from
+:func:`new_d2h_stream`, performed by a worker thread). :func:`emulate`
+reproduces CC's host-synchronous copies on GPUs without CC, for tests and
+benchmarks. See DESIGN.md section 2.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from syncless._core.logs import log_once
+from syncless.cc._d2h import D2HStreamCaptureError, is_d2h_stream, new_d2h_stream
+from syncless.cc._detect import ModeDecision, cc_mode, decide_mode, is_confidential_compute
+from syncless.cc._emulation import Emulation, emulate, is_emulating
+from syncless.cc._shim import install_shim, is_shim_installed, uninstall_all
+from syncless.cc._staging import is_registered_target, register_inplace_h2d_target
+from syncless.cc._stats import COUNTERS, LEFT_ALONE_REASONS, CopyStats
+from syncless.cc._worker import D2HCopyError
+
+_log = logging.getLogger(__name__)
+
+__all__ = [
+    "LEFT_ALONE_REASONS",
+    "CopyStats",
+    "D2HCopyError",
+    "D2HStreamCaptureError",
+    "Emulation",
+    "ModeDecision",
+    "cc_mode",
+    "decide_mode",
+    "emulate",
+    "install",
+    "is_confidential_compute",
+    "is_d2h_stream",
+    "is_emulating",
+    "is_installed",
+    "is_registered_target",
+    "new_d2h_stream",
+    "register_inplace_h2d_target",
+    "reset_stats",
+    "stats",
+    "uninstall",
+]
+
+
+def install(mode: str | None = None, *, max_staged_bytes: int | None = None) -> bool:
+    """Patch torch so ``non_blocking`` host<->device copies keep the host free under CC.
+
+    Args:
+        mode: ``"auto"`` (ask NVML), ``"on"`` (install the shim), ``"off"``
+            (do nothing) or ``"emulate"`` (install the CC emulator and the
+            shim); ``None`` reads ``SYNCLESS_CC``. Explicit beats the env.
+        max_staged_bytes: H2D copies larger than this keep torch's copy;
+            ``None`` reads ``SYNCLESS_CC_MAX_STAGED_BYTES``.
+
+    Returns:
+        whether the shim is installed after the call. Idempotent: a second
+        call changes nothing but the size bound. Enqueues nothing and does
+        not block the host.
+    """
+    decision = decide_mode(mode)
+    if decision.mode == "off":
+        log_once(_log, logging.INFO, "cc-install-off", "syncless.cc not installed: %s", decision.reason)
+        return is_shim_installed()
+    if decision.mode == "emulate":
+        _emulation_install()
+    install_shim(max_staged_bytes)
+    return True
+
+
+def _emulation_install() -> None:
+    from syncless.cc._emulation import install_emulation
+
+    install_emulation()
+
+
+def uninstall() -> None:
+    """Restore every attribute syncless.cc patched (shim and emulator), by identity.
+
+    Blocks the host until the D2H copies already queued have finished.
+
+    Raises:
+        D2HCopyError: one of those copies failed (raised after restoring).
+    """
+    uninstall_all()
+
+
+def is_installed() -> bool:
+    """Return whether the shim is installed."""
+    return is_shim_installed()
+
+
+def stats() -> CopyStats:
+    """Return a snapshot of the counters: staged, in place, offloaded, emulated waits, left alone by reason."""
+    return COUNTERS.snapshot()
+
+
+def reset_stats() -> None:
+    """Zero the counters."""
+    COUNTERS.reset()

@@ -1,0 +1,158 @@
+"""CC emulation: host<->device copies become host-synchronous the way CC makes them.
+
+Under NVIDIA Confidential Computing, data crosses PCIe through encrypted
+bounce buffers and ``cudaMemcpyAsync`` between host and device returns only
+after the copy *and all earlier work on its stream* has finished. This layer
+reproduces that on a GPU without CC: after each ``non_blocking``
+host<->device ``Tensor.to``/``Tensor.cuda``/``Tensor.copy_`` it waits for the
+stream the copy ran on (the current stream of the CUDA side's device).
+
+It sits beneath the shim (rank ``RANK_CC_EMULATION``), so it applies to the
+shim's own copies as it would to the driver's. Its waits use the driver's
+``cuStreamSynchronize`` (see :mod:`._streams`): they stand for the driver,
+not for the user's code, so torch's sync debug mode (and with it the
+hidden-sync detector) never reports them.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from syncless._core import patching
+from syncless.cc import _routing, _streams
+from syncless.cc._stats import COUNTERS
+
+EMULATION_KEY = "cc.emulation"
+_ATTRS = ("to", "cuda", "copy_")
+_lock = threading.Lock()
+_installed = False
+
+
+def _is_compiling() -> bool:
+    import torch
+
+    return torch.compiler.is_compiling()
+
+
+def _emulate_wait(cuda_device: Any) -> None:
+    """Wait for the current stream of ``cuda_device`` unless it (or the current stream) is capturing."""
+    import torch
+
+    index = _streams.device_index(cuda_device)
+    stream = torch.cuda.current_stream(index)
+    if _streams.any_current_capture(index) or _streams.is_capturing(stream):
+        return
+    _streams.wait_stream_raw(stream)
+    COUNTERS.add("emulated_waits")
+
+
+def _wrap_to(next_to):
+    import torch
+
+    parse = torch._C._nn._parse_to
+
+    def to(self, *args, **kwargs):
+        if _is_compiling() or not _routing.maybe_non_blocking_to(args, kwargs):
+            return next_to(self, *args, **kwargs)
+        result = next_to(self, *args, **kwargs)
+        device, _, non_blocking, _ = parse(*args, **{k: v for k, v in kwargs.items() if k != "copy"})
+        if device is not None and _routing.needs_emulated_wait(self.device.type, device.type, non_blocking, False, False):
+            _emulate_wait(device if device.type == "cuda" else self.device)
+        return result
+
+    return to
+
+
+def _wrap_cuda(next_cuda):
+    def cuda(self, *args, **kwargs):
+        if _is_compiling():
+            return next_cuda(self, *args, **kwargs)
+        result = next_cuda(self, *args, **kwargs)
+        device, non_blocking, _ = _routing.cuda_call_args(args, kwargs)
+        if _routing.needs_emulated_wait(self.device.type, "cuda", non_blocking, False, False):
+            _emulate_wait(result.device)
+        return result
+
+    return cuda
+
+
+def _wrap_copy(next_copy):
+    def copy_(self, *args, **kwargs):
+        if _is_compiling():
+            return next_copy(self, *args, **kwargs)
+        result = next_copy(self, *args, **kwargs)
+        src, non_blocking = _routing.copy_call_args(args, kwargs)
+        src_type = getattr(getattr(src, "device", None), "type", "cpu")
+        if _routing.needs_emulated_wait(src_type, self.device.type, non_blocking, False, False):
+            _emulate_wait(self.device if self.device.type == "cuda" else src.device)
+        return result
+
+    return copy_
+
+
+_WRAPPERS = {"to": _wrap_to, "cuda": _wrap_cuda, "copy_": _wrap_copy}
+
+
+def install_emulation() -> bool:
+    """Add the emulation layer to ``Tensor.to/cuda/copy_``; return False if it was already there."""
+    import torch
+
+    global _installed
+    with _lock:
+        if _installed:
+            return False
+        for name in _ATTRS:
+            patching.add_layer(torch.Tensor, name, EMULATION_KEY, patching.RANK_CC_EMULATION, _WRAPPERS[name])
+        _installed = True
+        return True
+
+
+def uninstall_emulation() -> bool:
+    """Remove the emulation layer; return False if it was not there."""
+    import torch
+
+    global _installed
+    with _lock:
+        if not _installed:
+            return False
+        for name in _ATTRS:
+            patching.remove_layer(torch.Tensor, name, EMULATION_KEY)
+        _installed = False
+        return True
+
+
+def is_emulating() -> bool:
+    """Return whether the emulation layer is installed."""
+    return _installed
+
+
+class Emulation:
+    """Handle returned by :func:`emulate`; a context manager that ends the emulation it started."""
+
+    def __init__(self) -> None:
+        self.started = install_emulation()
+        self._open = True
+
+    def stop(self) -> None:
+        """End the emulation if this handle started it (idempotent)."""
+        if self._open and self.started:
+            uninstall_emulation()
+        self._open = False
+
+    def __enter__(self) -> Emulation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def emulate() -> Emulation:
+    """Make host<->device ``non_blocking`` copies host-synchronous, as under CC.
+
+    Call it as a function (emulation stays until :func:`syncless.cc.uninstall`
+    or ``handle.stop()``) or use it as a context manager (emulation ends with
+    the block, unless it was already on before). Each emulated copy blocks
+    the host until the copy's stream has drained, as the driver does under CC.
+    """
+    return Emulation()

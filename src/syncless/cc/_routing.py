@@ -1,0 +1,157 @@
+"""Where a ``non_blocking`` copy goes: pure decisions, no torch calls.
+
+The shim gathers the facts about a copy (:class:`CopyFacts`) and
+:func:`route_copy` picks one of :data:`ROUTES`; the emulator asks
+:func:`needs_emulated_wait`. Keeping this free of CUDA lets the unit tests
+cover every branch on a CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# What the shim does with a copy.
+STAGE_FRESH = "stage_fresh"  # H2D into a new tensor, issued on the staging stream
+STAGE_INTO = "stage_into"    # H2D into a staging tensor, then D2D into the target on the current stream
+IN_PLACE = "in_place"        # H2D straight into a registered target, on the staging stream
+OFFLOAD = "offload"          # D2H performed by the worker thread
+ORIGINAL = "original"        # torch's own copy
+ROUTES = (STAGE_FRESH, STAGE_INTO, IN_PLACE, OFFLOAD, ORIGINAL)
+
+
+@dataclass(frozen=True)
+class CopyFacts:
+    """What the shim knows about one copy call.
+
+    Attributes:
+        src_type: device type of the source (``"cpu"``, ``"cuda"``, ...).
+        dst_type: device type of the destination.
+        non_blocking: the caller passed ``non_blocking=True``.
+        nbytes: bytes moved (the source's size).
+        into_existing: ``copy_`` into a tensor the caller owns (vs a fresh result).
+        registered_target: the destination is a registered in-place H2D target.
+        dtype_changes: the copy converts the dtype.
+        compiling: torch.compile is tracing.
+        capturing: the stream the copy would use is capturing a CUDA graph.
+        on_d2h_stream: the current stream of the source's device was made by ``new_d2h_stream``.
+        strided: both tensors have the ordinary strided layout.
+        autograd: the source needs autograd tracking (requires grad, grad mode on).
+    """
+
+    src_type: str
+    dst_type: str
+    non_blocking: bool
+    nbytes: int = 0
+    into_existing: bool = False
+    registered_target: bool = False
+    dtype_changes: bool = False
+    compiling: bool = False
+    capturing: bool = False
+    on_d2h_stream: bool = False
+    strided: bool = True
+    autograd: bool = False
+
+
+def route_copy(facts: CopyFacts, max_staged_bytes: int) -> tuple[str, str]:
+    """Return ``(route, reason)``; ``reason`` is empty unless ``route`` is ``ORIGINAL``.
+
+    Order matters only for which reason is reported: compile tracing first
+    (nothing may run that dynamo cannot trace), then the kind of copy, then
+    graph capture, then the H2D/D2H specifics.
+    """
+    if facts.compiling:
+        return ORIGINAL, "compiling"
+    if not facts.non_blocking:
+        return ORIGINAL, "blocking"
+    src_cuda, dst_cuda = facts.src_type == "cuda", facts.dst_type == "cuda"
+    if not src_cuda and not dst_cuda:
+        return ORIGINAL, "no_cuda"
+    if src_cuda and dst_cuda:
+        return ORIGINAL, "device_to_device"
+    if (facts.src_type if dst_cuda else facts.dst_type) != "cpu":
+        return ORIGINAL, "other_device"
+    if facts.capturing:
+        return ORIGINAL, "capturing"
+    if not facts.strided:
+        return ORIGINAL, "layout"
+    if dst_cuda:  # host -> device
+        if facts.into_existing and facts.registered_target and not facts.dtype_changes:
+            # The caller vouched that nothing reads the target: no staging memory, no size bound.
+            return IN_PLACE, ""
+        if facts.nbytes > max_staged_bytes:
+            return ORIGINAL, "too_large"
+        return (STAGE_INTO if facts.into_existing else STAGE_FRESH), ""
+    # device -> host
+    if not facts.on_d2h_stream:
+        return ORIGINAL, "ordinary_stream"
+    if facts.autograd:
+        return ORIGINAL, "autograd"
+    return OFFLOAD, ""
+
+
+def needs_emulated_wait(src_type: str, dst_type: str, non_blocking: bool, compiling: bool, capturing: bool) -> bool:
+    """Return whether CC emulation must wait for the stream after this copy.
+
+    Under CC every host<->device ``cudaMemcpyAsync`` returns only when its
+    stream has drained. Blocking copies already wait; D2D and CPU-only copies
+    are unaffected; nothing may wait while dynamo traces or a graph captures.
+    """
+    if not non_blocking or compiling or capturing:
+        return False
+    return (src_type == "cuda") != (dst_type == "cuda") and "cuda" in (src_type, dst_type)
+
+
+def maybe_non_blocking_to(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    """Cheap pre-check for ``Tensor.to``: can this call carry ``non_blocking=True`` at all?
+
+    ``non_blocking`` is either a keyword or the 2nd/3rd positional argument
+    (``to(dtype, non_blocking)``, ``to(other, non_blocking)``,
+    ``to(device, dtype, non_blocking)``); a single positional argument never is.
+    """
+    if kwargs.get("non_blocking"):
+        return True
+    return len(args) >= 2 and any(a is True for a in args[1:3])
+
+
+def cuda_call_args(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[Any, bool, Any]:
+    """Parse ``Tensor.cuda(device=None, non_blocking=False, memory_format=preserve)`` arguments.
+
+    Returns:
+        ``(device, non_blocking, memory_format)``; ``memory_format`` is ``None`` when not given.
+
+    Raises:
+        TypeError: too many positional arguments or an unknown keyword
+            (torch would reject the call too).
+    """
+    names = ("device", "non_blocking", "memory_format")
+    if len(args) > len(names):
+        raise TypeError(f"cuda() takes at most {len(names)} positional arguments, got {len(args)}")
+    values: dict[str, Any] = dict(zip(names, args))
+    for key, value in kwargs.items():
+        if key not in names:
+            raise TypeError(f"cuda() got an unexpected keyword argument {key!r}")
+        if key in values:
+            raise TypeError(f"cuda() got multiple values for argument {key!r}")
+        values[key] = value
+    return values.get("device"), bool(values.get("non_blocking", False)), values.get("memory_format")
+
+
+def copy_call_args(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[Any, bool]:
+    """Parse ``Tensor.copy_(src, non_blocking=False)`` arguments into ``(src, non_blocking)``.
+
+    Raises:
+        TypeError: the call does not match that signature.
+    """
+    names = ("src", "non_blocking")
+    if len(args) > len(names):
+        raise TypeError(f"copy_() takes at most {len(names)} positional arguments, got {len(args)}")
+    values: dict[str, Any] = dict(zip(names, args))
+    for key, value in kwargs.items():
+        if key not in names or key in values:
+            raise TypeError(f"copy_() got an unexpected or repeated keyword argument {key!r}")
+        values[key] = value
+    if "src" not in values:
+        raise TypeError("copy_() missing required argument 'src'")
+    return values["src"], bool(values.get("non_blocking", False))

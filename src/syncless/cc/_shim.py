@@ -1,0 +1,259 @@
+"""The CC shim's ``Tensor.to/cuda/copy_`` layer, and install/uninstall.
+
+Each wrapper gathers the facts of a call (:class:`._routing.CopyFacts`),
+asks :func:`._routing.route_copy` what to do, and either performs the
+copy through :mod:`._staging`/:mod:`._d2h` or calls the function beneath
+its own layer (``next_fn``) unchanged. The shim's own copies also go
+through the functions beneath its layer, so the CC emulator (beneath)
+applies to them and the hidden-sync detector (above) never sees them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from syncless._core import config, patching
+from syncless.cc import _d2h, _emulation, _routing, _staging, _streams, _sync_patches
+from syncless.cc._d2h import WORKER
+from syncless.cc._stats import COUNTERS
+
+_log = logging.getLogger(__name__)
+
+SHIM_KEY = "cc.shim"
+_TENSOR_ATTRS = ("to", "cuda", "copy_")
+_lock = threading.Lock()
+
+
+class _State:
+    installed = False
+    max_staged_bytes = 64 << 20
+
+
+_STATE = _State()
+
+
+def _is_compiling() -> bool:
+    import torch
+
+    return torch.compiler.is_compiling()
+
+
+def _nbytes(t: Any) -> int:
+    return t.numel() * t.element_size()
+
+
+def _strided(*tensors: Any) -> bool:
+    import torch
+
+    return all(t.layout == torch.strided and not t.is_nested for t in tensors)
+
+
+def _d2h_record(src: Any):
+    import torch
+
+    if not _d2h.has_streams():
+        return None
+    return _d2h.lookup(torch.cuda.current_stream(src.device.index))
+
+
+def _decide(src: Any, dst_type: str, index: int | None, *, into_existing: bool, registered: bool,
+            dtype_changes: bool, autograd: bool, dst: Any = None) -> tuple[str, str, Any]:
+    """Gather the facts of one ``non_blocking`` copy and route it; count left-alone copies."""
+    src_type = src.device.type
+    record = None
+    capturing = False
+    if (src_type == "cuda") != (dst_type == "cuda"):
+        capturing = _streams.any_current_capture(index)
+        if src_type == "cuda":
+            record = _d2h_record(src)
+    facts = _routing.CopyFacts(
+        src_type=src_type,
+        dst_type=dst_type,
+        non_blocking=True,
+        nbytes=_nbytes(src),
+        into_existing=into_existing,
+        registered_target=registered,
+        dtype_changes=dtype_changes,
+        capturing=capturing,
+        on_d2h_stream=record is not None,
+        strided=_strided(src) if dst is None else _strided(src, dst),
+        autograd=autograd,
+    )
+    route, reason = _routing.route_copy(facts, _STATE.max_staged_bytes)
+    if route == _routing.ORIGINAL:
+        COUNTERS.left_alone(reason)
+    return route, reason, record
+
+
+def _describe(verb: str, t: Any) -> str:
+    return f"{verb} of a {tuple(t.shape)} {t.dtype} tensor from {t.device}"
+
+
+def _wrap_to(next_to):
+    import torch
+
+    parse = torch._C._nn._parse_to
+
+    def to(self, *args, **kwargs):
+        if _is_compiling() or not _routing.maybe_non_blocking_to(args, kwargs):
+            return next_to(self, *args, **kwargs)
+        try:
+            device, dtype, non_blocking, memory_format = parse(*args, **{k: v for k, v in kwargs.items() if k != "copy"})
+        except (TypeError, RuntimeError, ValueError):
+            return next_to(self, *args, **kwargs)  # let torch raise its own error for a bad call
+        if device is None or not non_blocking:
+            return next_to(self, *args, **kwargs)
+        index = None
+        if device.type == "cuda":
+            index = _streams.device_index(device)
+        elif self.device.type == "cuda":
+            index = self.device.index
+        autograd = self.requires_grad and torch.is_grad_enabled()
+        route, _, record = _decide(self, device.type, index, into_existing=False, registered=False,
+                                   dtype_changes=dtype is not None and dtype != self.dtype, autograd=autograd)
+        if route == _routing.STAGE_FRESH:
+            COUNTERS.add("staged")
+            landed = _staging.land(self, index)
+            if (dtype is not None and dtype != landed.dtype) or (
+                memory_format is not None and memory_format is not torch.preserve_format
+            ):
+                # The cast runs on the current stream, after the wait on the staging stream.
+                fmt = torch.preserve_format if memory_format is None else memory_format
+                return next_to(landed, dtype=landed.dtype if dtype is None else dtype, memory_format=fmt)
+            return landed
+        if route == _routing.OFFLOAD:
+            COUNTERS.add("offloaded")
+            dst = _d2h.pinned_like(self, dtype, memory_format)
+            _d2h.offload(record, dst, self, _describe(".to('cpu', non_blocking=True)", self))
+            return dst
+        return next_to(self, *args, **kwargs)
+
+    return to
+
+
+def _wrap_cuda(next_cuda):
+    import torch
+
+    def cuda(self, *args, **kwargs):
+        if _is_compiling():
+            return next_cuda(self, *args, **kwargs)
+        try:
+            device, non_blocking, memory_format = _routing.cuda_call_args(args, kwargs)
+        except TypeError:
+            return next_cuda(self, *args, **kwargs)
+        if not non_blocking or self.device.type == "cuda":
+            if non_blocking:
+                COUNTERS.left_alone("device_to_device")
+            return next_cuda(self, *args, **kwargs)
+        index = _streams.device_index(device)
+        route, _, _ = _decide(self, "cuda", index, into_existing=False, registered=False, dtype_changes=False,
+                              autograd=False)
+        if route != _routing.STAGE_FRESH:
+            return next_cuda(self, *args, **kwargs)
+        COUNTERS.add("staged")
+        landed = _staging.land(self, index, next_fn=next_cuda, device=index, non_blocking=True)
+        if memory_format is not None and memory_format is not torch.preserve_format:
+            to_beneath = patching.beneath(torch.Tensor, "to", SHIM_KEY)
+            return to_beneath(landed, memory_format=memory_format)
+        return landed
+
+    return cuda
+
+
+def _wrap_copy(next_copy):
+    import torch
+
+    def copy_(self, *args, **kwargs):
+        if _is_compiling():
+            return next_copy(self, *args, **kwargs)
+        try:
+            src, non_blocking = _routing.copy_call_args(args, kwargs)
+        except TypeError:
+            return next_copy(self, *args, **kwargs)
+        if not isinstance(src, torch.Tensor):
+            return next_copy(self, *args, **kwargs)
+        if not non_blocking:
+            if WORKER.is_pending(WORKER.submitted) and self.device.type == "cpu" and src.device.type == "cuda":
+                if _d2h_record(src) is not None:
+                    # A blocking copy on a D2H stream: earlier offloaded copies may write the same host
+                    # memory, so let them finish first to keep host writes in issue order.
+                    _d2h.drain()
+            return next_copy(self, *args, **kwargs)
+        if self.device.type == "cuda" and src.device.type != "cuda":
+            index = self.device.index
+            registered = _staging.is_registered_target(self)
+            route, _, _ = _decide(src, "cuda", index, into_existing=True, registered=registered,
+                                  dtype_changes=self.dtype != src.dtype, autograd=False, dst=self)
+            if route == _routing.IN_PLACE:
+                COUNTERS.add("in_place")
+                return _staging.copy_in_place(self, src, next_copy)
+            if route == _routing.STAGE_INTO:
+                COUNTERS.add("staged")
+                return _staging.stage_into(self, src, next_copy)
+            return next_copy(self, *args, **kwargs)
+        autograd = (self.requires_grad or src.requires_grad) and torch.is_grad_enabled()
+        route, _, record = _decide(src, self.device.type, src.device.index if src.device.type == "cuda" else None,
+                                   into_existing=True, registered=False, dtype_changes=self.dtype != src.dtype,
+                                   autograd=autograd, dst=self)
+        if route == _routing.OFFLOAD:
+            COUNTERS.add("offloaded")
+            _d2h.offload(record, self, src, _describe("copy_(non_blocking=True)", src))
+            return self
+        return next_copy(self, *args, **kwargs)
+
+    return copy_
+
+
+_WRAPPERS = {"to": _wrap_to, "cuda": _wrap_cuda, "copy_": _wrap_copy}
+
+
+def install_shim(max_staged_bytes: int | None = None) -> bool:
+    """Add the shim's layers (tensor copies and synchronization); return False if already installed."""
+    import torch
+
+    limit = config.resolve("SYNCLESS_CC_MAX_STAGED_BYTES", max_staged_bytes)
+    if isinstance(limit, bool) or not isinstance(limit, int):
+        raise TypeError(f"max_staged_bytes must be an int, got {type(limit).__name__}")
+    if limit < 0:
+        raise ValueError(f"max_staged_bytes must be >= 0, got {limit}")
+    with _lock:
+        _STATE.max_staged_bytes = limit
+        if _STATE.installed:
+            return False
+        WORKER.restart()
+        for name in _TENSOR_ATTRS:
+            patching.add_layer(torch.Tensor, name, SHIM_KEY, patching.RANK_CC_SHIM, _WRAPPERS[name])
+        _sync_patches.install_sync_patches()
+        _STATE.installed = True
+        return True
+
+
+def uninstall_all() -> None:
+    """Finish queued D2H copies, then remove the shim's and the emulator's layers.
+
+    Raises:
+        D2HCopyError: a queued copy failed (raised after everything is restored).
+    """
+    import torch
+
+    with _lock:
+        pending_error: BaseException | None = None
+        if WORKER.submitted:
+            try:
+                WORKER.wait_and_raise(WORKER.submitted)
+            except BaseException as err:  # noqa: BLE001 - re-raised below, after the originals are back
+                pending_error = err
+        if _STATE.installed:
+            for name in _TENSOR_ATTRS:
+                patching.remove_layer(torch.Tensor, name, SHIM_KEY)
+            _sync_patches.uninstall_sync_patches()
+            _STATE.installed = False
+        _emulation.uninstall_emulation()
+    if pending_error is not None:
+        raise pending_error
+
+
+def is_shim_installed() -> bool:
+    return _STATE.installed

@@ -1,0 +1,142 @@
+"""H2D on a per-device idle staging stream, and registered in-place targets.
+
+Under CC a host->device copy returns only when its stream has drained. Issued
+on the busy current stream it would wait for all queued work; issued on an
+idle staging stream it waits for the transfer alone::
+
+    current : [ K1 ......... K2 ......... ] [wait E] consumer
+    staging :  copy H->D  E                             (host returns after the copy only)
+
+Every path below keeps the original stream semantics: the consumer on the
+current stream sees the data, and nothing the current stream queued earlier
+sees it early.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from syncless._core import patching
+from syncless.cc import _streams
+from syncless.cc._registry import WeakKeyedRegistry
+
+SHIM_KEY = "cc.shim"
+
+_TARGETS = WeakKeyedRegistry()
+_target_lock = threading.Lock()
+
+
+def _storage_key(t: Any) -> tuple[int, int]:
+    return (t.device.index, t.untyped_storage().data_ptr())
+
+
+def register_inplace_h2d_target(t: Any) -> None:
+    """Let ``non_blocking`` H2D copies into ``t`` (or its views) land directly on the staging stream.
+
+    The caller promises that no GPU reader of ``t`` is in flight when it is
+    rewritten (e.g. a round-robin pool of input buffers). The registration
+    lapses when ``t`` is garbage collected, so a later tensor at the same
+    address is not matched. The first registration of ``t`` makes the
+    staging stream wait (GPU-side) for the work queued so far on the current
+    stream, so whatever initialized ``t`` finishes before the first upload.
+    Does not block the host.
+
+    Raises:
+        TypeError: ``t`` is not a tensor.
+        ValueError: ``t`` is not a strided CUDA tensor.
+    """
+    import torch
+
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"register_inplace_h2d_target expects a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cuda" or t.layout != torch.strided:
+        raise ValueError(f"register_inplace_h2d_target expects a strided CUDA tensor, got device={t.device}, "
+                         f"layout={t.layout}")
+    with _target_lock:
+        is_new = _TARGETS.register(_storage_key(t), t)
+    if is_new:
+        index = t.device.index
+        # staging : [wait E] uploads into t ...
+        # current : zero-fill t  E
+        _streams.order_after(_streams.staging_stream(index), torch.cuda.current_stream(index))
+
+
+def is_registered_target(t: Any) -> bool:
+    """Return whether ``t`` shares its storage with a live registered in-place target."""
+    if not len(_TARGETS):
+        return False
+    return _TARGETS.lookup(_storage_key(t)) is not None
+
+
+def _beneath(name: str):
+    import torch
+
+    return patching.beneath(torch.Tensor, name, SHIM_KEY)
+
+
+def land(src: Any, index: int, next_fn=None, **kwargs: Any) -> Any:
+    """Copy host ``src`` to a new tensor on GPU ``index``, on the staging stream; hand it to the current stream.
+
+    Enqueues the copy on the staging stream and a wait for it on the current
+    stream; the host waits at most for the transfer itself (under CC).
+    The result is allocated on the staging stream (so the allocator cannot
+    hand out memory the current stream may still be using) and then marked
+    as used by the current stream (``record_stream``), so its memory is not
+    recycled before the current stream is done with it.
+
+    Ordering: the staging copy needs nothing from the current stream (the
+    source is host memory and the destination is new); the current stream's
+    later work waits for the copy.
+    """
+    import torch
+
+    current = torch.cuda.current_stream(index)
+    staging = _streams.staging_stream(index)
+    with torch.cuda.stream(staging):
+        if next_fn is None:
+            landed = _beneath("to")(src, device=torch.device("cuda", index), non_blocking=True)
+        else:
+            landed = next_fn(src, **kwargs)
+    _streams.order_after(current, staging)
+    landed.record_stream(current)
+    return landed
+
+
+def stage_into(dst: Any, src: Any, next_copy) -> Any:
+    """``dst.copy_(src, non_blocking=True)`` for CUDA ``dst`` and host ``src`` through a staging tensor.
+
+    staging : copy host -> tmp  E
+    current : ... readers of dst ... [wait E] dst <- tmp (D2D, and the cast if dtypes differ)
+
+    The D2D runs on the current stream, so it is ordered exactly where the
+    original copy would have been: a kernel still reading ``dst`` is not
+    overwritten. A dtype conversion happens in that D2D, never on the staging
+    stream. Does not block the host beyond the transfer (under CC).
+    """
+    tmp = land(src, dst.device.index)
+    next_copy(dst, tmp, non_blocking=True)
+    return dst
+
+
+def copy_in_place(dst: Any, src: Any, next_copy) -> Any:
+    """Copy host ``src`` straight into registered target ``dst`` on the staging stream.
+
+    staging : copy host -> dst  E
+    current : [wait E] readers of dst
+
+    The caller promised no reader of ``dst`` is in flight; the staging stream
+    is ordered after the target's initialization at registration. ``dst`` is
+    marked as used by the staging stream so its memory is not recycled before
+    the copy has run. Does not block the host beyond the transfer (under CC).
+    """
+    import torch
+
+    index = dst.device.index
+    current = torch.cuda.current_stream(index)
+    staging = _streams.staging_stream(index)
+    with torch.cuda.stream(staging):
+        next_copy(dst, src, non_blocking=True)
+    dst.record_stream(staging)
+    _streams.order_after(current, staging)
+    return dst

@@ -1,0 +1,83 @@
+"""Counters of what the shim did with each ``non_blocking`` host<->device copy."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+# Why a copy was left to torch's own path.
+LEFT_ALONE_REASONS = (
+    "blocking",          # non_blocking=False (only counted for copies the shim must order, see _shim)
+    "no_cuda",           # neither side is a CUDA tensor (CPU-only, meta, ...)
+    "device_to_device",  # both sides on CUDA
+    "other_device",      # the non-CUDA side is not the CPU (meta, ...)
+    "compiling",         # torch.compile is tracing
+    "capturing",         # a CUDA graph is being captured
+    "too_large",         # above SYNCLESS_CC_MAX_STAGED_BYTES
+    "ordinary_stream",   # D2H on a stream not made by new_d2h_stream()
+    "autograd",          # D2H of a tensor that autograd tracks
+    "layout",            # sparse, nested or other non-strided tensors
+)
+
+
+@dataclass(frozen=True)
+class CopyStats:
+    """A snapshot of the counters.
+
+    Attributes:
+        staged: H2D copies issued on a staging stream (fresh results and copies into existing tensors).
+        in_place: H2D copies into registered targets, issued directly on the staging stream.
+        offloaded: D2H copies handed to the worker thread.
+        emulated_waits: host waits the CC emulation added after a copy.
+        left_alone: copies kept on torch's own path, by reason.
+    """
+
+    staged: int = 0
+    in_place: int = 0
+    offloaded: int = 0
+    emulated_waits: int = 0
+    left_alone: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total_left_alone(self) -> int:
+        return sum(self.left_alone.values())
+
+
+class StatsCounter:
+    """Thread-safe counters behind :func:`syncless.cc.stats`."""
+
+    _FIELDS = ("staged", "in_place", "offloaded", "emulated_waits")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter()
+        self._left: Counter[str] = Counter()
+
+    def add(self, name: str, count: int = 1) -> None:
+        """Count ``count`` events of ``name`` (one of the :class:`CopyStats` integer fields)."""
+        if name not in self._FIELDS:
+            raise ValueError(f"unknown counter {name!r}; expected one of {', '.join(self._FIELDS)}")
+        with self._lock:
+            self._counts[name] += count
+
+    def left_alone(self, reason: str) -> None:
+        """Count one copy left on torch's path because of ``reason``."""
+        if reason not in LEFT_ALONE_REASONS:
+            raise ValueError(f"unknown reason {reason!r}; expected one of {', '.join(LEFT_ALONE_REASONS)}")
+        with self._lock:
+            self._left[reason] += 1
+
+    def snapshot(self) -> CopyStats:
+        """Return the counters as they are now."""
+        with self._lock:
+            return CopyStats(**{f: self._counts[f] for f in self._FIELDS}, left_alone=dict(self._left))
+
+    def reset(self) -> None:
+        """Zero every counter."""
+        with self._lock:
+            self._counts.clear()
+            self._left.clear()
+
+
+COUNTERS = StatsCounter()

@@ -1,0 +1,155 @@
+"""Thin CUDA helpers: private streams, raw waits, capture checks, stream ordering.
+
+Waits here go through the driver (``cuStreamSynchronize``/``cuEventSynchronize``
+via :func:`syncless._core.cuda.call`), not through torch. That is deliberate:
+torch's sync debug mode, which the hidden-sync detector arms, flags torch's
+``Stream.synchronize`` but cannot see a driver call, so the CC emulator's
+waits (which stand for the driver's own behaviour under CC) and the D2H
+worker's waits are never reported as the user's syncs. cuda-bindings releases
+the GIL around every driver call (since 12.9.1/13.0), so other Python threads
+run while a wait blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any
+
+from syncless._core import cuda as _cuda
+
+_lock = threading.Lock()
+_staging: dict[int, Any] = {}
+_order_events: dict[int, Any] = {}
+_created_handles: set[int] = set()
+
+
+def device_index(device: Any) -> int:
+    """Return the CUDA device index of ``device`` (None/``"cuda"`` mean the current device)."""
+    import torch
+
+    if device is None:
+        return torch.cuda.current_device()
+    if isinstance(device, int):
+        return device
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"expected a CUDA device, got {device}")
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+@contextlib.contextmanager
+def _on_device(index: int):
+    import torch
+
+    if torch.cuda.current_device() == index:
+        yield
+    else:
+        with torch.cuda.device(index):
+            yield
+
+
+def create_private_stream(index: int) -> Any:
+    """Create a CUDA stream on GPU ``index`` outside torch's stream pool; return a torch stream object.
+
+    The stream comes from ``cuStreamCreate(CU_STREAM_NON_BLOCKING)`` in the
+    device's primary context (the one torch uses) and is wrapped in
+    ``torch.cuda.ExternalStream``. torch's pool never hands out this handle,
+    so no other code enqueues on it. It lives as long as the process.
+    Does not block the host.
+    """
+    import torch
+
+    drv = _cuda.ensure_driver()
+    torch.cuda.init()
+    # Create it in the device's primary context (the one torch's runtime uses), whatever is current here.
+    device = _cuda.call("cuDeviceGet", index)
+    context = _cuda.call("cuDevicePrimaryCtxRetain", device)  # kept for the process, like the stream
+    _cuda.call("cuCtxPushCurrent", context)
+    try:
+        handle = _cuda.call("cuStreamCreate", int(drv.CUstream_flags.CU_STREAM_NON_BLOCKING))
+    finally:
+        _cuda.call("cuCtxPopCurrent")
+    ptr = int(handle)
+    with _lock:
+        _created_handles.add(ptr)
+    return torch.cuda.ExternalStream(ptr, device=torch.device("cuda", index))
+
+
+def staging_stream(index: int) -> Any:
+    """Return the idle staging stream of GPU ``index`` (created on first use; only syncless enqueues on it)."""
+    stream = _staging.get(index)
+    if stream is not None:
+        return stream
+    with _lock:
+        stream = _staging.get(index)
+    if stream is None:
+        stream = create_private_stream(index)
+        with _lock:
+            stream = _staging.setdefault(index, stream)
+    return stream
+
+
+def order_after(waiter: Any, producer: Any) -> None:
+    """Make future work on ``waiter`` wait for the work enqueued on ``producer`` so far.
+
+    GPU-side only (event record + stream wait); the host does not block. One
+    cached event per device is re-recorded each time: a wait enqueued earlier
+    keeps the record it saw, and any record made later on the same stream is
+    later in that stream's order, so racing threads only ever wait longer,
+    never too little. Bypasses the patched ``Event.record`` (no redirection:
+    neither stream is a D2H stream).
+    """
+    import torch
+
+    index = producer.device.index
+    event = _order_events.get(index)
+    if event is None:
+        event = torch.cuda.Event()
+        with _lock:
+            event = _order_events.setdefault(index, event)
+    base = torch.cuda.Event.__mro__[1]
+    base.record(event, producer)
+    base.wait(event, waiter)
+
+
+def wait_stream_raw(stream: Any) -> None:
+    """Block the calling thread until ``stream`` has drained, via the driver (invisible to sync debug mode)."""
+    with _on_device(stream.device.index):
+        _cuda.call("cuStreamSynchronize", stream.cuda_stream)
+
+
+def wait_event_raw(event: Any) -> None:
+    """Block the calling thread until ``event`` has fired, via the driver (invisible to sync debug mode)."""
+    handle = event.cuda_event
+    if handle:  # never recorded: nothing to wait for (same as torch)
+        _cuda.call("cuEventSynchronize", handle)
+
+
+def is_capturing(stream: Any) -> bool:
+    """Return whether ``stream`` is capturing a CUDA graph (asks the driver; does not block)."""
+    drv = _cuda.ensure_driver()
+    with _on_device(stream.device.index):
+        status = _cuda.call("cuStreamIsCapturing", stream.cuda_stream)
+    return status != drv.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+
+
+def any_current_capture(index: int) -> bool:
+    """Return whether the current stream of GPU ``index`` or of the current device is capturing."""
+    import torch
+
+    if torch.cuda.is_current_stream_capturing():
+        return True
+    if index == torch.cuda.current_device():
+        return False
+    return is_capturing(torch.cuda.current_stream(index))
+
+
+def was_created_here(handle: int) -> bool:
+    """Return whether ``handle`` is a stream this module created."""
+    return handle in _created_handles
+
+
+def ensure_driver() -> None:
+    """Import cuda-bindings and initialize the driver (raises MissingDependencyError with the fix)."""
+    _cuda.ensure_driver()

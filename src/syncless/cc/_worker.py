@@ -1,0 +1,199 @@
+"""One ordered worker thread: runs jobs in submission order, keeps their errors.
+
+Plain Python (no CUDA here): the D2H path submits closures that wait for the
+producer and copy. Sequence numbers let a synchronize wait for exactly the
+jobs submitted before it, and collect the errors of exactly those jobs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import logging
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from syncless._core.errors import SynclessError
+
+_log = logging.getLogger(__name__)
+
+
+class D2HCopyError(SynclessError):
+    """A device-to-host copy that the worker thread performed failed.
+
+    Raised by the next synchronize (event, stream, device) that covers the
+    copy. ``worker_traceback`` holds the worker thread's traceback text; the
+    original exception is chained as ``__cause__``.
+    """
+
+    def __init__(self, message: str, worker_traceback: str):
+        super().__init__(f"{message}\n--- worker traceback ---\n{worker_traceback}")
+        self.worker_traceback = worker_traceback
+
+
+@dataclass
+class _Failure:
+    seq: int
+    error: BaseException
+    text: str
+    what: str
+
+
+class OrderedWorker:
+    """Run submitted callables on one daemon thread, in order.
+
+    Args:
+        name: thread name.
+        describe: how to name a job in an error message.
+    """
+
+    def __init__(self, name: str = "syncless-d2h") -> None:
+        self._name = name
+        self._cv = threading.Condition()
+        self._jobs: collections.deque[tuple[int, Callable[[], None], str]] = collections.deque()
+        self._submitted = 0
+        self._completed = 0
+        self._failures: list[_Failure] = []
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._atexit_registered = False
+
+    # -- state ------------------------------------------------------------
+    @property
+    def submitted(self) -> int:
+        """Sequence number of the last job submitted (0: none yet)."""
+        return self._submitted
+
+    @property
+    def completed(self) -> int:
+        """Every job up to this sequence number has finished (ran or failed)."""
+        return self._completed
+
+    def is_pending(self, upto: int) -> bool:
+        """Return whether a job numbered ``<= upto`` has not finished."""
+        return self._completed < upto
+
+    def is_worker_thread(self) -> bool:
+        return self._thread is not None and threading.current_thread() is self._thread
+
+    # -- submit / run ------------------------------------------------------
+    def submit(self, job: Callable[[], None], what: str = "job") -> int:
+        """Queue ``job``; return its sequence number. Never blocks on the job.
+
+        Raises:
+            RuntimeError: the worker has been shut down.
+        """
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError(f"{self._name} worker has been shut down; no new copies are accepted")
+            self._submitted += 1
+            seq = self._submitted
+            self._jobs.append((seq, job, what))
+            self._ensure_thread()
+            self._cv.notify_all()
+            return seq
+
+    def _ensure_thread(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+        self._thread.start()
+        if not self._atexit_registered:
+            atexit.register(self.shutdown, 10.0)
+            self._atexit_registered = True
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._jobs and not self._stopping:
+                    self._cv.wait()
+                if not self._jobs:
+                    return
+                seq, job, what = self._jobs[0]
+            try:
+                job()
+            except BaseException as err:  # noqa: BLE001 - every failure is kept and re-raised at a synchronize
+                text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+                failure = _Failure(seq, err, text, what)
+            else:
+                failure = None
+            with self._cv:
+                self._jobs.popleft()
+                if failure is not None:
+                    self._failures.append(failure)
+                self._completed = seq
+                self._cv.notify_all()
+
+    # -- wait / errors -------------------------------------------------------
+    def wait_for(self, seq: int, poll_s: float = 1.0) -> None:
+        """Block the calling thread until every job up to ``seq`` has finished.
+
+        Must not be called from the worker thread itself (it would wait for
+        itself); such a call returns at once.
+
+        Raises:
+            RuntimeError: the worker thread is gone while jobs are still queued.
+        """
+        if self.is_worker_thread():
+            return
+        with self._cv:
+            while self._completed < seq:
+                if self._thread is None or not self._thread.is_alive():
+                    raise RuntimeError(
+                        f"{self._name} worker thread is not running but copies up to #{seq} are unfinished "
+                        f"(finished up to #{self._completed}); was the interpreter shutting down?"
+                    )
+                self._cv.wait(poll_s)
+
+    def raise_errors(self, upto: int) -> None:
+        """Raise :class:`D2HCopyError` for the first failed job numbered ``<= upto``; forget those failures."""
+        with self._cv:
+            if not self._failures:
+                return
+            covered = [f for f in self._failures if f.seq <= upto]
+            if not covered:
+                return
+            self._failures = [f for f in self._failures if f.seq > upto]
+        first = covered[0]
+        more = f" ({len(covered) - 1} more failed copies were covered by this synchronize)" if len(covered) > 1 else ""
+        raise D2HCopyError(
+            f"{first.what} (#{first.seq}) failed in the syncless D2H worker: {type(first.error).__name__}: "
+            f"{first.error}{more}",
+            first.text,
+        ) from first.error
+
+    def wait_and_raise(self, seq: int) -> None:
+        """:meth:`wait_for` then :meth:`raise_errors` up to ``seq``."""
+        if seq <= 0:
+            return
+        self.wait_for(seq)
+        self.raise_errors(seq)
+
+    def failures_pending(self) -> int:
+        with self._cv:
+            return len(self._failures)
+
+    def shutdown(self, timeout_s: float = 10.0) -> bool:
+        """Finish queued jobs (at most ``timeout_s``), then stop; return whether it finished.
+
+        Later :meth:`submit` calls raise. Safe to call more than once.
+        """
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return True
+        thread.join(timeout_s)
+        if thread.is_alive():
+            _log.warning("%s worker still had %d copies queued after %.1f s at shutdown; abandoning them",
+                         self._name, len(self._jobs), timeout_s)
+            return False
+        return True
+
+    def restart(self) -> None:
+        """Accept jobs again after :meth:`shutdown` (for tests and re-install)."""
+        with self._cv:
+            self._stopping = False

@@ -1,0 +1,32 @@
+"""Fixtures for the syncless.cc GPU tests: every test runs under CC emulation."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture
+def emulated_cc():
+    """Install the CC emulator and the shim; restore everything afterwards."""
+    import syncless.cc as cc
+
+    cc.uninstall()
+    cc.reset_stats()
+    cc.install("emulate")
+    yield cc
+    cc.uninstall()
+
+
+@pytest.fixture(scope="session")
+def cycles_per_ms():
+    """GPU clock cycles per millisecond, measured once with torch.cuda._sleep and events."""
+    import torch
+
+    torch.cuda.init()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1_000_000)  # warm up
+    start.record()
+    torch.cuda._sleep(20_000_000)
+    end.record()
+    end.synchronize()
+    return int(20_000_000 / max(start.elapsed_time(end), 1e-3))

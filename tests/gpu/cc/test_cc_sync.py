@@ -1,0 +1,240 @@
+"""Synchronization semantics, host-not-waiting, worker failures, capture/compile, uninstall, NVML."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120)]
+
+N = 1 << 16
+
+
+def _pending_d2h(cc, cycles_per_ms, ms=30, into=None):
+    """Queue ``ms`` of work on the current stream, then a D2H of its result on a D2H stream.
+
+    Returns (out, expected, producer_done): ``expected`` is computed on the host beforehand.
+    """
+    import torch
+
+    dev = torch.device("cuda", 0)
+    d2h = cc.new_d2h_stream(dev)
+    host = torch.randn(N)
+    src = host.to(dev)  # blocking: ready before the queued work
+    torch.cuda._sleep(cycles_per_ms * ms)
+    doubled = src * 2
+    producer_done = torch.cuda.Event()
+    producer_done.record()
+    d2h.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(d2h):
+        if into is None:
+            out = doubled.to("cpu", non_blocking=True)
+        else:
+            out = into
+            out.copy_(doubled, non_blocking=True)
+    return out, host * 2, producer_done
+
+
+def _idle_event(kind="cuda"):
+    import torch
+
+    other = torch.cuda.Stream()
+    event = torch.cuda.Event() if kind == "cuda" else torch.Event(device="cuda")
+    event.record(other)  # nothing queued on `other`: the GPU side of this event is done at once
+    return event, other
+
+
+def test_d2h_on_registered_stream_returns_before_data_is_ready(emulated_cc, cycles_per_ms):
+    import torch
+
+    poisoned = torch.full((N,), float("nan")).pin_memory()
+    out, expected, producer_done = _pending_d2h(emulated_cc, cycles_per_ms, into=poisoned)
+    still_poisoned = bool(torch.isnan(out).all())
+    producer_running = not producer_done.query()
+    assert producer_running, "the copy call waited for the producer"
+    assert still_poisoned
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected)
+    assert emulated_cc.stats().offloaded == 1
+
+
+@pytest.mark.parametrize("kind", ["cuda", "torch"])
+def test_event_synchronize_and_query_cover_pending_d2h(emulated_cc, cycles_per_ms, kind):
+    import torch
+
+    out, expected, _ = _pending_d2h(emulated_cc, cycles_per_ms)
+    event, other = _idle_event(kind)
+    assert event.query() is False  # the GPU side is done; the D2H copy is not
+    event.synchronize()
+    assert torch.equal(out, expected)
+    assert event.query() is True
+
+
+@pytest.mark.parametrize("how", ["stream", "cuda_sync", "accelerator_sync", "stream_query"])
+def test_stream_and_device_synchronize_cover_pending_d2h(emulated_cc, cycles_per_ms, how):
+    import torch
+
+    out, expected, _ = _pending_d2h(emulated_cc, cycles_per_ms)
+    other = torch.cuda.Stream()
+    if how == "stream":
+        other.synchronize()
+    elif how == "cuda_sync":
+        torch.cuda.synchronize()
+    elif how == "accelerator_sync":
+        if not hasattr(torch, "accelerator"):
+            pytest.skip("torch.accelerator is not in this torch")
+        torch.accelerator.synchronize()
+    else:
+        assert other.query() is False
+        while not other.query():
+            pass
+    assert torch.equal(out, expected)
+
+
+def test_events_recorded_on_d2h_stream_go_to_producer(emulated_cc, cycles_per_ms):
+    import torch
+
+    cc = emulated_cc
+    d2h = cc.new_d2h_stream()
+    torch.cuda._sleep(cycles_per_ms * 20)
+    d2h.wait_stream(torch.cuda.current_stream())
+    event = d2h.record_event()
+    assert event.query() is False  # recorded behind the producer's queued work
+    event.synchronize()
+    assert event.query() is True
+
+
+def test_host_does_not_wait_for_queued_work_on_h2d(cycles_per_ms):
+    import torch
+
+    import syncless.cc as cc
+
+    dev = torch.device("cuda", 0)
+    host = torch.randn(1 << 18).pin_memory()  # 1 MiB
+    cc.uninstall()
+    results = {}
+    for setup in ("emulated", "emulated+shim"):
+        cc.install("emulate") if setup == "emulated+shim" else cc.emulate()
+        torch.cuda._sleep(cycles_per_ms * 20)
+        queued = torch.cuda.Event()
+        queued.record()
+        gpu = host.to(dev, non_blocking=True)
+        results[setup] = queued.query()  # True means the host waited for the 20 ms of work
+        torch.cuda.synchronize()
+        assert torch.equal(gpu.cpu(), host)
+        cc.uninstall()
+    assert results == {"emulated": True, "emulated+shim": False}
+
+
+def test_into_existing_and_registered_targets_host_does_not_wait(emulated_cc, cycles_per_ms):
+    import torch
+
+    cc = emulated_cc
+    dev = torch.device("cuda", 0)
+    target = torch.zeros(1 << 18, device=dev)
+    registered = torch.zeros(1 << 18, device=dev)
+    cc.register_inplace_h2d_target(registered)
+    torch.cuda.synchronize()
+    for dst in (target, registered[: 1 << 17]):
+        host = torch.randn(dst.shape[0]).pin_memory()
+        torch.cuda._sleep(cycles_per_ms * 20)
+        queued = torch.cuda.Event()
+        queued.record()
+        dst.copy_(host, non_blocking=True)
+        assert queued.query() is False
+        torch.cuda.synchronize()
+        assert torch.equal(dst.cpu(), host)
+    assert cc.stats().staged == 1 and cc.stats().in_place == 1
+
+
+def test_worker_failure_surfaces_at_next_synchronize(emulated_cc, cycles_per_ms):
+    import torch
+
+    cc = emulated_cc
+    d2h = cc.new_d2h_stream()
+    src = torch.randn(16, device="cuda")
+    wrong_shape = torch.empty(5).pin_memory()
+    d2h.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(d2h):
+        wrong_shape.copy_(src, non_blocking=True)  # returns; the worker's copy fails
+    with pytest.raises(cc.D2HCopyError) as info:
+        torch.cuda.synchronize()
+    assert "RuntimeError" in info.value.worker_traceback
+    assert "copy_" in str(info.value)
+    torch.cuda.synchronize()  # reported once
+    # The process stays usable.
+    out, expected, _ = _pending_d2h(cc, cycles_per_ms, ms=2)
+    torch.cuda.current_stream().synchronize()
+    assert torch.equal(out, expected)
+
+
+def test_capture_leaves_copies_alone_and_rejects_d2h_event(emulated_cc):
+    import torch
+
+    cc = emulated_cc
+    dev = torch.device("cuda", 0)
+    host = torch.randn(1024).pin_memory()
+    static = torch.zeros(1024, device=dev)
+    d2h = cc.new_d2h_stream(dev)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside capture
+        static.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    cc.reset_stats()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static.copy_(host, non_blocking=True)
+        static.mul_(2)
+    assert cc.stats().left_alone.get("capturing", 0) == 1
+    assert cc.stats().staged == 0 and cc.stats().emulated_waits == 0
+    fresh = torch.randn(1024)
+    host.copy_(fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static.cpu(), fresh * 2)
+
+    graph2 = torch.cuda.CUDAGraph()
+    event = torch.cuda.Event()
+    with pytest.raises(cc.D2HStreamCaptureError, match="graph capture"):
+        with torch.cuda.graph(graph2):
+            static.add_(1)
+            event.record(d2h)
+
+
+def test_compile_traces_through_the_shim(emulated_cc):
+    import torch
+
+    def step(x):
+        return x.to("cuda", non_blocking=True) * 2
+
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    host = torch.randn(256).pin_memory()
+    out = compiled(host)
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), host * 2)
+
+
+def test_uninstall_restores_every_patched_attribute_on_gpu(cycles_per_ms):
+    import torch
+
+    import syncless.cc as cc
+    from syncless.cc import _sync_patches
+
+    cc.uninstall()
+    targets = [(torch.Tensor, n) for n in ("to", "cuda", "copy_")]
+    targets += [(o, n) for o, n, _ in _sync_patches.patch_targets()]
+    before = {(id(o), n): getattr(o, n) for o, n in targets}
+    cc.install("emulate")
+    out, expected, _ = _pending_d2h(cc, cycles_per_ms, ms=2)
+    assert any(getattr(o, n) is not before[(id(o), n)] for o, n in targets)
+    cc.uninstall()  # waits for the queued copy
+    assert torch.equal(out, expected)
+    assert all(getattr(o, n) is before[(id(o), n)] for o, n in targets)
+
+
+def test_nvml_reports_cc_off_on_reference_gpus():
+    import syncless.cc as cc
+
+    assert cc.is_confidential_compute() is False
+    decision = cc.decide_mode("auto")
+    assert decision.mode == "off" and "NVML reports" in decision.reason

@@ -1,0 +1,124 @@
+"""install()/uninstall() on a CPU-only torch: identity restore, composition, CPU copies untouched."""
+
+import pytest
+import torch
+
+import syncless.cc as cc
+from syncless._core import patching
+from syncless.cc import _sync_patches
+
+
+def _snapshot():
+    owners = [(torch.Tensor, n) for n in ("to", "cuda", "copy_")]
+    owners += [(owner, name) for owner, name, _ in _sync_patches.patch_targets()]
+    return {(id(o), n): (o.__dict__.get(n, "<absent>") if isinstance(o, type) else getattr(o, n)) for o, n in owners}
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    cc.reset_stats()
+    yield
+    cc.uninstall()
+
+
+def test_install_uninstall_restores_identity():
+    before = _snapshot()
+    assert cc.install("emulate") is True
+    assert cc.is_installed() and cc.is_emulating()
+    after = _snapshot()
+    assert all(after[k] is not before[k] for k in before), "every target must be patched"
+    assert cc.install("emulate") is True  # idempotent
+    assert _snapshot() == after
+    cc.uninstall()
+    restored = _snapshot()
+    assert all(restored[k] is before[k] for k in before)
+    assert not cc.is_installed() and not cc.is_emulating()
+
+
+def test_install_off_patches_nothing():
+    before = _snapshot()
+    assert cc.install("off") is False
+    assert all(_snapshot()[k] is before[k] for k in before)
+
+
+def test_install_rejects_bad_mode_and_size():
+    with pytest.raises(ValueError, match="allowed"):
+        cc.install("sometimes")
+    with pytest.raises(ValueError, match=">= 0"):
+        cc.install("on", max_staged_bytes=-1)
+    with pytest.raises(TypeError, match="int"):
+        cc.install("on", max_staged_bytes=1.5)
+
+
+def test_cpu_copies_pass_through_and_are_counted():
+    cc.install("emulate")
+    x = torch.randn(64)
+    dst = torch.full((64,), float("nan"))
+    y = x.to("cpu", non_blocking=True)
+    dst.copy_(x, non_blocking=True)
+    assert y is x  # torch's own .to: no copy needed
+    assert torch.equal(dst, x)
+    z = x.to(torch.float16, non_blocking=True)
+    assert torch.equal(z, x.half())
+    assert cc.stats().left_alone == {"no_cuda": 2}
+    assert cc.stats().staged == cc.stats().offloaded == cc.stats().emulated_waits == 0
+
+
+@pytest.mark.parametrize("cc_first", [True, False])
+def test_composes_with_a_detector_layer_in_either_order(cc_first):
+    before = _snapshot()
+    seen = []
+
+    def detector(next_fn):
+        def to(self, *args, **kwargs):
+            seen.append("detector")
+            return next_fn(self, *args, **kwargs)
+
+        return to
+
+    if cc_first:
+        cc.install("emulate")
+    patching.add_layer(torch.Tensor, "to", "test.detector", patching.RANK_SYNC_DETECTOR, detector)
+    if not cc_first:
+        cc.install("emulate")
+    torch.randn(3).to(torch.float64)
+    assert seen == ["detector"]
+    # Above the shim: the shim's layer is beneath the detector's.
+    assert patching.beneath(torch.Tensor, "to", "test.detector") is not patching.original(torch.Tensor, "to")
+    if cc_first:
+        cc.uninstall()
+        assert patching.is_layered(torch.Tensor, "to", "test.detector")
+        patching.remove_layer(torch.Tensor, "to", "test.detector")
+    else:
+        patching.remove_layer(torch.Tensor, "to", "test.detector")
+        cc.uninstall()
+    restored = _snapshot()
+    assert all(restored[k] is before[k] for k in before)
+
+
+def test_emulate_context_manager_restores():
+    before = torch.Tensor.__dict__.get("to", "<absent>")
+    with cc.emulate() as handle:
+        assert handle.started and cc.is_emulating()
+        with cc.emulate() as inner:  # already on: the inner block does not end it
+            assert not inner.started
+        assert cc.is_emulating()
+    assert not cc.is_emulating()
+    assert torch.Tensor.__dict__.get("to", "<absent>") is before
+
+
+def test_torch_event_is_a_subclass_while_installed():
+    base = torch.Event
+    cc.install("on")
+    assert torch.Event is not base and issubclass(torch.Event, base)
+    event = torch.Event()
+    assert isinstance(event, base)
+    cc.uninstall()
+    assert torch.Event is base
+
+
+def test_register_target_rejects_bad_input():
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        cc.register_inplace_h2d_target([1, 2])
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        cc.register_inplace_h2d_target(torch.zeros(3))

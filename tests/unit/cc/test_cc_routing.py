@@ -1,0 +1,118 @@
+"""Routing decisions as a pure function."""
+
+import pytest
+
+from syncless.cc import _routing as r
+
+MAX = 1000
+
+
+def facts(src="cpu", dst="cuda", **kw):
+    kw.setdefault("non_blocking", True)
+    return r.CopyFacts(src_type=src, dst_type=dst, **kw)
+
+
+@pytest.mark.parametrize(
+    ("f", "expected"),
+    [
+        (facts(nbytes=10), (r.STAGE_FRESH, "")),
+        (facts(nbytes=10, into_existing=True), (r.STAGE_INTO, "")),
+        (facts(nbytes=10, into_existing=True, registered_target=True), (r.IN_PLACE, "")),
+        (facts(nbytes=10, into_existing=True, registered_target=True, dtype_changes=True), (r.STAGE_INTO, "")),
+        (facts(nbytes=10, dtype_changes=True), (r.STAGE_FRESH, "")),
+        (facts(non_blocking=False), (r.ORIGINAL, "blocking")),
+        (facts(src="cpu", dst="cpu"), (r.ORIGINAL, "no_cuda")),
+        (facts(src="cuda", dst="cuda"), (r.ORIGINAL, "device_to_device")),
+        (facts(src="meta", dst="cuda"), (r.ORIGINAL, "other_device")),
+        (facts(compiling=True), (r.ORIGINAL, "compiling")),
+        (facts(compiling=True, non_blocking=False), (r.ORIGINAL, "compiling")),
+        (facts(capturing=True), (r.ORIGINAL, "capturing")),
+        (facts(src="cuda", dst="cpu", capturing=True, on_d2h_stream=True), (r.ORIGINAL, "capturing")),
+        (facts(strided=False), (r.ORIGINAL, "layout")),
+        (facts(src="cuda", dst="cpu"), (r.ORIGINAL, "ordinary_stream")),
+        (facts(src="cuda", dst="cpu", on_d2h_stream=True), (r.OFFLOAD, "")),
+        (facts(src="cuda", dst="cpu", on_d2h_stream=True, autograd=True), (r.ORIGINAL, "autograd")),
+        (facts(src="cuda", dst="cpu", on_d2h_stream=True, nbytes=10 * MAX), (r.OFFLOAD, "")),
+    ],
+)
+def test_route(f, expected):
+    assert r.route_copy(f, MAX) == expected
+
+
+def test_size_bound_is_inclusive():
+    assert r.route_copy(facts(nbytes=MAX), MAX) == (r.STAGE_FRESH, "")
+    assert r.route_copy(facts(nbytes=MAX + 1), MAX) == (r.ORIGINAL, "too_large")
+    assert r.route_copy(facts(nbytes=MAX + 1, into_existing=True), MAX) == (r.ORIGINAL, "too_large")
+
+
+def test_registered_target_ignores_size_bound():
+    big = facts(nbytes=MAX * 50, into_existing=True, registered_target=True)
+    assert r.route_copy(big, MAX) == (r.IN_PLACE, "")
+
+
+def test_every_reason_is_a_known_stats_reason():
+    from syncless.cc._stats import LEFT_ALONE_REASONS
+
+    seen = set()
+    for f in [facts(non_blocking=False), facts(src="cpu", dst="cpu"), facts(src="cuda"), facts(src="meta"),
+              facts(compiling=True), facts(capturing=True), facts(strided=False), facts(nbytes=MAX + 1),
+              facts(src="cuda", dst="cpu"), facts(src="cuda", dst="cpu", on_d2h_stream=True, autograd=True)]:
+        route, reason = r.route_copy(f, MAX)
+        assert route == r.ORIGINAL
+        seen.add(reason)
+    assert seen <= set(LEFT_ALONE_REASONS)
+    assert len(seen) == 10
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (("cpu", "cuda", True, False, False), True),
+        (("cuda", "cpu", True, False, False), True),
+        (("cuda", "cpu", False, False, False), False),
+        (("cuda", "cuda", True, False, False), False),
+        (("cpu", "cpu", True, False, False), False),
+        (("cpu", "cuda", True, True, False), False),
+        (("cpu", "cuda", True, False, True), False),
+    ],
+)
+def test_needs_emulated_wait(args, expected):
+    assert r.needs_emulated_wait(*args) is expected
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "maybe"),
+    [
+        (("cuda",), {}, False),
+        (("cuda",), {"non_blocking": True}, True),
+        (("cuda",), {"non_blocking": False}, False),
+        (("cuda", None, True), {}, True),
+        (("float16", True), {}, True),
+        (("cuda", None, False), {}, False),
+        ((), {"device": "cuda"}, False),
+    ],
+)
+def test_maybe_non_blocking_to(args, kwargs, maybe):
+    assert r.maybe_non_blocking_to(args, kwargs) is maybe
+
+
+def test_cuda_call_args():
+    assert r.cuda_call_args((), {}) == (None, False, None)
+    assert r.cuda_call_args((1, True), {}) == (1, True, None)
+    assert r.cuda_call_args((), {"non_blocking": True, "memory_format": "cl"}) == (None, True, "cl")
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        r.cuda_call_args((), {"dtype": 1})
+    with pytest.raises(TypeError, match="multiple values"):
+        r.cuda_call_args((1,), {"device": 1})
+    with pytest.raises(TypeError, match="at most 3"):
+        r.cuda_call_args((1, 2, 3, 4), {})
+
+
+def test_copy_call_args():
+    assert r.copy_call_args(("s",), {}) == ("s", False)
+    assert r.copy_call_args(("s", True), {}) == ("s", True)
+    assert r.copy_call_args((), {"src": "s", "non_blocking": True}) == ("s", True)
+    with pytest.raises(TypeError, match="missing"):
+        r.copy_call_args((), {"non_blocking": True})
+    with pytest.raises(TypeError):
+        r.copy_call_args(("s",), {"src": "t"})

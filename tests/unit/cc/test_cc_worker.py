@@ -1,0 +1,111 @@
+"""The ordered worker thread: order, waits, error surfacing, shutdown."""
+
+import threading
+
+import pytest
+
+from syncless.cc._worker import D2HCopyError, OrderedWorker
+
+
+@pytest.fixture
+def worker():
+    w = OrderedWorker("test-worker")
+    yield w
+    w.shutdown(5.0)
+
+
+def test_runs_in_order_and_wait_for(worker):
+    seen = []
+    gate = threading.Event()
+    worker.submit(lambda: (gate.wait(5), seen.append(0)))
+    for i in range(1, 50):
+        worker.submit(lambda i=i: seen.append(i))
+    assert worker.submitted == 50
+    assert worker.is_pending(1)
+    gate.set()
+    worker.wait_for(50)
+    assert seen == list(range(50))
+    assert worker.completed == 50
+    assert not worker.is_pending(50)
+
+
+def test_submit_returns_before_job_runs(worker):
+    gate = threading.Event()
+    done = threading.Event()
+    seq = worker.submit(lambda: (gate.wait(5), done.set()))
+    assert seq == 1 and not done.is_set() and worker.is_pending(seq)
+    gate.set()
+    worker.wait_for(seq)
+    assert done.is_set()
+
+
+def _fail():
+    raise KeyError("boom-42")
+
+
+def test_error_surfaces_only_at_covering_wait(worker):
+    worker.submit(lambda: None)              # 1
+    worker.submit(_fail, "copy A")           # 2
+    gate = threading.Event()
+    worker.submit(lambda: gate.wait(5))      # 3
+    worker.wait_and_raise(1)                 # does not cover #2
+    gate.set()
+    with pytest.raises(D2HCopyError) as info:
+        worker.wait_and_raise(3)
+    err = info.value
+    assert "copy A (#2)" in str(err) and "boom-42" in str(err)
+    assert "_fail" in err.worker_traceback and "KeyError" in err.worker_traceback
+    assert isinstance(err.__cause__, KeyError)
+    # Reported once, and the worker keeps going.
+    worker.wait_and_raise(3)
+    seq = worker.submit(lambda: None)
+    worker.wait_and_raise(seq)
+
+
+def test_several_failures_counted_in_one_report(worker):
+    worker.submit(_fail, "first")
+    worker.submit(_fail, "second")
+    with pytest.raises(D2HCopyError, match=r"first \(#1\).*1 more failed"):
+        worker.wait_and_raise(2)
+    assert worker.failures_pending() == 0
+
+
+def test_later_failure_stays_for_a_later_wait(worker):
+    gate = threading.Event()
+    worker.submit(lambda: gate.wait(5))
+    worker.submit(_fail, "late")
+    gate.set()
+    worker.wait_for(2)
+    worker.raise_errors(1)  # #2 not covered
+    assert worker.failures_pending() == 1
+    with pytest.raises(D2HCopyError, match="late"):
+        worker.raise_errors(2)
+
+
+def test_shutdown_is_bounded_and_refuses_new_jobs():
+    w = OrderedWorker("test-shutdown")
+    gate = threading.Event()
+    w.submit(lambda: gate.wait(5))
+    assert w.shutdown(0.05) is False  # job still blocked: returns anyway
+    gate.set()
+    assert w.shutdown(5.0) is True
+    with pytest.raises(RuntimeError, match="shut down"):
+        w.submit(lambda: None)
+    w.restart()
+    w.wait_for(w.submit(lambda: None))
+    w.shutdown(5.0)
+
+
+def test_wait_from_worker_thread_does_not_deadlock(worker):
+    result = []
+
+    def job():
+        worker.wait_for(worker.submitted + 5)  # would wait for itself
+        result.append("ok")
+
+    worker.wait_for(worker.submit(job))
+    assert result == ["ok"]
+
+
+def test_wait_and_raise_zero_is_noop(worker):
+    worker.wait_and_raise(0)
