@@ -87,6 +87,20 @@ def _decide(src: Any, dst_type: str, index: int | None, *, into_existing: bool, 
     return route, reason, record
 
 
+def _check_broadcastable(dst: Any, src: Any) -> None:
+    """Raise ``RuntimeError`` (as torch's own ``copy_`` would) if ``src`` cannot fill ``dst``."""
+    import torch
+
+    try:
+        fits = torch.broadcast_shapes(src.shape, dst.shape) == dst.shape
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise RuntimeError(
+            f"copy_: source of shape {tuple(src.shape)} cannot be copied into a tensor of shape {tuple(dst.shape)}"
+        )
+
+
 def _describe(verb: str, t: Any) -> str:
     return f"{verb} of a {tuple(t.shape)} {t.dtype} tensor from {t.device}"
 
@@ -198,6 +212,7 @@ def _wrap_copy(next_copy):
                                    into_existing=True, registered=False, dtype_changes=self.dtype != src.dtype,
                                    autograd=autograd, dst=self)
         if route == _routing.OFFLOAD:
+            _check_broadcastable(self, src)  # refuse now what the worker's copy would fail on later
             COUNTERS.add("offloaded")
             _d2h.offload(record, self, src, _describe("copy_(non_blocking=True)", src))
             return self

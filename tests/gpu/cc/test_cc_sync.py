@@ -146,7 +146,7 @@ def test_into_existing_and_registered_targets_host_does_not_wait(emulated_cc, cy
     assert cc.stats().staged == 1 and cc.stats().in_place == 1
 
 
-def test_worker_failure_surfaces_at_next_synchronize(emulated_cc, cycles_per_ms):
+def test_wrong_shape_d2h_is_refused_at_the_call(emulated_cc):
     import torch
 
     cc = emulated_cc
@@ -154,11 +154,39 @@ def test_worker_failure_surfaces_at_next_synchronize(emulated_cc, cycles_per_ms)
     src = torch.randn(16, device="cuda")
     wrong_shape = torch.empty(5).pin_memory()
     d2h.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(d2h):
-        wrong_shape.copy_(src, non_blocking=True)  # returns; the worker's copy fails
-    with pytest.raises(cc.D2HCopyError) as info:
-        torch.cuda.synchronize()
-    assert "RuntimeError" in info.value.worker_traceback
+    with torch.cuda.stream(d2h), pytest.raises(RuntimeError, match=r"\(16,\).*\(5,\)"):
+        wrong_shape.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()  # nothing was queued, nothing fails later
+
+
+def test_worker_failure_surfaces_at_next_synchronize(emulated_cc, cycles_per_ms):
+    import torch
+
+    from syncless._core import patching
+
+    cc = emulated_cc
+    d2h = cc.new_d2h_stream()
+    src = torch.randn(16, device="cuda")
+    doomed = torch.empty(16).pin_memory()
+
+    def failing_driver_copy(next_copy):  # stands in for a copy the driver fails, beneath the shim
+        def copy_(self, *args, **kwargs):
+            if self is doomed:
+                raise RuntimeError("injected copy failure")
+            return next_copy(self, *args, **kwargs)
+
+        return copy_
+
+    patching.add_layer(torch.Tensor, "copy_", "test.failing-copy", patching.RANK_CC_EMULATION - 1, failing_driver_copy)
+    try:
+        d2h.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(d2h):
+            doomed.copy_(src, non_blocking=True)  # returns; the worker's copy fails
+        with pytest.raises(cc.D2HCopyError) as info:
+            torch.cuda.synchronize()
+    finally:
+        patching.remove_layer(torch.Tensor, "copy_", "test.failing-copy")
+    assert "injected copy failure" in info.value.worker_traceback
     assert "copy_" in str(info.value)
     torch.cuda.synchronize()  # reported once
     # The process stays usable.
