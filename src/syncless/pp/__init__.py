@@ -1,0 +1,24 @@
+"""Pipeline-parallel stage transport: activations on the GPUs' copy engines, or torch.distributed.
+
+    transport = make_transport(pp_group, persistent)   # collective over the group
+    transport.send({"hidden": h, "residual": r})       # stage i
+    out = transport.recv()                             # stage i+1: views of `persistent`
+    transport.backend, transport.fallback_reason
+
+Importing this package touches no CUDA API.
+"""
+
+from syncless._core.errors import CopyEngineUnavailable, PeerTimeoutError
+from syncless.pp._base import Transport
+from syncless.pp._eligibility import describe_local_choice
+from syncless.pp._layout import TensorSpec
+from syncless.pp._make import make_transport
+
+__all__ = [
+    "CopyEngineUnavailable",
+    "PeerTimeoutError",
+    "TensorSpec",
+    "Transport",
+    "describe_local_choice",
+    "make_transport",
+]

@@ -1,0 +1,53 @@
+"""The interface both pipeline transports implement."""
+
+from __future__ import annotations
+
+import abc
+import logging
+from collections.abc import Mapping
+
+import torch
+
+from syncless._core.errors import SynclessError
+
+logger = logging.getLogger(__name__)
+
+
+class Transport(abc.ABC):
+    """Moves one step's named tensors from each pipeline stage to the next.
+
+    Attributes:
+        backend: ``"copy_engine"`` or ``"torch_distributed"``.
+        fallback_reason: why the copy-engine transport was not used when it
+            was asked for with ``backend="auto"``; None otherwise.
+        device: the device this stage's tensors live on.
+    """
+
+    backend: str = ""
+    fallback_reason: str | None = None
+    device: torch.device
+
+    @abc.abstractmethod
+    def send(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Send this step's tensors (any row count up to the next stage's maximum) to the next stage."""
+
+    @abc.abstractmethod
+    def recv(self) -> dict[str, torch.Tensor]:
+        """Receive the previous stage's next step into the persistent tensors; return views of them."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release everything; every stage calls it (it may wait for the others)."""
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        # Never mask the error that ended the block with one from tearing down.
+        try:
+            self.close()
+        except (SynclessError, RuntimeError) as close_err:
+            logger.warning("closing the %s transport after an error also failed: %s", self.backend, close_err)

@@ -1,0 +1,434 @@
+"""The copy-engine transport: CUDA IPC buffers, peer copies, and 64-bit flags awaited on the GPU.
+
+Buffers. Every stage allocates one IPC-shareable buffer (zeroed before its
+handle is shared)::
+
+    [ full: u64 | empty: u64 | pad to 256 | receive region laid out like its persistent tensors ]
+
+``full`` is written by the previous stage (step N delivered), ``empty`` by the
+next stage (step N consumed): each flag lives on the GPU that waits on it. A
+stage that sends also owns a local send buffer laid out like the next stage's
+region.
+
+One step, N = 1, 2, ... (sender on the left, receiver on the right)::
+
+    sender current: [wait copied(N-1)] [pack rows -> send buf] (packed)
+    sender side:                          wait packed, (pre) wait empty>=N-1,
+                                          copy rows -> peer region (copy engine),
+                                          write peer.full=N, (post)(copied)
+    receiver current:          ...earlier work... (pre) wait full>=N,
+                                          copy region rows -> persistent, write sender.empty=N (post)
+
+Why each ordering is safe:
+- The caller may overwrite its tensors once send() returns: they are read by
+  the pack, which is on the caller's current stream, before anything the
+  caller enqueues later.
+- The send buffer is rewritten (pack N) only after ``copied(N-1)``: the peer
+  copy of step N-1 has finished reading it.
+- The peer region is rewritten (copy N) only after ``empty >= N-1``: the
+  receiver's copy of step N-1 out of it finished (the receiver writes
+  ``empty`` on the same stream, after that copy).
+- The receiver reads the region only after ``full >= N``: the sender writes
+  ``full`` on the same stream after its copies; over NVLink the data lands
+  before the flag write that follows it (why PCIe peers are refused), and on
+  one GPU it is local memory in stream order.
+- The persistent tensors are rewritten on the receiver's current stream,
+  after whatever the caller queued there before recv() (readers of the last
+  step included), and the caller's later work sees the new rows.
+
+Metadata (N and the row counts) goes over the CPU group with ``isend``; the
+host never waits for the GPU. A watchdog (``_watchdog.py``) bounds every
+GPU-side wait; the metadata receive has a host timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections import deque
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from syncless._core.errors import CopyEngineUnavailable, PeerTimeoutError
+from syncless.pp import _driver as drv
+from syncless.pp._base import Transport
+from syncless.pp._eligibility import StageDevice, local_stage_device, mem_ops_problem, query_nvlink, topology_problem
+from syncless.pp._group import StageMap, agree, barrier, recv_meta
+from syncless.pp._layout import Layout, TensorSpec, validate_step
+from syncless.pp._watchdog import Bracket, Watchdog
+
+logger = logging.getLogger(__name__)
+
+FULL_OFFSET = 0
+EMPTY_OFFSET = 8
+REGION_OFFSET = 256
+
+INJECTABLE_FAILURES = ("mem_ops", "peer_open")
+
+
+def _nvml_error_type() -> type[BaseException]:
+    from syncless._core import cuda
+
+    try:
+        return cuda.nvml_module().NVMLError
+    except ImportError:
+        return RuntimeError
+
+
+def open_copy_engine(
+    *,
+    side_group: Any,
+    stages: StageMap,
+    tag: int,
+    specs: list[dict[str, TensorSpec]],
+    persistent: Mapping[str, torch.Tensor],
+    device: torch.device,
+    timeout_s: float,
+    inject_failure: str | None,
+) -> CopyEngineTransport:
+    """Set up the copy-engine transport; collective over the stages.
+
+    Blocks the host for three exchanges over the CPU group. Any failure on
+    any rank raises the same exception on every rank, after every rank has
+    unmapped and freed what it made.
+
+    Raises:
+        CopyEngineUnavailable: some stage cannot use copy engines (the message names the first).
+    """
+    stack = contextlib.ExitStack()
+    with stack:
+        # Step 1: what each rank can tell alone (CUDA, memory ops).
+        def local_checks() -> StageDevice:
+            if inject_failure == "mem_ops":
+                raise CopyEngineUnavailable("64-bit stream memory operations refused (injected failure for tests)")
+            if device.type != "cuda":
+                raise CopyEngineUnavailable(f"this stage's tensors are on {device}, not a CUDA GPU")
+            problem = mem_ops_problem(device.index)
+            if problem:
+                raise CopyEngineUnavailable(problem)
+            return local_stage_device(device.index)
+
+        devices = agree(side_group, stages, "copy-engine set-up", local_checks)
+
+        ctx = drv.PrimaryContext(device.index)
+        stack.callback(ctx.release)
+        parts = _Parts(ctx)
+        recv_layout = Layout.from_specs(specs[stages.index])
+        send_layout = Layout.from_specs(specs[stages.index + 1]) if stages.next_rank is not None else None
+
+        # Step 2: topology (every pair of GPUs on NVLink), then allocate and export.
+        def local_allocate() -> bytes:
+            try:
+                problem = topology_problem(devices, query_nvlink)
+            except _nvml_error_type() as err:
+                raise CopyEngineUnavailable(f"NVML could not tell whether the GPUs are NVLink-connected: {err}") from err
+            if problem:
+                raise CopyEngineUnavailable(problem)
+            with ctx:
+                parts.private_stream = drv.stream_create()
+                stack.callback(_in(ctx, drv.stream_destroy), parts.private_stream)
+                parts.side_stream = drv.stream_create()
+                stack.callback(_in(ctx, drv.stream_destroy), parts.side_stream)
+                stack.callback(_in(ctx, parts.destroy_events))
+                parts.buffer = drv.mem_alloc(REGION_OFFSET + recv_layout.nbytes)
+                stack.callback(_in(ctx, drv.mem_free), parts.buffer)
+                drv.mem_zero(parts.buffer, REGION_OFFSET + recv_layout.nbytes, parts.private_stream)
+                if send_layout is not None:
+                    parts.send_buffer = drv.mem_alloc(send_layout.nbytes)
+                    stack.callback(_in(ctx, drv.mem_free), parts.send_buffer)
+                parts.packed = parts.acquire_event()
+                parts.copied = parts.acquire_event()
+                # The flags must read 0 before any peer can see the handle.
+                drv.stream_synchronize(parts.private_stream)
+                return drv.ipc_handle(parts.buffer)
+
+        handles = agree(side_group, stages, "copy-engine set-up", local_allocate)
+        # From here peers may map our buffer: nobody frees before everybody unmapped.
+        stack.callback(barrier, side_group, timeout_s, "copy-engine tear-down")
+
+        # Step 3: map the neighbours' buffers.
+        def local_open() -> None:
+            if inject_failure == "peer_open":
+                raise CopyEngineUnavailable("opening the peer's CUDA IPC handle failed (injected failure for tests)")
+            with ctx:
+                for neighbour in (stages.index - 1, stages.index + 1):
+                    if 0 <= neighbour < len(stages.ranks):
+                        base = drv.ipc_open(handles[neighbour])
+                        stack.callback(_in(ctx, drv.ipc_close), base)
+                        parts.peer_base[neighbour] = base
+
+        agree(side_group, stages, "copy-engine set-up", local_open)
+        return CopyEngineTransport(
+            stack=stack.pop_all(),
+            parts=parts,
+            side_group=side_group,
+            stages=stages,
+            tag=tag,
+            recv_layout=recv_layout,
+            send_layout=send_layout,
+            persistent=dict(persistent),
+            device=device,
+            timeout_s=timeout_s,
+        )
+
+
+def _in(ctx: drv.PrimaryContext, fn: Any) -> Any:
+    def run(*args: Any) -> None:
+        with ctx:
+            fn(*args)
+
+    return run
+
+
+class _Parts:
+    """What set-up made, handed to the transport."""
+
+    def __init__(self, ctx: drv.PrimaryContext):
+        self.ctx = ctx
+        self.private_stream = 0
+        self.side_stream = 0
+        self.buffer = 0
+        self.send_buffer = 0
+        self.peer_base: dict[int, int] = {}
+        self.packed: drv.Event | None = None
+        self.copied: drv.Event | None = None
+        self.events: list[drv.Event] = []  # every event ever created, destroyed at the end
+        self.free_events: deque[drv.Event] = deque()
+        self.lock = threading.Lock()
+
+    def acquire_event(self) -> drv.Event:
+        """Return a free event (the context must be current)."""
+        with self.lock:
+            if self.free_events:
+                return self.free_events.popleft()
+        event = drv.Event()
+        with self.lock:
+            self.events.append(event)
+        return event
+
+    def recycle_event(self, event: drv.Event) -> None:
+        with self.lock:
+            self.free_events.append(event)
+
+    def destroy_events(self) -> None:
+        with self.lock:
+            events, self.events = self.events, []
+            self.free_events.clear()
+        for event in events:
+            event.destroy()
+
+
+class CopyEngineTransport(Transport):
+    """Pipeline transport over copy engines; built by ``make_transport``. See the module docstring."""
+
+    backend = "copy_engine"
+
+    def __init__(
+        self,
+        *,
+        stack: contextlib.ExitStack,
+        parts: _Parts,
+        side_group: Any,
+        stages: StageMap,
+        tag: int,
+        recv_layout: Layout,
+        send_layout: Layout | None,
+        persistent: dict[str, torch.Tensor],
+        device: torch.device,
+        timeout_s: float,
+    ):
+        self.device = device
+        self.fallback_reason = None
+        self._stack = stack
+        self._parts = parts
+        self._ctx = parts.ctx
+        self._side_group = side_group
+        self._stages = stages
+        self._tag = tag
+        self._recv_layout = recv_layout
+        self._send_layout = send_layout
+        self._persistent = persistent
+        self._timeout_s = timeout_s
+        self._send_step = 0
+        self._recv_step = 0
+        self._meta_works: deque[tuple[Any, torch.Tensor]] = deque()
+        self._failure: BaseException | None = None
+        self._closed = False
+        self._full = parts.buffer + FULL_OFFSET
+        self._empty = parts.buffer + EMPTY_OFFSET
+        self._region = parts.buffer + REGION_OFFSET
+        nxt, prv = stages.index + 1, stages.index - 1
+        self._next_full = parts.peer_base[nxt] + FULL_OFFSET if nxt in parts.peer_base else 0
+        self._next_region = parts.peer_base[nxt] + REGION_OFFSET if nxt in parts.peer_base else 0
+        self._prev_empty = parts.peer_base[prv] + EMPTY_OFFSET if prv in parts.peer_base else 0
+        self._watchdog = Watchdog(timeout_s, self._on_timeout, parts.recycle_event, self._ctx.make_current)
+
+    # -- sending ---------------------------------------------------------------------
+
+    def send(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Send one step to the next stage.
+
+        Enqueues the pack on the caller's current stream of this stage's GPU
+        and the peer copy on a private side stream; blocks the host for
+        neither (only for a non-blocking metadata ``isend``). The caller may
+        overwrite ``tensors`` as soon as this returns.
+
+        Raises:
+            ValueError, TypeError: the step does not fit the next stage's layout (nothing was enqueued).
+            PeerTimeoutError: an earlier step timed out; the transport is unusable.
+        """
+        self._check_usable()
+        if self._send_layout is None:
+            raise RuntimeError(f"{self._stages.name()} is the last stage: it has no next stage to send to")
+        layout = self._send_layout
+        rows = validate_step(layout.specs, tensors, self.device, self._stages.name(self._stages.index + 1))
+        self._reap_meta()
+        step = self._send_step + 1
+        parts = self._parts
+        side = parts.side_stream
+        with torch.cuda.device(self.device):
+            current = torch.cuda.current_stream(self.device).cuda_stream
+            # Non-contiguous inputs become contiguous temporaries on the current stream;
+            # the caching allocator keeps each one until the current stream is past the pack.
+            sources = {name: tensors[name].contiguous() for name, count in rows.items() if count}
+            with self._ctx:
+                if step > 1:
+                    parts.copied.wait_on(current)
+                for name, source in sources.items():
+                    nbytes = rows[name] * layout.specs[name].row_nbytes
+                    drv.memcpy_async(parts.send_buffer + layout.offsets[name], source.data_ptr(), nbytes, current)
+                parts.packed.record(current)
+                parts.packed.wait_on(side)
+                pre, post = parts.acquire_event(), parts.acquire_event()
+                pre.record(side)
+                drv.wait_value_geq(side, self._empty, step - 1)
+                for name in sources:
+                    nbytes = rows[name] * layout.specs[name].row_nbytes
+                    offset = layout.offsets[name]
+                    drv.memcpy_async(self._next_region + offset, parts.send_buffer + offset, nbytes, side)
+                drv.write_value(side, self._next_full, step)
+                post.record(side)
+                parts.copied.record(side)
+        self._watchdog.watch(Bracket(side, pre, post, f"send step {step} to {self._stages.name(self._stages.index + 1)}"))
+        self._send_meta(step, [rows[name] for name in layout.names])
+        self._send_step = step
+
+    def _send_meta(self, step: int, rows: list[int]) -> None:
+        import torch.distributed as dist
+
+        meta = torch.tensor([step, *rows], dtype=torch.int64)
+        work = dist.isend(meta, dst=self._stages.next_rank, group=self._side_group, tag=self._tag)
+        self._meta_works.append((work, meta))
+
+    def _finish_meta(self) -> None:
+        from datetime import timedelta
+
+        works, self._meta_works = self._meta_works, deque()
+        for work, _meta in works:
+            try:
+                work.wait(timeout=timedelta(seconds=self._timeout_s))
+            except RuntimeError as err:
+                logger.warning("%s: metadata not delivered before close(): %s", self._stages.name(), err)
+                return
+
+    def _reap_meta(self) -> None:
+        while self._meta_works and self._meta_works[0][0].is_completed():
+            self._meta_works.popleft()
+
+    # -- receiving -------------------------------------------------------------------
+
+    def recv(self) -> dict[str, torch.Tensor]:
+        """Receive the next step into the persistent tensors; return views with this step's rows.
+
+        Blocks the host until the step's metadata arrives (at most the
+        timeout), then enqueues on the caller's current stream of this
+        stage's GPU: wait for the data, copy it into the persistent tensors,
+        tell the sender the region is free. Earlier work on that stream
+        overlaps the transfer; later work sees the data.
+
+        Raises:
+            PeerTimeoutError: the previous stage sent nothing within the timeout, or an earlier step timed out.
+        """
+        self._check_usable()
+        if self._stages.prev_rank is None:
+            raise RuntimeError(f"{self._stages.name()} is the first stage: it has no previous stage to receive from")
+        layout = self._recv_layout
+        step = self._recv_step + 1
+        what = f"{self._stages.name()} receiving step {step}"
+        try:
+            meta = recv_meta(
+                self._side_group, self._stages.prev_rank, self._tag, 1 + len(layout.names), self._timeout_s, what
+            ).tolist()
+        except PeerTimeoutError as err:
+            self._failure = err
+            raise
+        rows = dict(zip(layout.names, meta[1:]))
+        bad = {n: r for n, r in rows.items() if not 0 <= r <= layout.specs[n].max_rows}
+        if meta[0] != step or bad:
+            self._failure = RuntimeError(f"{what}: the peer's metadata {meta} does not match (protocol error)")
+            raise self._failure
+        parts = self._parts
+        with torch.cuda.device(self.device):
+            current = torch.cuda.current_stream(self.device).cuda_stream
+            with self._ctx:
+                pre, post = parts.acquire_event(), parts.acquire_event()
+                pre.record(current)
+                drv.wait_value_geq(current, self._full, step)
+                for name, count in rows.items():
+                    if count:
+                        nbytes = count * layout.specs[name].row_nbytes
+                        target = self._persistent[name].data_ptr()
+                        drv.memcpy_async(target, self._region + layout.offsets[name], nbytes, current)
+                drv.write_value(current, self._prev_empty, step)
+                post.record(current)
+        self._watchdog.watch(Bracket(current, pre, post, what))
+        self._recv_step = step
+        return {name: self._persistent[name][:count] for name, count in rows.items()}
+
+    # -- failure and tear-down -------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise RuntimeError("this transport is closed")
+        if self._failure is not None:
+            raise self._failure
+
+    def _on_timeout(self, what: str, waited_s: float) -> None:
+        """Watchdog thread: record the error and release every wait on our flags (runs once)."""
+        err = PeerTimeoutError(
+            f"{what}: the GPU waited {waited_s:.1f} s for the peer's flag (timeout {self._timeout_s:g} s); the peer "
+            "died or stopped. The waits were released; that step's received data is undefined (bytes 0xFF). "
+            "This transport is unusable: close() it."
+        )
+        if self._failure is None:
+            self._failure = err
+        logger.error("%s", err)
+        parts = self._parts
+        stream = parts.private_stream
+        if self._stages.prev_rank is not None:
+            drv.mem_fill_bytes(self._region, 0xFF, self._recv_layout.nbytes, stream)
+        drv.write_value(stream, self._full, drv.RELEASE_VALUE)
+        drv.write_value(stream, self._empty, drv.RELEASE_VALUE)
+
+    def close(self) -> None:
+        """Wait for this stage's queued transfers, then unmap and free everything; every stage calls it.
+
+        Blocks the host: until the GPU finished every enqueued step (stuck
+        waits are released by the watchdog after the timeout), and for two
+        barriers with the other stages (so no buffer is freed while a peer
+        still maps it; a dead peer only costs a logged warning).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._watchdog.wait_idle()
+        finally:
+            self._watchdog.stop()
+            self._finish_meta()
+            # The stack unmaps the peers' buffers, waits for every stage, then frees ours.
+            barrier(self._side_group, self._timeout_s, "copy-engine close")
+            self._stack.close()

@@ -1,0 +1,201 @@
+"""Thin CUDA driver calls for the copy-engine transport (through :mod:`syncless._core.cuda`).
+
+Every resource made here is counted in :func:`live_resources` until it is
+released, so tests can check that a failed or closed transport left nothing
+allocated, mapped or created. Device pointers and stream handles are plain
+ints (``torch.cuda.Stream.cuda_stream`` is one); cuda-bindings accepts them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections import Counter
+from typing import Any
+
+from syncless._core import cuda
+
+#: Written into a flag from the host side to release every wait on it (cyclic
+#: ``>=`` with any step number below 2**62 holds).
+RELEASE_VALUE = 1 << 62
+
+IPC_HANDLE_NBYTES = 64
+
+_live: Counter[str] = Counter()
+_live_lock = threading.Lock()
+
+
+def _count(kind: str, delta: int) -> None:
+    with _live_lock:
+        _live[kind] += delta
+
+
+def live_resources() -> dict[str, int]:
+    """Return how many allocations, IPC mappings, streams, events and contexts are held now."""
+    with _live_lock:
+        return {kind: n for kind, n in _live.items() if n}
+
+
+def _drv() -> Any:
+    return cuda.ensure_driver()
+
+
+class PrimaryContext:
+    """The primary context of one GPU (the one torch uses), retained while the transport lives.
+
+    ``with ctx:`` makes it current on this thread and restores the previous
+    one afterwards, so the caller's own CUDA state is untouched.
+    """
+
+    def __init__(self, ordinal: int):
+        self.ordinal = ordinal
+        self.device = cuda.call("cuDeviceGet", ordinal)
+        self.handle = cuda.call("cuDevicePrimaryCtxRetain", self.device)
+        _count("context", 1)
+
+    def __enter__(self) -> PrimaryContext:
+        cuda.call("cuCtxPushCurrent", self.handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        cuda.call("cuCtxPopCurrent")
+
+    def make_current(self) -> None:
+        """Bind this context to the calling thread (for threads that syncless owns)."""
+        cuda.call("cuCtxSetCurrent", self.handle)
+
+    def release(self) -> None:
+        """Drop the retain taken in ``__init__``."""
+        cuda.call("cuDevicePrimaryCtxRelease", self.device)
+        _count("context", -1)
+
+
+# Memory -------------------------------------------------------------------------
+
+
+def mem_alloc(nbytes: int) -> int:
+    """Allocate ``nbytes`` of device memory in the current context (IPC-shareable); return its address."""
+    ptr = int(cuda.call("cuMemAlloc", nbytes))
+    _count("allocation", 1)
+    return ptr
+
+
+def mem_free(ptr: int) -> None:
+    """Free an allocation from :func:`mem_alloc`. May wait for the device to go idle."""
+    cuda.call("cuMemFree", ptr)
+    _count("allocation", -1)
+
+
+def mem_zero(ptr: int, nbytes: int, stream: int) -> None:
+    """Enqueue a zero fill of ``nbytes`` at ``ptr`` on ``stream``; does not block."""
+    cuda.call("cuMemsetD8Async", ptr, 0, nbytes, stream)
+
+
+def mem_fill_bytes(ptr: int, value: int, nbytes: int, stream: int) -> None:
+    """Enqueue a fill of ``nbytes`` bytes at ``ptr`` with ``value`` on ``stream``; does not block."""
+    cuda.call("cuMemsetD8Async", ptr, value, nbytes, stream)
+
+
+def memcpy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
+    """Enqueue a copy of ``nbytes`` (peer or local, inferred from the addresses) on ``stream``; does not block."""
+    cuda.call("cuMemcpyAsync", dst, src, nbytes, stream)
+
+
+def ipc_handle(ptr: int) -> bytes:
+    """Return the 64 bytes of the legacy CUDA IPC handle of allocation ``ptr``."""
+    handle = cuda.call("cuIpcGetMemHandle", ptr)
+    return ctypes.string_at(handle.getPtr(), IPC_HANDLE_NBYTES)
+
+
+def ipc_open(handle_bytes: bytes) -> int:
+    """Map a peer's allocation into this process (peer access enabled lazily); return its address here."""
+    drv = _drv()
+    if len(handle_bytes) != IPC_HANDLE_NBYTES:
+        raise ValueError(f"an IPC handle has {IPC_HANDLE_NBYTES} bytes; got {len(handle_bytes)}")
+    handle = drv.CUipcMemHandle()
+    ctypes.memmove(handle.getPtr(), handle_bytes, IPC_HANDLE_NBYTES)
+    ptr = int(cuda.call("cuIpcOpenMemHandle", handle, drv.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS))
+    _count("ipc_mapping", 1)
+    return ptr
+
+
+def ipc_close(ptr: int) -> None:
+    """Unmap a peer allocation opened with :func:`ipc_open`."""
+    cuda.call("cuIpcCloseMemHandle", ptr)
+    _count("ipc_mapping", -1)
+
+
+# Streams, events, flags ------------------------------------------------------------
+
+
+def stream_create() -> int:
+    """Create a stream that never waits for the legacy default stream; return its handle."""
+    drv = _drv()
+    stream = cuda.call("cuStreamCreate", int(drv.CUstream_flags.CU_STREAM_NON_BLOCKING))
+    _count("stream", 1)
+    return int(stream)
+
+
+def stream_destroy(stream: int) -> None:
+    """Destroy a stream from :func:`stream_create` (its queued work still completes)."""
+    cuda.call("cuStreamDestroy", stream)
+    _count("stream", -1)
+
+
+def stream_synchronize(stream: int) -> None:
+    """Block the host until ``stream`` is idle."""
+    cuda.call("cuStreamSynchronize", stream)
+
+
+class Event:
+    """A timing-free CUDA event of the current context."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self) -> None:
+        drv = _drv()
+        self.handle = cuda.call("cuEventCreate", int(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING))
+        _count("event", 1)
+
+    def record(self, stream: int) -> None:
+        """Enqueue the event on ``stream``; does not block."""
+        cuda.call("cuEventRecord", self.handle, stream)
+
+    def wait_on(self, stream: int) -> None:
+        """Make ``stream`` wait for the latest record of this event; does not block the host."""
+        cuda.call("cuStreamWaitEvent", stream, self.handle, 0)
+
+    def query(self) -> bool:
+        """Return whether the latest record has completed; never blocks."""
+        drv = _drv()
+        result = drv.cuEventQuery(self.handle)
+        code = result[0] if isinstance(result, tuple) else result
+        if code == drv.CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        cuda.check("cuEventQuery", result)
+        return True
+
+    def destroy(self) -> None:
+        """Release the event (a pending record still completes)."""
+        cuda.call("cuEventDestroy", self.handle)
+        _count("event", -1)
+
+
+def wait_value_geq(stream: int, addr: int, value: int) -> None:
+    """Enqueue on ``stream``: hold later work until the 64-bit flag at ``addr`` is >= ``value`` (cyclic).
+
+    Does not block the host and holds no SM while waiting.
+    """
+    drv = _drv()
+    cuda.call("cuStreamWaitValue64", stream, addr, value, int(drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ))
+
+
+def write_value(stream: int, addr: int, value: int) -> None:
+    """Enqueue on ``stream``: write ``value`` to the 64-bit flag at ``addr`` after earlier work, with a memory barrier.
+
+    Does not block the host.
+    """
+    drv = _drv()
+    cuda.call(
+        "cuStreamWriteValue64", stream, addr, value, int(drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
+    )

@@ -1,0 +1,244 @@
+"""Whether the copy-engine transport can run: the decisions in plain Python, the facts from the hardware.
+
+The rules (DESIGN.md section 3): CUDA; one node; every pair of pipeline GPUs
+connected by NVLink (PCIe peers are refused: the receiver's wait relies on
+NVLink delivering the data before the flag write that follows it; stages on
+one GPU count as connected); 64-bit stream memory operations. The functions
+that decide take the facts as arguments, so tests feed them fakes; only the
+``*_facts``/``query_*`` functions touch NVML or the driver.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from syncless._core import config, cuda
+from syncless._core.errors import CudaError, MissingDependencyError
+
+logger = logging.getLogger(__name__)
+
+NvlinkQuery = Callable[[str, str], bool]
+
+
+@dataclass(frozen=True)
+class StageDevice:
+    """The GPU one stage runs on, as the other stages need to know it.
+
+    Attributes:
+        host: the node's host name.
+        uuid: NVML-style UUID (``GPU-xxxxxxxx-...``) of the GPU.
+        ordinal: CUDA ordinal in that stage's process (for messages only).
+    """
+
+    host: str
+    uuid: str
+    ordinal: int
+
+
+def topology_problem(devices: Sequence[StageDevice], nvlink: NvlinkQuery) -> str | None:
+    """Return why these stages cannot use copy engines, or None if they can.
+
+    Args:
+        devices: every stage's GPU, in pipeline order.
+        nvlink: answers whether two GPUs (by UUID) are NVLink-connected.
+    """
+    hosts = sorted({d.host for d in devices})
+    if len(hosts) > 1:
+        return f"the stages run on several nodes ({', '.join(hosts)}); copy engines need one node"
+    uuids = sorted({d.uuid for d in devices})
+    for i, first in enumerate(uuids):
+        for second in uuids[i + 1 :]:
+            if not nvlink(first, second):
+                return (
+                    f"GPUs {first} and {second} are not NVLink-connected (PCIe peers are refused: the flag "
+                    "write could overtake the data it follows)"
+                )
+    return None
+
+
+# Facts from the hardware --------------------------------------------------------
+
+
+def uuid_string(raw: bytes) -> str:
+    """Format the driver's 16 UUID bytes the way NVML names GPUs: ``GPU-8-4-4-4-12`` hex."""
+    text = raw.hex()
+    return f"GPU-{text[0:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:32]}"
+
+
+def device_uuid(ordinal: int) -> str:
+    """Return the NVML-style UUID of CUDA device ``ordinal``."""
+    device = cuda.call("cuDeviceGet", ordinal)
+    uuid = cuda.call("cuDeviceGetUuid", device)
+    return uuid_string(bytes(uuid.bytes)[:16])
+
+
+def local_stage_device(ordinal: int) -> StageDevice:
+    """Describe this process's GPU for the other stages."""
+    return StageDevice(socket.gethostname(), device_uuid(ordinal), ordinal)
+
+
+def query_nvlink(uuid_a: str, uuid_b: str) -> bool:
+    """Ask NVML whether two GPUs are connected by NVLink.
+
+    Uses ``nvmlDeviceGetP2PStatus(..., NVML_P2P_CAPS_INDEX_NVLINK)``; where
+    that is not supported, scans GPU A's active links for GPU B's PCI bus id
+    (``nvmlDeviceGetNvLinkRemotePciInfo``).
+
+    Raises:
+        MissingDependencyError: NVML is not there.
+    """
+    nvml = cuda.ensure_nvml()
+    handle_a = nvml.nvmlDeviceGetHandleByUUID(uuid_a.encode())
+    handle_b = nvml.nvmlDeviceGetHandleByUUID(uuid_b.encode())
+    try:
+        status = nvml.nvmlDeviceGetP2PStatus(handle_a, handle_b, nvml.NVML_P2P_CAPS_INDEX_NVLINK)
+        return status == nvml.NVML_P2P_STATUS_OK
+    except nvml.NVMLError_NotSupported:
+        pass
+    bus_b = _bus_id(nvml.nvmlDeviceGetPciInfo(handle_b))
+    for link in range(nvml.NVML_NVLINK_MAX_LINKS):
+        try:
+            if not nvml.nvmlDeviceGetNvLinkState(handle_a, link):
+                continue
+            remote = nvml.nvmlDeviceGetNvLinkRemotePciInfo(handle_a, link)
+        except (nvml.NVMLError_NotSupported, nvml.NVMLError_InvalidArgument):
+            continue
+        if _bus_id(remote) == bus_b:
+            return True
+    return False
+
+
+def _bus_id(pci: Any) -> str:
+    raw = pci.busId
+    text = raw.decode() if isinstance(raw, bytes) else str(raw)
+    return text.lower().lstrip("0")
+
+
+def mem_ops_problem(ordinal: int) -> str | None:
+    """Return why GPU ``ordinal`` cannot run the flag protocol, or None if it can."""
+    if not cuda.supports_64bit_stream_mem_ops(ordinal):
+        return f"GPU {ordinal} does not support 64-bit stream memory operations (CAN_USE_64_BIT_STREAM_MEM_OPS = 0)"
+    return None
+
+
+# What `syncless doctor` shows -------------------------------------------------------
+
+
+@dataclass
+class LocalFacts:
+    """What this machine offers, as :func:`describe_local_choice` needs it.
+
+    ``None`` in a pair map means the fact could not be read; ``notes`` says why.
+    """
+
+    cuda_available: bool
+    gpu_count: int
+    mem_ops_64: list[bool] = field(default_factory=list)
+    nvlink: dict[tuple[int, int], bool | None] = field(default_factory=dict)
+    peer_access: dict[tuple[int, int], bool | None] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def gather_local_facts() -> LocalFacts:
+    """Read the facts of this machine (torch, the CUDA driver, NVML); never raises for absent pieces."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return LocalFacts(False, 0, notes=["torch sees no CUDA GPU"])
+    count = torch.cuda.device_count()
+    facts = LocalFacts(True, count)
+    try:
+        facts.mem_ops_64 = [cuda.supports_64bit_stream_mem_ops(i) for i in range(count)]
+        uuids = [device_uuid(i) for i in range(count)]
+    except (CudaError, MissingDependencyError) as err:
+        facts.notes.append(f"the CUDA driver could not be queried: {err}")
+        return facts
+    for a in range(count):
+        for b in range(a + 1, count):
+            try:
+                facts.peer_access[(a, b)] = cuda.can_access_peer(a, b) and cuda.can_access_peer(b, a)
+            except CudaError as err:
+                facts.peer_access[(a, b)] = None
+                facts.notes.append(f"peer access {a}<->{b} unknown: {err}")
+            try:
+                facts.nvlink[(a, b)] = query_nvlink(uuids[a], uuids[b])
+            except MissingDependencyError as err:
+                facts.nvlink[(a, b)] = None
+                facts.notes.append(f"NVLink {a}<->{b} unknown: {err}")
+            except Exception as err:  # noqa: BLE001 - any NVMLError: report the fact as unknown, never crash doctor
+                facts.nvlink[(a, b)] = None
+                facts.notes.append(f"NVLink {a}<->{b} unknown: NVML said {err}")
+    return facts
+
+
+def decide(facts: LocalFacts, setting: str = "auto") -> dict[str, Any]:
+    """Say which transport ``make_transport`` would build for a pipeline over all local GPUs, and why.
+
+    Args:
+        facts: the machine's facts.
+        setting: ``SYNCLESS_PP_TRANSPORT`` (``auto``, ``copy_engine`` or ``torch_distributed``).
+
+    Returns:
+        ``{"transport", "reason", "checks": [{"name", "ok", "detail"}], "notes", "setting"}``;
+        ``transport`` is ``"error"`` when ``copy_engine`` is forced on a machine that cannot run it.
+    """
+    checks: list[dict[str, Any]] = []
+
+    def check(name: str, ok: bool, detail: str) -> bool:
+        checks.append({"name": name, "ok": ok, "detail": detail})
+        return ok
+
+    eligible = check("CUDA", facts.cuda_available, f"{facts.gpu_count} GPU(s)" if facts.cuda_available else "none")
+    if eligible:
+        eligible = check(
+            "GPUs",
+            facts.gpu_count >= 1,
+            "stages may share one GPU" if facts.gpu_count == 1 else f"{facts.gpu_count} GPUs",
+        )
+    if eligible:
+        missing = [i for i, ok in enumerate(facts.mem_ops_64) if not ok]
+        known = len(facts.mem_ops_64) == facts.gpu_count
+        eligible = check(
+            "64-bit stream memory ops",
+            known and not missing,
+            "all GPUs" if known and not missing else (f"missing on GPU {missing}" if known else "unknown"),
+        )
+    for (a, b), linked in sorted(facts.nvlink.items()):
+        ok = linked is True
+        eligible = check(f"NVLink {a}<->{b}", ok, {True: "yes", False: "no (PCIe only)", None: "unknown"}[linked]) and eligible
+    for (a, b), peer in sorted(facts.peer_access.items()):
+        ok = peer is True
+        eligible = check(f"peer access {a}<->{b}", ok, {True: "yes", False: "no", None: "unknown"}[peer]) and eligible
+    failed = [c for c in checks if not c["ok"]]
+    why_not = "; ".join(f"{c['name']}: {c['detail']}" for c in failed)
+    if setting == "torch_distributed":
+        transport, reason = "torch_distributed", "SYNCLESS_PP_TRANSPORT=torch_distributed"
+    elif eligible:
+        transport = "copy_engine"
+        reason = "one node, every GPU pair on NVLink with peer access, 64-bit stream memory ops"
+        if facts.gpu_count == 1:
+            reason = "one GPU shared by the stages, 64-bit stream memory ops"
+    elif setting == "copy_engine":
+        transport, reason = "error", f"SYNCLESS_PP_TRANSPORT=copy_engine but make_transport would raise: {why_not}"
+    else:
+        transport, reason = "torch_distributed", f"copy engines not usable: {why_not}"
+    return {"transport": transport, "reason": reason, "checks": checks, "notes": list(facts.notes), "setting": setting}
+
+
+def describe_local_choice(facts: LocalFacts | None = None) -> dict[str, Any]:
+    """Say which pipeline transport ``make_transport`` would pick on this machine, and why.
+
+    Blocks the host for a few driver and NVML queries; does no GPU work.
+    A bad ``SYNCLESS_PP_TRANSPORT`` value is reported in the result, not raised.
+    """
+    try:
+        setting = config.read("SYNCLESS_PP_TRANSPORT")
+    except ValueError as err:
+        result = decide(facts or gather_local_facts())
+        result["notes"].append(str(err))
+        return result
+    return decide(facts or gather_local_facts(), setting)

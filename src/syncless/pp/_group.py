@@ -1,0 +1,249 @@
+"""The CPU side of a pipeline group: stage order, agreement on set-up outcomes, timed messages.
+
+Every collective step of set-up goes through :func:`agree`: each rank runs its
+local part, then all ranks exchange "ok" or the error over the CPU (gloo)
+group, and every rank leaves with the same outcome. A failure on one rank thus
+becomes the same exception on every rank, and no rank waits for a peer that
+already gave up.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from syncless._core.errors import CopyEngineUnavailable, CudaError, MissingDependencyError, PeerTimeoutError
+
+logger = logging.getLogger(__name__)
+
+_side_groups: dict[tuple[tuple[int, ...], float], Any] = {}
+_tag_counters: dict[int, int] = {}
+_cache_lock = threading.Lock()
+
+#: Tags of one transport: base + 0 carries metadata, base + 1 carries data (torch.distributed only).
+TAGS_PER_TRANSPORT = 8
+
+
+@dataclass(frozen=True)
+class StageMap:
+    """Where this process sits in the pipeline.
+
+    Attributes:
+        ranks: global ranks in pipeline order.
+        index: this process's stage index.
+    """
+
+    ranks: tuple[int, ...]
+    index: int
+
+    @property
+    def prev_rank(self) -> int | None:
+        """Global rank of the stage this one receives from (None for the first stage)."""
+        return self.ranks[self.index - 1] if self.index > 0 else None
+
+    @property
+    def next_rank(self) -> int | None:
+        """Global rank of the stage this one sends to (None for the last stage)."""
+        return self.ranks[self.index + 1] if self.index + 1 < len(self.ranks) else None
+
+    def name(self, index: int | None = None) -> str:
+        """Return e.g. ``"stage 1 (rank 3)"``."""
+        i = self.index if index is None else index
+        return f"stage {i} (rank {self.ranks[i]})"
+
+
+def resolve_stages(group_ranks: Sequence[int], my_rank: int, stage_ranks: Sequence[int] | None) -> StageMap:
+    """Check ``stage_ranks`` against the group and locate ``my_rank``.
+
+    Raises:
+        ValueError: the stage list is not a permutation of the group's ranks,
+            has fewer than two stages, or does not contain ``my_rank``.
+    """
+    group_sorted = sorted(int(r) for r in group_ranks)
+    if stage_ranks is None:
+        order = tuple(group_sorted)
+    else:
+        order = tuple(int(r) for r in stage_ranks)
+        if sorted(order) != group_sorted:
+            raise ValueError(
+                f"stage_ranks must list each rank of the group exactly once; expected a permutation of "
+                f"{group_sorted}, got {list(order)}"
+            )
+    if len(order) < 2:
+        raise ValueError(f"a pipeline needs at least two stages; the group has ranks {group_sorted}")
+    if my_rank not in order:
+        raise ValueError(f"this process (rank {my_rank}) is not one of the stages {list(order)}")
+    return StageMap(order, order.index(my_rank))
+
+
+def cpu_group(ranks: Sequence[int], timeout_s: float) -> Any:
+    """Return this process's private gloo group over ``ranks`` (made on first use, then cached).
+
+    The transports never use the caller's own group for CPU messages: gloo
+    closes a connection whose receive timed out, and a timeout must break
+    only syncless's group, never the caller's. Its gloo timeout is
+    ``timeout_s``, which bounds every set-up exchange too. One group serves
+    every transport over the same ranks and timeout (distinct tags keep them
+    apart); it is never destroyed, because a later group could reuse its
+    rendezvous keys. Collective over ``ranks`` the first time (blocks the
+    host for the rendezvous).
+    """
+    import torch.distributed as dist
+
+    key = (tuple(sorted(int(r) for r in ranks)), float(timeout_s))
+    with _cache_lock:
+        cached = _side_groups.get(key)
+    if cached is not None:
+        return cached
+    side = dist.new_group(
+        ranks=list(key[0]), backend="gloo", timeout=timedelta(seconds=timeout_s), use_local_synchronization=True
+    )
+    with _cache_lock:
+        _side_groups[key] = side
+    return side
+
+
+def discard_cpu_group(side_group: Any) -> None:
+    """Stop handing out ``side_group`` (a timeout or a dead peer broke its connections)."""
+    with _cache_lock:
+        for key, value in list(_side_groups.items()):
+            if value is side_group:
+                del _side_groups[key]
+
+
+def next_tag(side_group: Any) -> int:
+    """Return the tag base of the next transport on ``side_group``.
+
+    Every rank creates transports on a group in the same (collective) order,
+    so the counters agree without a message.
+    """
+    with _cache_lock:
+        count = _tag_counters.get(id(side_group), 0)
+        _tag_counters[id(side_group)] = count + 1
+    return 1000 + TAGS_PER_TRANSPORT * count
+
+
+# Uniform outcomes ---------------------------------------------------------------
+
+#: Errors that mean "the copy-engine transport cannot be used here". Any other
+#: error is still shared (so no rank hangs) but is raised as itself, not
+#: turned into a fallback that could hide a bug.
+UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (CopyEngineUnavailable, CudaError, MissingDependencyError)
+
+
+def _status_of(err: BaseException | None) -> tuple[str, str] | None:
+    if err is None:
+        return None
+    if isinstance(err, UNAVAILABLE_ERRORS):
+        kind = "unavailable"
+    elif isinstance(err, (ValueError, TypeError)):
+        kind = type(err).__name__
+    else:
+        kind = "error"
+    return kind, f"{type(err).__name__}: {err}" if kind == "error" else str(err)
+
+
+def first_failure(statuses: Sequence[tuple[str, str] | None], stages: StageMap, what: str) -> BaseException | None:
+    """Turn every stage's status into the one exception all ranks raise (None if all are ok).
+
+    The first failing stage in pipeline order wins, so the message is the
+    same on every rank.
+    """
+    for index, status in enumerate(statuses):
+        if status is None:
+            continue
+        kind, text = status
+        message = f"{what} failed on {stages.name(index)}: {text}"
+        if kind == "unavailable":
+            return CopyEngineUnavailable(message)
+        if kind == "ValueError":
+            return ValueError(message)
+        if kind == "TypeError":
+            return TypeError(message)
+        return RuntimeError(message)
+    return None
+
+
+def agree(side_group: Any, stages: StageMap, what: str, local: Callable[[], Any]) -> list[Any]:
+    """Run ``local`` here, share its outcome with every stage, and raise the first failure everywhere.
+
+    Returns the list of every stage's result (in pipeline order) when all
+    succeeded. Blocks the host for one all-gather over ``side_group``.
+
+    Raises:
+        CopyEngineUnavailable: some stage found the copy-engine path unusable.
+        ValueError, TypeError: some stage was given bad arguments.
+        RuntimeError: some stage failed otherwise (the message names it and its error).
+        PeerTimeoutError: the exchange itself failed (a peer died or never came).
+    """
+    import torch.distributed as dist
+
+    error: BaseException | None = None
+    result: Any = None
+    try:
+        result = local()
+    except Exception as err:  # noqa: BLE001 - shared with every rank below, then re-raised; nothing is hidden
+        error = err
+    mine = (stages.ranks[stages.index], _status_of(error), None if error is not None else result)
+    gathered: list[Any] = [None] * len(stages.ranks)
+    try:
+        dist.all_gather_object(gathered, mine, group=side_group)
+    except RuntimeError as err:
+        discard_cpu_group(side_group)
+        raise PeerTimeoutError(f"{what}: exchanging set-up outcomes with the other stages failed: {err}") from err
+    by_rank = {rank: (status, value) for rank, status, value in gathered}
+    statuses = [by_rank[rank][0] for rank in stages.ranks]
+    failure = first_failure(statuses, stages, what)
+    if failure is not None:
+        if error is not None:
+            raise failure from error
+        raise failure
+    return [by_rank[rank][1] for rank in stages.ranks]
+
+
+def barrier(side_group: Any, timeout_s: float, what: str) -> bool:
+    """Wait until every rank of ``side_group`` gets here; return False (and log) if that failed.
+
+    Blocks the host. Used while tearing down, where a dead peer must not stop
+    this rank from freeing its own resources.
+    """
+    import torch.distributed as dist
+
+    token = torch.zeros(1)
+    try:
+        work = dist.all_reduce(token, group=side_group, async_op=True)
+        work.wait(timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as err:
+        discard_cpu_group(side_group)
+        logger.warning("%s: barrier with the other stages failed (a peer may have died): %s", what, err)
+        return False
+    return True
+
+
+def recv_meta(side_group: Any, src: int, tag: int, length: int, timeout_s: float, what: str) -> torch.Tensor:
+    """Receive one step's metadata (int64 ``[step, rows...]``) from global rank ``src``.
+
+    Blocks the host until it arrives, at most ``timeout_s``.
+
+    Raises:
+        PeerTimeoutError: nothing came within ``timeout_s`` or the peer's connection broke.
+    """
+    import torch.distributed as dist
+
+    buffer = torch.empty(length, dtype=torch.int64)
+    try:
+        work = dist.irecv(buffer, src=src, group=side_group, tag=tag)
+        work.wait(timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as err:
+        discard_cpu_group(side_group)
+        raise PeerTimeoutError(
+            f"{what}: rank {src} sent nothing within {timeout_s:g} s, or its connection broke "
+            f"(it may have died or stopped sending; raise SYNCLESS_PP_TIMEOUT_S if it is only slow): {err}"
+        ) from err
+    return buffer

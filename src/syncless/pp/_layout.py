@@ -1,0 +1,169 @@
+"""Layouts of a stage's receive region, and validation of what a sender passes.
+
+Plain Python over tensor metadata: no GPU work, so it is unit-tested on the CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+#: Every tensor's slot in a region starts on this boundary (bytes). 256 is the
+#: granularity cudaMalloc guarantees, so each slot is as aligned as a fresh
+#: allocation and the copy engines move whole aligned bursts.
+SLOT_ALIGN_BYTES = 256
+
+
+def _align_up(value: int, alignment: int) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What one named tensor of a step looks like.
+
+    Attributes:
+        dtype: element type.
+        row_shape: shape of one row (everything after the leading dimension).
+        max_rows: the most rows a step may carry (the persistent tensor's leading dimension).
+    """
+
+    dtype: torch.dtype
+    row_shape: tuple[int, ...]
+    max_rows: int
+
+    @property
+    def row_nbytes(self) -> int:
+        """Bytes of one row."""
+        count = 1
+        for extent in self.row_shape:
+            count *= extent
+        return count * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of ``max_rows`` rows."""
+        return self.row_nbytes * self.max_rows
+
+    def describe(self) -> str:
+        """Return e.g. ``"torch.bfloat16 rows of (8192,), at most 256 rows"``."""
+        return f"{self.dtype} rows of {self.row_shape}, at most {self.max_rows} rows"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The byte layout of a receive region: one aligned slot per name, in a fixed order.
+
+    Attributes:
+        specs: name -> spec, in slot order (the order the receiver passed them).
+        offsets: name -> byte offset of the slot within the region.
+        nbytes: total bytes of the region (at least 1, so it can be allocated).
+    """
+
+    specs: dict[str, TensorSpec]
+    offsets: dict[str, int]
+    nbytes: int
+
+    @property
+    def names(self) -> list[str]:
+        """Names in slot order."""
+        return list(self.specs)
+
+    @classmethod
+    def from_specs(cls, specs: Mapping[str, TensorSpec]) -> Layout:
+        """Lay ``specs`` out in order, each slot aligned to :data:`SLOT_ALIGN_BYTES`."""
+        offsets: dict[str, int] = {}
+        cursor = 0
+        for name, spec in specs.items():
+            cursor = _align_up(cursor, SLOT_ALIGN_BYTES)
+            offsets[name] = cursor
+            cursor += spec.nbytes
+        return cls(dict(specs), offsets, max(_align_up(cursor, SLOT_ALIGN_BYTES), SLOT_ALIGN_BYTES))
+
+
+def specs_from_persistent(persistent: Mapping[str, torch.Tensor] | None) -> dict[str, TensorSpec]:
+    """Describe a receiver's preallocated tensors; check each is usable as a target.
+
+    Raises:
+        TypeError: ``persistent`` is not a mapping of str to Tensor.
+        ValueError: a tensor has no leading (rows) dimension or is not contiguous.
+    """
+    if persistent is None:
+        return {}
+    if not isinstance(persistent, Mapping):
+        raise TypeError(f"persistent must be a dict of name -> Tensor (or None); got {type(persistent).__name__}")
+    specs: dict[str, TensorSpec] = {}
+    for name, tensor in persistent.items():
+        if not isinstance(name, str):
+            raise TypeError(f"persistent keys must be str; got {name!r} ({type(name).__name__})")
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"persistent[{name!r}] must be a torch.Tensor; got {type(tensor).__name__}")
+        if tensor.dim() < 1:
+            raise ValueError(f"persistent[{name!r}] needs a leading rows dimension; got a 0-d tensor")
+        if not tensor.is_contiguous():
+            raise ValueError(
+                f"persistent[{name!r}] must be contiguous (rows are copied as one block); "
+                f"got strides {tuple(tensor.stride())} for shape {tuple(tensor.shape)}"
+            )
+        specs[name] = TensorSpec(tensor.dtype, tuple(int(d) for d in tensor.shape[1:]), int(tensor.shape[0]))
+    return specs
+
+
+def persistent_device(persistent: Mapping[str, torch.Tensor] | None) -> torch.device | None:
+    """Return the one device every persistent tensor is on (None when there are none).
+
+    Raises:
+        ValueError: the tensors are on different devices.
+    """
+    devices = {name: t.device for name, t in (persistent or {}).items()}
+    unique = set(devices.values())
+    if len(unique) > 1:
+        listing = ", ".join(f"{name}: {dev}" for name, dev in devices.items())
+        raise ValueError(f"every persistent tensor must be on one device; got {listing}")
+    return next(iter(unique)) if unique else None
+
+
+def validate_step(
+    specs: Mapping[str, TensorSpec], tensors: object, device: torch.device, next_stage: str
+) -> dict[str, int]:
+    """Check one step's tensors against the next stage's layout; return name -> row count.
+
+    Called before any GPU work, so a bad step leaves the transport untouched.
+
+    Raises:
+        TypeError: ``tensors`` is not a dict of str -> Tensor.
+        ValueError: a key is missing or unknown, or a tensor's dtype, row shape,
+            row count or device does not fit; the message names the key, what
+            was expected and what came.
+    """
+    if not isinstance(tensors, Mapping):
+        raise TypeError(f"send() takes a dict of name -> Tensor; got {type(tensors).__name__}")
+    got_keys = set(tensors)
+    want_keys = set(specs)
+    if got_keys != want_keys:
+        missing = sorted(want_keys - got_keys, key=str)
+        unknown = sorted(got_keys - want_keys, key=str)
+        raise ValueError(
+            f"send() keys do not match {next_stage}'s layout: expected {sorted(want_keys)}; "
+            f"missing {missing}, unknown {unknown}"
+        )
+    rows: dict[str, int] = {}
+    for name, spec in specs.items():
+        tensor = tensors[name]
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"send()[{name!r}] must be a torch.Tensor; got {type(tensor).__name__}")
+        if tensor.dtype != spec.dtype:
+            raise ValueError(f"send()[{name!r}]: expected dtype {spec.dtype}, got {tensor.dtype}")
+        if tensor.dim() < 1 or tuple(tensor.shape[1:]) != spec.row_shape:
+            raise ValueError(
+                f"send()[{name!r}]: expected shape (rows, *{spec.row_shape}), got {tuple(tensor.shape)}"
+            )
+        count = int(tensor.shape[0])
+        if count > spec.max_rows:
+            raise ValueError(f"send()[{name!r}]: expected at most {spec.max_rows} rows, got {count}")
+        if tensor.device != device:
+            raise ValueError(f"send()[{name!r}]: expected a tensor on {device}, got one on {tensor.device}")
+        rows[name] = count
+    return rows

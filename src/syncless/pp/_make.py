@@ -1,0 +1,151 @@
+"""``make_transport``: choose and build a pipeline transport, the same way on every stage."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from syncless._core import config
+from syncless._core.errors import CopyEngineUnavailable
+from syncless._core.logs import log_once
+from syncless.pp._base import Transport
+from syncless.pp._copy_engine import INJECTABLE_FAILURES, open_copy_engine
+from syncless.pp._group import agree, cpu_group, next_tag, resolve_stages
+from syncless.pp._layout import TensorSpec, persistent_device, specs_from_persistent
+from syncless.pp._torch_dist import TorchDistTransport
+
+logger = logging.getLogger("syncless.pp")
+
+BACKENDS = ("auto", "copy_engine", "torch_distributed")
+
+
+def _resolve_device(persistent: Mapping[str, torch.Tensor] | None, device: Any) -> torch.device:
+    held = persistent_device(persistent)
+    if device is None:
+        if held is not None:
+            chosen = held
+        elif torch.cuda.is_available():
+            chosen = torch.device("cuda", torch.cuda.current_device())
+        else:
+            chosen = torch.device("cpu")
+    else:
+        chosen = torch.device(device)
+    if chosen.type == "cuda" and chosen.index is None:
+        chosen = torch.device("cuda", torch.cuda.current_device())
+    if held is not None and held != chosen:
+        raise ValueError(f"device={chosen} but the persistent tensors are on {held}")
+    return chosen
+
+
+def make_transport(
+    group: Any,
+    persistent: Mapping[str, torch.Tensor] | None,
+    *,
+    stage_ranks: Sequence[int] | None = None,
+    backend: str | None = None,
+    timeout_s: float | None = None,
+    device: Any = None,
+    _inject_failure: str | None = None,
+) -> Transport:
+    """Build the transport between this stage and its neighbours; collective over ``group``.
+
+    Every stage calls it with the same ``group``, ``stage_ranks`` and
+    ``backend``. Blocks the host for a few exchanges over the group's CPU
+    side (a gloo group over the same ranks is created and cached when
+    ``group`` has no CPU backend); enqueues no GPU work except zeroing the
+    copy-engine buffers.
+
+    Args:
+        group: a torch.distributed process group, or None for the world.
+        persistent: name -> this stage's preallocated receive tensors
+            (leading dimension = the most rows a step may carry, contiguous);
+            None or ``{}`` on the first stage.
+        stage_ranks: global ranks in pipeline order; default the group's ranks
+            ascending. Stage i sends to stage i+1. Two stages may share a GPU.
+        backend: ``"auto"`` (copy engines when every stage can use them,
+            else torch.distributed, logged once with the reason),
+            ``"copy_engine"`` or ``"torch_distributed"``; None reads
+            ``SYNCLESS_PP_TRANSPORT``.
+        timeout_s: how long a stage waits for its peer before raising
+            :class:`~syncless.PeerTimeoutError`; None reads ``SYNCLESS_PP_TIMEOUT_S``.
+        device: this stage's device when ``persistent`` does not say it
+            (the first stage); default the current CUDA device, else the CPU.
+        _inject_failure: tests only: ``"mem_ops"`` or ``"peer_open"`` makes
+            this rank's copy-engine set-up fail at that step.
+
+    Raises:
+        CopyEngineUnavailable: ``backend="copy_engine"`` and some stage cannot
+            use copy engines; raised on every stage with the same message.
+        ValueError, TypeError: bad arguments (on every stage, naming the stage).
+        PeerTimeoutError: a stage did not take part in set-up.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("make_transport needs torch.distributed: call torch.distributed.init_process_group first")
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)} or None; got {backend!r}")
+    if _inject_failure is not None and _inject_failure not in INJECTABLE_FAILURES:
+        raise ValueError(f"_inject_failure must be one of {INJECTABLE_FAILURES}; got {_inject_failure!r}")
+    choice = config.resolve("SYNCLESS_PP_TRANSPORT", backend)
+    if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < float("inf")):
+        raise ValueError(f"timeout_s must be a positive number of seconds; got {timeout_s!r}")
+    timeout = float(config.resolve("SYNCLESS_PP_TIMEOUT_S", timeout_s))
+    if group is None:
+        group = dist.group.WORLD
+    stages = resolve_stages(dist.get_process_group_ranks(group), dist.get_rank(), stage_ranks)
+    side = cpu_group(stages.ranks, timeout)
+    tag = next_tag(side)
+
+    resolved: dict[str, Any] = {}
+
+    def local_layout() -> dict[str, TensorSpec]:
+        resolved["device"] = _resolve_device(persistent, device)
+        return specs_from_persistent(persistent)
+
+    specs = agree(side, stages, "make_transport", local_layout)
+    my_device = resolved["device"]
+    recv_specs = specs[stages.index] if stages.prev_rank is not None else {}
+    send_specs = specs[stages.index + 1] if stages.next_rank is not None else None
+    if stages.prev_rank is None:
+        specs = [recv_specs, *specs[1:]]
+
+    fallback_reason = None
+    if choice in ("auto", "copy_engine"):
+        try:
+            return open_copy_engine(
+                side_group=side,
+                stages=stages,
+                tag=tag,
+                specs=specs,
+                persistent=persistent or {},
+                device=my_device,
+                timeout_s=timeout,
+                inject_failure=_inject_failure,
+            )
+        except CopyEngineUnavailable as err:
+            if choice == "copy_engine":
+                raise
+            fallback_reason = str(err)
+            log_once(
+                logger,
+                logging.WARNING,
+                f"pp-fallback:{fallback_reason}",
+                "syncless.pp: using torch.distributed instead of copy engines: %s",
+                fallback_reason,
+            )
+    return TorchDistTransport(
+        group=group,
+        side_group=side,
+        stages=stages,
+        tag=tag,
+        recv_specs=recv_specs,
+        send_specs=send_specs,
+        persistent=persistent or {},
+        device=my_device,
+        timeout_s=timeout,
+        fallback_reason=fallback_reason,
+    )

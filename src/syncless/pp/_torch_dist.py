@@ -1,0 +1,222 @@
+"""The torch.distributed transport: the same interface over ``isend``/``irecv`` on any backend.
+
+Metadata (step and row counts) goes first over the CPU group with a host
+timeout; the data follows on the pipeline group itself (NCCL for CUDA
+tensors, gloo for CPU tensors). Over a gloo-only group, CUDA tensors are
+staged through host memory (the host then waits for each copy): a last resort
+that keeps CPU-less set-ups working, not a fast path.
+
+Ordering: the sender clones each tensor's rows on its current stream before
+handing them to the backend, so the caller may overwrite its tensors as soon
+as send() returns; the clones stay referenced until their sends complete. For
+NCCL the receiver's current stream is made to wait for the receive
+(``work.wait()`` without a timeout does not block the host); for gloo the
+host waits, bounded by the timeout. An NCCL receive whose peer died after its
+metadata arrived is bounded only by NCCL's own watchdog (the process group's
+timeout), not by ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from syncless._core.errors import PeerTimeoutError
+from syncless.pp._base import Transport
+from syncless.pp._group import StageMap, discard_cpu_group, recv_meta
+from syncless.pp._layout import TensorSpec, validate_step
+
+logger = logging.getLogger(__name__)
+
+
+def backend_for(group: Any, device_type: str) -> str:
+    """Return the name of the backend ``group`` uses for ``device_type`` tensors (e.g. ``"nccl"``)."""
+    import torch.distributed as dist
+
+    name = str(dist.get_backend(group))
+    if ":" not in name:
+        return name
+    for piece in name.split(","):
+        kind, _, backend = piece.partition(":")
+        if kind.strip() == device_type:
+            return backend.strip()
+    return name
+
+
+class TorchDistTransport(Transport):
+    """Pipeline transport over torch.distributed point-to-point ops; built by ``make_transport``."""
+
+    backend = "torch_distributed"
+
+    def __init__(
+        self,
+        *,
+        group: Any,
+        side_group: Any,
+        stages: StageMap,
+        tag: int,
+        recv_specs: dict[str, TensorSpec],
+        send_specs: dict[str, TensorSpec] | None,
+        persistent: Mapping[str, torch.Tensor],
+        device: torch.device,
+        timeout_s: float,
+        fallback_reason: str | None,
+    ):
+        self.device = device
+        self.fallback_reason = fallback_reason
+        self._group = group
+        self._side_group = side_group
+        self._stages = stages
+        self._meta_tag = tag
+        self._data_tag = tag + 1
+        self._recv_specs = recv_specs
+        self._send_specs = send_specs
+        self._persistent = dict(persistent)
+        self._timeout_s = timeout_s
+        self._send_step = 0
+        self._recv_step = 0
+        self._pending: deque[tuple[list[Any], list[torch.Tensor]]] = deque()
+        self._failure: BaseException | None = None
+        self._closed = False
+        data_backend = "gloo" if device.type == "cpu" else backend_for(group, device.type)
+        self._host_waits = data_backend == "gloo"
+        self._stage_via_host = device.type == "cuda" and data_backend == "gloo"
+        # gloo traffic goes over the private CPU group: a gloo timeout closes the
+        # connection, and that must never break the caller's own group.
+        if data_backend == "gloo":
+            self._group = side_group
+        # batch_isend_irecv must be the group's first P2P call on every rank when it is
+        # the group's first collective; with exactly two ranks every rank takes part.
+        self._batch = len(stages.ranks) == 2
+
+    def send(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Send one step to the next stage.
+
+        Clones the rows on the caller's current stream (staging them to host
+        memory over a gloo-only group, which blocks the host), then posts the
+        sends; NCCL runs them on its own stream after the clones. The caller
+        may overwrite ``tensors`` as soon as this returns.
+
+        Raises:
+            ValueError, TypeError: the step does not fit the next stage's layout (nothing was sent).
+        """
+        import torch.distributed as dist
+
+        self._check_usable()
+        if self._send_specs is None:
+            raise RuntimeError(f"{self._stages.name()} is the last stage: it has no next stage to send to")
+        rows = validate_step(self._send_specs, tensors, self.device, self._stages.name(self._stages.index + 1))
+        self._reap()
+        step = self._send_step + 1
+        meta = torch.tensor([step, *(rows[name] for name in self._send_specs)], dtype=torch.int64)
+        meta_work = dist.isend(meta, dst=self._stages.next_rank, group=self._side_group, tag=self._meta_tag)
+        payloads = []
+        for name in self._send_specs:
+            if rows[name]:
+                source = tensors[name]
+                if self._stage_via_host:
+                    payloads.append(source.to("cpu", copy=True).contiguous())
+                else:
+                    payloads.append(source.clone(memory_format=torch.contiguous_format))
+        works = [meta_work, *self._post(dist.isend, payloads, self._stages.next_rank)]
+        self._pending.append((works, [meta, *payloads]))
+        self._send_step = step
+
+    def recv(self) -> dict[str, torch.Tensor]:
+        """Receive the next step into the persistent tensors; return views with this step's rows.
+
+        Blocks the host until the metadata arrives (at most the timeout).
+        With NCCL the data receive is then ordered on the caller's current
+        stream without blocking the host; with gloo the host waits for it
+        (at most the timeout).
+
+        Raises:
+            PeerTimeoutError: the previous stage sent nothing within the timeout or its connection broke.
+        """
+        self._check_usable()
+        if self._stages.prev_rank is None:
+            raise RuntimeError(f"{self._stages.name()} is the first stage: it has no previous stage to receive from")
+        import torch.distributed as dist
+
+        step = self._recv_step + 1
+        what = f"{self._stages.name()} receiving step {step}"
+        names = list(self._recv_specs)
+        try:
+            meta = recv_meta(
+                self._side_group, self._stages.prev_rank, self._meta_tag, 1 + len(names), self._timeout_s, what
+            ).tolist()
+        except PeerTimeoutError as err:
+            self._failure = err
+            raise
+        rows = dict(zip(names, meta[1:]))
+        if meta[0] != step or any(not 0 <= r <= self._recv_specs[n].max_rows for n, r in rows.items()):
+            self._failure = RuntimeError(f"{what}: the peer's metadata {meta} does not match (protocol error)")
+            raise self._failure
+        targets = [self._persistent[n][: rows[n]] for n in names if rows[n]]
+        if self._stage_via_host:
+            landing = [torch.empty(t.shape, dtype=t.dtype) for t in targets]
+        else:
+            landing = targets
+        works = self._post(dist.irecv, landing, self._stages.prev_rank)
+        try:
+            for work in works:
+                if self._host_waits:
+                    work.wait(timeout=timedelta(seconds=self._timeout_s))
+                else:
+                    work.wait()
+        except RuntimeError as err:
+            discard_cpu_group(self._side_group)
+            self._failure = PeerTimeoutError(f"{what}: the data did not arrive within {self._timeout_s:g} s: {err}")
+            raise self._failure from err
+        if self._stage_via_host:
+            for target, landed in zip(targets, landing):
+                target.copy_(landed)
+        self._recv_step = step
+        return {n: self._persistent[n][: rows[n]] for n in names}
+
+    def _post(self, op: Any, tensors: list[torch.Tensor], peer: int) -> list[Any]:
+        import torch.distributed as dist
+
+        if not tensors:
+            return []
+        if self._batch:
+            ops = [dist.P2POp(op, t, peer, self._group, self._data_tag) for t in tensors]
+            return list(dist.batch_isend_irecv(ops))
+        return [op(t, peer, group=self._group, tag=self._data_tag) for t in tensors]
+
+    def _reap(self) -> None:
+        while self._pending and all(w.is_completed() for w in self._pending[0][0]):
+            self._pending.popleft()
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise RuntimeError("this transport is closed")
+        if self._failure is not None:
+            raise self._failure
+
+    def close(self) -> None:
+        """Finish this stage's sends, then refuse further calls; never waits for the peer to call close().
+
+        Blocks the host until every posted send completed (gloo: at most the
+        timeout each; NCCL: the current stream is made to wait instead).
+        Local: no collective.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        pending, self._pending = self._pending, deque()
+        for works, _buffers in pending:
+            for work in works:
+                try:
+                    if self._host_waits or work is works[0]:
+                        work.wait(timeout=timedelta(seconds=self._timeout_s))
+                    else:
+                        work.wait()
+                except RuntimeError as err:
+                    logger.warning("%s: a send did not complete before close(): %s", self._stages.name(), err)
+                    return

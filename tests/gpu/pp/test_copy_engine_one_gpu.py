@@ -1,0 +1,81 @@
+"""The copy-engine transport between processes that share one GPU (CUDA IPC on one device).
+
+Each test spawns ranks on cuda:0 over gloo, with a hard timeout, printing progress
+(run with -s to watch it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pytest
+
+from support.ranks import run_ranks
+
+_spec = importlib.util.spec_from_file_location(
+    "pp_cases", pathlib.Path(__file__).parents[2] / "unit" / "pp" / "pp_cases.py"
+)
+cases = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cases)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(200)]
+
+
+def test_two_stages_on_one_gpu_deliver_2000_steps_bit_exact():
+    results = run_ranks(
+        cases.bit_exact, 2, args=("cuda", 2000, 256, "copy_engine", "copy_engine"), devices=[0, 0], timeout_s=150
+    )
+    assert results[1] == {"backend": "copy_engine", "mismatches": 0, "steps": 2000}
+
+
+def test_three_stages_on_one_gpu_middle_stage_forwards_bit_exact():
+    results = run_ranks(
+        cases.bit_exact, 3, args=("cuda", 400, 64, "copy_engine", "copy_engine", [1, 2, 0]), devices=[0, 0, 0],
+        timeout_s=120,
+    )
+    assert [r["mismatches"] for r in results] == [0, 0, 0]
+
+
+def test_auto_picks_copy_engines_here():
+    results = run_ranks(cases.bit_exact, 2, args=("cuda", 50, 16, None, "copy_engine"), devices=[0, 0], timeout_s=90)
+    assert results[1]["mismatches"] == 0
+
+
+def test_bad_steps_raise_before_gpu_work_and_the_transport_keeps_working():
+    messages = run_ranks(cases.validation, 2, args=("cuda", "copy_engine"), devices=[0, 0], timeout_s=90)[0]
+    assert len(messages) == 7
+    assert any("got one on cpu" in m for m in messages)
+
+
+@pytest.mark.parametrize("inject_rank, inject", [(1, "mem_ops"), (0, "peer_open"), (1, "peer_open")])
+def test_one_rank_failing_set_up_fails_every_rank_alike_and_frees_everything(inject_rank, inject):
+    messages = run_ranks(
+        cases.uniform_failure, 2, args=("cuda", inject_rank, inject, 65536), devices=[0, 0], timeout_s=120
+    )
+    assert messages[0] == messages[1]
+    assert f"stage {inject_rank} (rank {inject_rank})" in messages[0] and "injected" in messages[0]
+
+
+def test_dead_sender_makes_recv_raise_within_the_timeout():
+    timeout_s = 5.0
+    results = run_ranks(
+        cases.peer_death, 2, args=("cuda", "copy_engine", timeout_s), devices=[0, 0], timeout_s=120, may_die={0}
+    )
+    assert results[0] is None
+    assert results[1] < timeout_s + 10
+
+
+def test_silent_sender_makes_recv_raise_after_the_timeout():
+    timeout_s = 2.0
+    results = run_ranks(
+        cases.stopped_sending, 2, args=("cuda", "copy_engine", timeout_s), devices=[0, 0], timeout_s=90
+    )
+    assert timeout_s * 0.9 <= results[1] < timeout_s + 10
+
+
+def test_gpu_wait_that_never_ends_is_released_and_reported():
+    results = run_ranks(cases.gpu_stall, 2, args=(2.0,), devices=[0, 0], timeout_s=120)
+    receiver = results[1]
+    assert "waited" in receiver["error"] and "timeout 2 s" in receiver["error"]
+    assert receiver["ids_poisoned"], "the released step should read the 0xFF poison, not the late data"

@@ -1,0 +1,71 @@
+"""Both pipeline transports between two GPUs over NVLink (and a third stage sharing a GPU).
+
+Each test spawns ranks with a hard timeout, printing progress (run with -s to watch it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pytest
+
+from support.ranks import run_ranks
+
+_spec = importlib.util.spec_from_file_location(
+    "pp_cases", pathlib.Path(__file__).parents[2] / "unit" / "pp" / "pp_cases.py"
+)
+cases = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cases)
+
+pytestmark = [pytest.mark.multi_gpu(count=2), pytest.mark.timeout(200)]
+
+
+def test_copy_engine_two_gpus_2000_steps_bit_exact():
+    results = run_ranks(
+        cases.bit_exact, 2, args=("cuda", 2000, 256, "copy_engine", "copy_engine"), devices=[0, 1], timeout_s=150
+    )
+    assert results[1] == {"backend": "copy_engine", "mismatches": 0, "steps": 2000}
+
+
+def test_copy_engine_reverse_direction():
+    results = run_ranks(
+        cases.bit_exact, 2, args=("cuda", 300, 64, "copy_engine", "copy_engine", [1, 0]), devices=[0, 1], timeout_s=90
+    )
+    assert results[0]["mismatches"] == 0
+
+
+def test_three_stages_on_two_gpus_middle_stage_forwards_bit_exact():
+    results = run_ranks(
+        cases.bit_exact, 3, args=("cuda", 500, 64, "copy_engine", "copy_engine"), devices=[0, 1, 1], timeout_s=120
+    )
+    assert [r["mismatches"] for r in results] == [0, 0, 0]
+
+
+def test_torch_distributed_nccl_2000_steps_bit_exact():
+    results = run_ranks(
+        cases.bit_exact, 2, args=("cuda", 2000, 256, "torch_distributed", "torch_distributed"), backend="nccl",
+        devices=[0, 1], timeout_s=150,
+    )
+    assert results[1] == {"backend": "torch_distributed", "mismatches": 0, "steps": 2000}
+
+
+def test_tensor_on_the_wrong_gpu_is_refused():
+    messages = run_ranks(cases.validation, 2, args=("cuda", "copy_engine", 1), devices=[0, 1], timeout_s=90)[0]
+    assert len(messages) == 8
+    assert any("expected a tensor on cuda:0, got one on cuda:1" in m for m in messages)
+
+
+def test_uniform_failure_across_two_gpus():
+    messages = run_ranks(
+        cases.uniform_failure, 2, args=("cuda", 1, "peer_open", 65536), devices=[0, 1], timeout_s=120
+    )
+    assert messages[0] == messages[1] and "stage 1 (rank 1)" in messages[0]
+
+
+def test_doctor_choice_is_copy_engine_over_nvlink():
+    from syncless.pp import describe_local_choice
+
+    result = describe_local_choice()
+    assert result["transport"] == "copy_engine", result
+    assert any(c["name"] == "NVLink 0<->1" and c["ok"] for c in result["checks"]), result

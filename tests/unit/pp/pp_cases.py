@@ -1,0 +1,352 @@
+"""Rank bodies for the pipeline-transport tests, shared by the CPU, GPU and multi-GPU suites.
+
+Each body runs in every rank (see ``support.ranks.run_ranks``) and returns
+what the parent asserts on. Device-agnostic: ``kind`` is ``"cpu"`` or
+``"cuda"`` (the rank's current CUDA device, set by ``run_ranks(devices=...)``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from support.ranks import say
+from syncless.pp import CopyEngineUnavailable, PeerTimeoutError, make_transport
+
+SPEC = {"hidden": (torch.bfloat16, (96,)), "stats": (torch.float32, (3, 4)), "ids": (torch.int64, ())}
+BITS = {torch.bfloat16: torch.int16, torch.float32: torch.int32, torch.int64: torch.int64}
+
+
+def _device(kind):
+    return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
+
+
+def _persistent(device, max_rows, poison=True):
+    out = {}
+    for name, (dtype, row) in SPEC.items():
+        t = torch.empty((max_rows, *row), dtype=dtype, device=device)
+        _poison(t)
+        out[name] = t
+    return out
+
+
+def _poison(t):
+    if t.dtype.is_floating_point:
+        t.fill_(float("nan"))
+    else:
+        t.fill_(-7)
+
+
+def _rows(seed, step, max_rows):
+    rng = random.Random(seed * 1_000_003 + step)
+    pick = rng.random()
+    if pick < 0.1:
+        return {name: 0 for name in SPEC}
+    if pick < 0.2:
+        return {name: max_rows for name in SPEC}
+    return {name: rng.randint(0, max_rows) for name in SPEC}
+
+
+def expected(seed, step, max_rows, device):
+    """The step's data, reproducible on any rank: rows from a seeded RNG, values from a seeded generator."""
+    rows = _rows(seed, step, max_rows)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed * 7919 + step)
+    n = rows["hidden"]
+    hidden = torch.randn((n, 96), generator=gen, device=device).to(torch.bfloat16)
+    m = rows["stats"]
+    if step % 5 == 0:  # a non-contiguous source on some steps
+        stats = torch.randn((m, 4, 3), generator=gen, device=device).transpose(1, 2)
+    else:
+        stats = torch.randn((m, 3, 4), generator=gen, device=device)
+    ids = torch.randint(-(2**40), 2**40, (rows["ids"],), generator=gen, device=device)
+    return {"hidden": hidden, "stats": stats, "ids": ids}
+
+
+def _mismatches(out, exp):
+    total = None
+    for name in SPEC:
+        if out[name].shape != exp[name].shape:
+            raise AssertionError(f"{name}: got shape {tuple(out[name].shape)}, expected {tuple(exp[name].shape)}")
+        bits = BITS[exp[name].dtype]
+        diff = (out[name].contiguous().view(bits) != exp[name].contiguous().view(bits)).sum()
+        total = diff if total is None else total + diff
+    return total
+
+
+def _maybe_sleep(kind, rng, chance):
+    if kind == "cuda" and rng.random() < chance:
+        torch.cuda._sleep(rng.randint(20_000, 2_000_000))
+
+
+def bit_exact(rank, world, kind, steps, max_rows, backend, expect_backend, stage_ranks=None, seed=1234, timeout_s=60):
+    """Stage 0 makes fresh data each step; every later stage checks it bit for bit, middle stages forward it."""
+    device = _device(kind)
+    order = list(stage_ranks) if stage_ranks else list(range(world))
+    index = order.index(rank)
+    first, last = index == 0, index == len(order) - 1
+    persistent = None if first else _persistent(device, max_rows)
+    transport = make_transport(
+        None, persistent, stage_ranks=order, backend=backend, timeout_s=timeout_s, device=device
+    )
+    say(f"stage {index}: transport {transport.backend} (fallback: {transport.fallback_reason})")
+    if transport.backend != expect_backend:
+        raise AssertionError(f"expected the {expect_backend} transport, got {transport.backend}")
+    rng = random.Random(seed + rank)
+    bad = torch.zeros((), dtype=torch.int64, device=device)
+    src = _persistent(device, max_rows) if first else None
+    for step in range(1, steps + 1):
+        if first:
+            exp = expected(seed, step, max_rows, device)
+            tensors = {}
+            for name, value in exp.items():
+                if name == "stats" and step % 5 == 0:
+                    tensors[name] = value  # already a non-contiguous view
+                else:
+                    src[name][: value.shape[0]].copy_(value)
+                    tensors[name] = src[name][: value.shape[0]]
+            _maybe_sleep(kind, rng, 0.05)
+            transport.send(tensors)
+            for t in src.values():  # the caller reuses its buffers at once
+                _poison(t)
+            if step % 5 == 0:
+                exp["stats"].fill_(float("nan"))
+        else:
+            for t in persistent.values():
+                _poison(t)
+            _maybe_sleep(kind, rng, 0.15)  # a long kernel before reading: back-pressure on the sender
+            out = transport.recv()
+            bad += _mismatches(out, expected(seed, step, max_rows, device))
+            if not last:
+                transport.send(out)
+        if step % 250 == 0 or step == steps:
+            if not first and int(bad) != 0:
+                raise AssertionError(f"stage {index}: {int(bad)} mismatching elements by step {step}")
+            say(f"stage {index}: {step}/{steps} steps ok")
+    if kind == "cuda":
+        torch.cuda.synchronize()
+    transport.close()
+    return {"backend": transport.backend, "mismatches": int(bad), "steps": steps}
+
+
+def validation(rank, world, kind, backend, other_device=None):
+    """Bad steps raise ValueError/TypeError naming expected and got; the transport keeps working."""
+    device = _device(kind)
+    max_rows = 8
+    transport = make_transport(None, None if rank == 0 else _persistent(device, max_rows), backend=backend, device=device)
+    messages = []
+    if rank == 0:
+        good = expected(7, 1, max_rows, device)
+        if sum(t.shape[0] for t in good.values()) == 0:
+            raise AssertionError("seed gives an empty step")
+        h = good["hidden"]
+        cases = [
+            ({k: v for k, v in good.items() if k != "ids"}, ValueError, "missing ['ids']"),
+            ({**good, "bogus": h}, ValueError, "unknown ['bogus']"),
+            ({**good, "hidden": h.float()}, ValueError, "expected dtype torch.bfloat16, got torch.float32"),
+            ({**good, "hidden": torch.zeros((2, 95), dtype=torch.bfloat16, device=device)}, ValueError,
+             "expected shape (rows, *(96,)), got (2, 95)"),
+            ({**good, "ids": torch.zeros(max_rows + 1, dtype=torch.int64, device=device)}, ValueError,
+             f"expected at most {max_rows} rows, got {max_rows + 1}"),
+            ({**good, "ids": "not a tensor"}, TypeError, "['ids'] must be a torch.Tensor"),
+        ]
+        if kind == "cuda":
+            cases.append(({**good, "hidden": h.cpu()}, ValueError, f"expected a tensor on {device}, got one on cpu"))
+            if other_device is not None:
+                elsewhere = torch.device("cuda", other_device)
+                cases.append(({**good, "hidden": h.to(elsewhere)}, ValueError, f"got one on {elsewhere}"))
+        else:
+            cases.append(({**good, "hidden": h.to("meta")}, ValueError, "expected a tensor on cpu, got one on meta"))
+        for step, err_type, words in cases:
+            try:
+                transport.send(step)
+            except err_type as err:
+                if words not in str(err):
+                    raise AssertionError(f"message {str(err)!r} lacks {words!r}") from err
+                messages.append(str(err))
+            else:
+                raise AssertionError(f"send() accepted a bad step ({words})")
+        transport.send(good)
+    else:
+        out = transport.recv()
+        if int(_mismatches(out, expected(7, 1, max_rows, device))) != 0:
+            raise AssertionError("the good step after the bad ones arrived wrong")
+    dist.barrier()
+    transport.close()
+    return messages
+
+
+class _Count(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def uniform_failure(rank, world, kind, inject_rank, inject, region_rows):
+    """One rank's set-up fails: every rank raises the same error, frees everything, and auto falls back once."""
+    from syncless.pp._driver import live_resources
+
+    device = _device(kind)
+    persistent = None if rank == 0 else _persistent(device, region_rows)
+    counter = _Count()
+    logging.getLogger("syncless.pp").addHandler(counter)
+    inject_here = inject if rank == inject_rank else None
+
+    def free_bytes():
+        if kind != "cuda":
+            return 0
+        torch.cuda.synchronize()
+        return torch.cuda.mem_get_info(device)[0]
+
+    if kind == "cuda":  # warm the driver's IPC and peer machinery so the baseline is steady
+        make_transport(None, persistent, backend="copy_engine", device=device).close()
+    dist.barrier()
+    baseline = free_bytes()
+    dist.barrier()
+    try:
+        make_transport(None, persistent, backend="copy_engine", device=device, _inject_failure=inject_here)
+    except CopyEngineUnavailable as err:
+        message = str(err)
+    else:
+        raise AssertionError("copy-engine set-up succeeded although one rank failed")
+    dist.barrier()
+    after = free_bytes()
+    leaks = live_resources()
+    if leaks:
+        raise AssertionError(f"resources still held after the failed set-up: {leaks}")
+    if kind == "cuda" and abs(after - baseline) >= 2 << 20:
+        raise AssertionError(f"device memory did not return to baseline: {baseline} -> {after} free bytes")
+    say(f"failed uniformly: {message}")
+    transports = [
+        make_transport(None, persistent, backend=None, device=device, _inject_failure=inject_here) for _ in range(2)
+    ]
+    for transport in transports:
+        if transport.backend != "torch_distributed" or transport.fallback_reason != message:
+            raise AssertionError(f"fallback not as expected: {transport.backend}, {transport.fallback_reason!r}")
+    logged = [m for m in counter.messages if message in m]
+    if len(logged) != 1:
+        raise AssertionError(f"the fallback reason was logged {len(logged)} times: {counter.messages}")
+    fallback = transports[1]
+    for step in range(1, 4):
+        if rank == 0:
+            fallback.send(expected(11, step, region_rows, device))
+        elif int(_mismatches(fallback.recv(), expected(11, step, region_rows, device))) != 0:
+            raise AssertionError("the fallback transport delivered wrong data")
+    dist.barrier()
+    for transport in transports:
+        transport.close()
+    return message
+
+
+def peer_death(rank, world, kind, backend, timeout_s, steps_before=20):
+    """The sender is killed after some steps; the receiver's next recv raises PeerTimeoutError in time."""
+    device = _device(kind)
+    max_rows = 16
+    transport = make_transport(
+        None, None if rank == 0 else _persistent(device, max_rows), backend=backend, timeout_s=timeout_s, device=device
+    )
+    for step in range(1, steps_before + 1):
+        if rank == 0:
+            transport.send(expected(5, step, max_rows, device))
+        elif int(_mismatches(transport.recv(), expected(5, step, max_rows, device))) != 0:
+            raise AssertionError("data wrong before the peer died")
+    if kind == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()
+    if rank == 0:
+        say("killing myself (the sender)")
+        os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+    start = time.monotonic()
+    try:
+        transport.recv()
+    except PeerTimeoutError as err:
+        waited = time.monotonic() - start
+        say(f"recv raised after {waited:.1f} s: {err}")
+    else:
+        raise AssertionError("recv() returned although the sender is dead")
+    try:
+        transport.recv()
+    except PeerTimeoutError:
+        pass
+    else:
+        raise AssertionError("the transport kept working after its peer died")
+    start_close = time.monotonic()
+    transport.close()
+    say(f"close() took {time.monotonic() - start_close:.1f} s")
+    return waited
+
+
+def stopped_sending(rank, world, kind, backend, timeout_s):
+    """The sender stays alive but sends nothing: the receiver raises PeerTimeoutError after the timeout."""
+    device = _device(kind)
+    max_rows = 4
+    transport = make_transport(
+        None, None if rank == 0 else _persistent(device, max_rows), backend=backend, timeout_s=timeout_s, device=device
+    )
+    waited = None
+    if rank == 0:
+        transport.send(expected(3, 1, max_rows, device))
+    else:
+        transport.recv()
+        start = time.monotonic()
+        try:
+            transport.recv()
+        except PeerTimeoutError as err:
+            waited = time.monotonic() - start
+            say(f"recv raised after {waited:.1f} s: {err}")
+        else:
+            raise AssertionError("recv() returned although nothing was sent")
+    dist.barrier()
+    transport.close()
+    return waited
+
+
+def gpu_stall(rank, world, timeout_s):
+    """Metadata arrives but the sender's GPU is stuck: the receiver's GPU wait is released and the next call raises."""
+    device = _device("cuda")
+    max_rows = 8
+    persistent = None if rank == 0 else _persistent(device, max_rows)
+    transport = make_transport(None, persistent, backend="copy_engine", timeout_s=timeout_s, device=device)
+    result = {}
+    if rank == 0:
+        transport.send(expected(9, 1, max_rows, device))
+        # Hold the sender's current stream (the pack) for about three timeouts.
+        torch.cuda._sleep(int(3 * timeout_s * 2.0e9))
+        transport.send(_full_step(device, max_rows))
+    else:
+        if int(_mismatches(transport.recv(), expected(9, 1, max_rows, device))) != 0:
+            raise AssertionError("step 1 wrong")
+        out = transport.recv()  # metadata arrives at once; the data never does in time
+        start = time.monotonic()
+        torch.cuda.synchronize()  # must come back once the watchdog releases the wait
+        result["synchronize_s"] = time.monotonic() - start
+        result["ids_poisoned"] = bool((out["ids"] == -1).all())
+        try:
+            transport.recv()
+        except PeerTimeoutError as err:
+            result["error"] = str(err)
+        else:
+            raise AssertionError("recv() after a released wait did not raise")
+    torch.cuda.synchronize()
+    dist.barrier()
+    transport.close()
+    return result
+
+
+def _full_step(device, max_rows):
+    """A step with every row filled with fresh random values."""
+    return {
+        "hidden": torch.randn((max_rows, 96), device=device).to(torch.bfloat16),
+        "stats": torch.randn((max_rows, 3, 4), device=device),
+        "ids": torch.randint(0, 2**40, (max_rows,), device=device),
+    }

@@ -1,0 +1,104 @@
+"""Layouts and step validation: plain logic on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from syncless.pp._layout import SLOT_ALIGN_BYTES, Layout, persistent_device, specs_from_persistent, validate_step
+
+
+def _persistent():
+    return {
+        "hidden": torch.empty(7, 5, dtype=torch.bfloat16),
+        "stats": torch.empty(7, 3, 2, dtype=torch.float32),
+        "ids": torch.empty(9, dtype=torch.int64),
+    }
+
+
+def test_layout_slots_are_aligned_disjoint_and_in_order():
+    specs = specs_from_persistent(_persistent())
+    layout = Layout.from_specs(specs)
+    assert layout.names == ["hidden", "stats", "ids"]
+    ends = []
+    for name in layout.names:
+        offset = layout.offsets[name]
+        assert offset % SLOT_ALIGN_BYTES == 0
+        assert all(offset >= end for end in ends)
+        ends.append(offset + specs[name].nbytes)
+    assert specs["hidden"].nbytes == 7 * 5 * 2
+    assert specs["stats"].row_nbytes == 3 * 2 * 4
+    assert specs["ids"].row_shape == () and specs["ids"].nbytes == 9 * 8
+    assert layout.nbytes >= max(ends) and layout.nbytes % SLOT_ALIGN_BYTES == 0
+
+
+def test_empty_layout_still_has_bytes():
+    assert Layout.from_specs({}).nbytes == SLOT_ALIGN_BYTES
+
+
+def test_persistent_must_be_contiguous_tensors_with_rows():
+    with pytest.raises(ValueError, match="contiguous"):
+        specs_from_persistent({"x": torch.empty(4, 6).t()})
+    with pytest.raises(ValueError, match="0-d"):
+        specs_from_persistent({"x": torch.tensor(1.0)})
+    with pytest.raises(TypeError, match="Tensor"):
+        specs_from_persistent({"x": [1, 2]})
+    with pytest.raises(TypeError, match="dict"):
+        specs_from_persistent([torch.empty(1)])
+    assert specs_from_persistent(None) == {}
+
+
+def test_persistent_device_rejects_mixed_devices():
+    assert persistent_device({"a": torch.empty(1), "b": torch.empty(1)}) == torch.device("cpu")
+    assert persistent_device({}) is None
+    with pytest.raises(ValueError, match="one device"):
+        persistent_device({"a": torch.empty(1), "b": torch.empty(1, device="meta")})
+
+
+def _good_step(rows=3):
+    return {
+        "hidden": torch.randn(rows, 5).to(torch.bfloat16),
+        "stats": torch.randn(rows, 3, 2),
+        "ids": torch.randint(0, 100, (rows,)),
+    }
+
+
+def test_validate_step_returns_rows_and_accepts_zero_and_max():
+    specs = specs_from_persistent(_persistent())
+    cpu = torch.device("cpu")
+    assert validate_step(specs, _good_step(3), cpu, "stage 1") == {"hidden": 3, "stats": 3, "ids": 3}
+    step = _good_step(0)
+    step["ids"] = torch.randint(0, 100, (9,))
+    assert validate_step(specs, step, cpu, "stage 1") == {"hidden": 0, "stats": 0, "ids": 9}
+    noncontiguous = _good_step(2)
+    noncontiguous["stats"] = torch.randn(2, 2, 3).transpose(1, 2)
+    assert validate_step(specs, noncontiguous, cpu, "stage 1")["stats"] == 2
+
+
+@pytest.mark.parametrize(
+    "mutate, pattern",
+    [
+        (lambda s: s.pop("ids"), r"missing \['ids'\]"),
+        (lambda s: s.update(extra=torch.zeros(1)), r"unknown \['extra'\]"),
+        (lambda s: s.update(hidden=torch.randn(3, 5)), r"'hidden'.*expected dtype torch.bfloat16, got torch.float32"),
+        (lambda s: s.update(stats=torch.randn(3, 2, 3)), r"'stats'.*expected shape \(rows, \*\(3, 2\)\), got \(3, 2, 3\)"),
+        (lambda s: s.update(ids=torch.randint(0, 9, (10,))), r"'ids'.*expected at most 9 rows, got 10"),
+        (lambda s: s.update(hidden=torch.empty(3, 5, dtype=torch.bfloat16, device="meta")), r"'hidden'.*expected a tensor on cpu, got one on meta"),
+    ],
+)
+def test_validate_step_names_key_expected_and_got(mutate, pattern):
+    specs = specs_from_persistent(_persistent())
+    step = _good_step(3)
+    mutate(step)
+    with pytest.raises(ValueError, match=pattern):
+        validate_step(specs, step, torch.device("cpu"), "stage 1 (rank 1)")
+
+
+def test_validate_step_type_errors():
+    specs = specs_from_persistent(_persistent())
+    with pytest.raises(TypeError, match="dict"):
+        validate_step(specs, [1], torch.device("cpu"), "stage 1")
+    step = _good_step()
+    step["ids"] = [1, 2]
+    with pytest.raises(TypeError, match="'ids'"):
+        validate_step(specs, step, torch.device("cpu"), "stage 1")
