@@ -19,6 +19,7 @@ from syncless._core.errors import SynclessError
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("syncless.doctor", "show what this machine offers and what syncless would choose"),
     "bench": ("syncless.bench._cli", "measure syncless against the plain path and write reports"),
+    "trace": ("syncless.syncs._trace", "run a script with chosen functions checked for hidden GPU syncs (record mode)"),
 }
 
 

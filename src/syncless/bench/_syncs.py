@@ -1,0 +1,220 @@
+"""``syncless bench syncs``: what the hidden-sync detector costs, side by side with the plain path.
+
+Measured in one run, host time per call (median of repeats of a timed loop):
+
+* a disabled ``allowed()`` (mode off: one shared no-op context manager)
+  against a bare ``with nullcontext()``; goal: at most 1.5x;
+* entering and leaving a checked region (``with checking()`` and a
+  ``@checked`` call) against a plain block and a plain call;
+* ``Tensor.copy_`` and ``Tensor.to`` wrapped by the detector against the
+  originals, outside a checked region (goal: at most 0.5 us added per call)
+  and inside one (the classification runs; no goal).
+
+On a GPU the copies are ``non_blocking`` pinned host-to-device copies of
+4 KiB (enqueued on the current stream; the host only enqueues) and the real
+debug mode is armed; on a CPU-only machine they are small CPU copies and a
+stand-in for torch's debug-mode switch is used, so the Python side is
+measured either way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from syncless.bench._report import BenchOutput, Goal
+
+ALLOWED_GOAL_RATIO = 1.5
+COPY_GOAL_ADDED_US = 0.5
+
+
+def _ns_per_call(body: Callable[[int], None], loops: int, repeats: int) -> float:
+    """Median over ``repeats`` of the time per iteration of ``body(loops)``."""
+    body(max(loops // 10, 1))  # warm-up
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter_ns()
+        body(loops)
+        samples.append((time.perf_counter_ns() - start) / loops)
+    return statistics.median(samples)
+
+
+def _with_nullcontext(n: int) -> None:
+    nullcontext = contextlib.nullcontext
+    for _ in range(n):
+        with nullcontext():
+            pass
+
+
+def _context_loop(factory: Callable[[], Any]) -> Callable[[int], None]:
+    def body(n: int) -> None:
+        for _ in range(n):
+            with factory():
+                pass
+
+    return body
+
+
+def _call_loop(fn: Callable[[], Any]) -> Callable[[int], None]:
+    def body(n: int) -> None:
+        for _ in range(n):
+            fn()
+
+    return body
+
+
+def _copy_workloads(torch: Any, on_gpu: bool) -> dict[str, Callable[[int], None]]:
+    """The two copies measured, as loops (the same callables before and after enable())."""
+    from syncless.syncs import allowed
+
+    if on_gpu:
+        device = torch.device("cuda", 0)
+        host = torch.randn(1024).pin_memory()  # 4 KiB
+        target = torch.empty(1024, device=device)
+        copy_ = lambda: target.copy_(host, non_blocking=True)  # noqa: E731
+        to = lambda: host.to(device, non_blocking=True)  # noqa: E731
+    else:
+        src = torch.randn(1024)
+        dst = torch.empty(1024)
+        copy_ = lambda: dst.copy_(src)  # noqa: E731
+        to = lambda: src.to(torch.float64)  # noqa: E731
+
+    def loop(op: Callable[[], Any]) -> Callable[[int], None]:
+        def body(n: int) -> None:
+            for _ in range(n):
+                op()
+            if on_gpu:
+                with allowed():  # keep the queue short between samples (a deliberate wait)
+                    torch.cuda.synchronize()
+
+        return body
+
+    return {"Tensor.copy_": loop(copy_), "Tensor.to": loop(to)}
+
+
+def run(args: Any, progress: Callable[[str], None]) -> BenchOutput:
+    """Measure the detector's costs; see the module docstring."""
+    import torch
+
+    from syncless import syncs
+    from syncless.syncs import _debugmode
+
+    on_gpu = torch.cuda.is_available()
+    loops = 20_000 if args.quick else 200_000
+    copy_loops = 2_000 if args.quick else 20_000
+    repeats = 5 if args.quick else 15
+    where = f"GPU ({torch.cuda.get_device_name(0)})" if on_gpu else "CPU only (stand-in debug-mode switch)"
+    progress(f"measuring on {where}, {loops} loops x {repeats} repeats")
+
+    mode_before, enabled_before = syncs.mode(), syncs.is_enabled()
+    if enabled_before:
+        syncs.disable()
+    rows_allowed, rows_region, rows_copy = [], [], []
+    data: dict[str, Any] = {"on_gpu": on_gpu, "loops": loops, "copy_loops": copy_loops, "repeats": repeats}
+    with contextlib.ExitStack() as stack:
+        if not on_gpu:
+            stack.enter_context(_debugmode.fake())
+        try:
+            # 1. allowed() with the mode off against a bare nullcontext.
+            syncs.set_mode("off")
+            bare = _ns_per_call(_with_nullcontext, loops, repeats)
+            disabled = _ns_per_call(_context_loop(syncs.allowed), loops, repeats)
+            rows_allowed.append(["with nullcontext()", bare, 1.0])
+            rows_allowed.append(["with allowed()  (mode off)", disabled, disabled / bare])
+            progress(f"allowed() off: {disabled:.0f} ns vs nullcontext {bare:.0f} ns")
+
+            # 2. entering and leaving a checked region, detector on.
+            def plain() -> None:
+                return None
+
+            syncs.set_mode("record")
+            wrapped_plain = syncs.checked(plain)
+            workloads = _copy_workloads(torch, on_gpu)
+            originals = {name: _ns_per_call(body, copy_loops, repeats) for name, body in workloads.items()}
+            if not syncs.enable():
+                raise RuntimeError("the detector could not be enabled for the benchmark")
+            base_block = _ns_per_call(_context_loop(contextlib.nullcontext), loops, repeats)
+            region = _ns_per_call(_context_loop(syncs.checking), loops, repeats)
+            base_call = _ns_per_call(_call_loop(plain), loops, repeats)
+            checked_call = _ns_per_call(_call_loop(wrapped_plain), loops, repeats)
+            rows_region += [
+                ["with nullcontext()", base_block, 0.0],
+                ["with checking()", region, region - base_block],
+                ["plain call", base_call, 0.0],
+                ["@checked call", checked_call, checked_call - base_call],
+            ]
+            progress(f"checked region: {region:.0f} ns, @checked call: {checked_call:.0f} ns")
+
+            # 3. wrapped copies against the originals, outside and inside a region.
+            for name, body in workloads.items():
+                outside = _ns_per_call(body, copy_loops, repeats)
+                with syncs.checking():
+                    inside = _ns_per_call(body, copy_loops, repeats)
+                original = originals[name]
+                rows_copy.append([name, original, outside, (outside - original) / 1000, inside, (inside - original) / 1000])
+                progress(f"{name}: original {original:.0f} ns, wrapped {outside:.0f} ns, in region {inside:.0f} ns")
+            if syncs.report():
+                raise RuntimeError("the benchmark's own copies were reported:\n" + syncs.report().format())
+        finally:
+            syncs.disable()
+            syncs.reset()
+            syncs.set_mode(mode_before)
+            if enabled_before:
+                syncs.enable()
+
+    data.update(allowed=rows_allowed, region=rows_region, copies=rows_copy)
+    worst_added_us = max(row[3] for row in rows_copy)
+    goals = [
+        Goal(f"disabled allowed() vs bare nullcontext ({'GPU' if on_gpu else 'CPU'})", rows_allowed[1][2], ALLOWED_GOAL_RATIO, "x"),
+        Goal("wrapped Tensor.copy_/Tensor.to, outside a region: added time per call", worst_added_us, COPY_GOAL_ADDED_US, "us"),
+    ]
+    copy_kind = "4 KiB pinned non_blocking H2D" if on_gpu else "4 KiB CPU copy / dtype conversion"
+
+    def plot(path) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        labels = [r[0] for r in rows_allowed] + [r[0] for r in rows_region]
+        values = [r[1] for r in rows_allowed] + [r[1] for r in rows_region]
+        fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+        left.barh(labels, values, color=["#999999", "#1f77b4"] + ["#999999", "#1f77b4"] * 2)
+        left.set_xlabel("ns per use")
+        left.set_title("context managers and checked calls")
+        names = [r[0] for r in rows_copy]
+        positions = range(len(names))
+        width = 0.27
+        for offset, column, label in ((-width, 1, "original"), (0.0, 2, "wrapped, outside region"), (width, 4, "wrapped, in region")):
+            right.bar([p + offset for p in positions], [r[column] for r in rows_copy], width, label=label)
+        right.set_xticks(list(positions), names)
+        right.set_ylabel("ns per call")
+        right.set_title(f"copies ({copy_kind})")
+        right.legend()
+        fig.suptitle(f"syncless.syncs overhead, {where}")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+
+    return BenchOutput(
+        name="syncs",
+        title="Hidden-sync detector overhead",
+        data=data,
+        tables=[
+            ("allowed() with the mode off", ["block", "ns per use", "ratio to nullcontext"], rows_allowed),
+            ("Entering and leaving a checked region (detector on)", ["what", "ns per use", "added ns"], rows_region),
+            (f"Copies: {copy_kind}", ["op", "original ns", "wrapped ns", "added us", "in region ns", "added in region us"], rows_copy),
+        ],
+        goals=goals,
+        plot=plot,
+        notes=[
+            f"Measured on {where}; median of {repeats} timed loops each.",
+            "Outside a checked region a wrapped copy costs one ContextVar read and a Python call; inside one the "
+            "copy is classified (argument parsing, is_pinned, layout), which is the price of checking, not of "
+            "running unchecked.",
+            "With SYNCLESS_SYNC_CHECK=off (the default) nothing is wrapped at all.",
+        ],
+    )

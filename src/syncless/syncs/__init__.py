@@ -1,0 +1,251 @@
+"""The hidden-sync detector: find GPU<->CPU syncs in code marked hot.
+
+Typical use::
+
+    from syncless import syncs
+
+    @syncs.checked
+    def decode_step(batch): ...
+
+    load_model(); warm_up()
+    syncs.enable()            # nothing is checked before this
+    for batch in stream: decode_step(batch)
+
+The mode comes from ``SYNCLESS_SYNC_CHECK`` (``off``, ``warn``, ``error``,
+``record``), read once at import. With ``off`` everything is free:
+:func:`checked` returns the function itself and :func:`allowed` returns one
+shared no-op context manager.
+
+A sync is a violation only on the thread (asyncio task) that is inside a
+checked region and outside every allow region. Explicit syncs (``.item()``,
+``nonzero``, blocking copies, ...) are seen through torch's sync debug mode,
+armed at "warn" while any region is active; implicit ones (``non_blocking``
+copies that block anyway) through wrappers of ``Tensor.to``/``cuda``/``copy_``;
+host waits (``torch.cuda.synchronize()``, ``Event.synchronize()``, ...)
+through wrappers of those. Nothing here enqueues GPU work or blocks the host
+by itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from syncless._core.errors import SyncViolation
+from syncless._core.logs import log_once
+from syncless.syncs import _copies, _debugmode, _hook, _state, _waits
+from syncless.syncs._report import SyncReport, SyncSite, SyncWarning, Violation, recorder
+from syncless.syncs._state import MODES, settings
+
+__all__ = [
+    "MODES",
+    "SyncReport",
+    "SyncSite",
+    "SyncViolation",
+    "SyncWarning",
+    "Violation",
+    "allowed",
+    "checked",
+    "checking",
+    "disable",
+    "enable",
+    "is_enabled",
+    "mode",
+    "print_report",
+    "report",
+    "reset",
+    "set_mode",
+]
+
+_log = logging.getLogger(__name__)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class _NoOp:
+    """The shared context manager handed out when the mode is off."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc_info: object) -> None:
+        return None
+
+
+_NOOP = _NoOp()
+
+
+def mode() -> str:
+    """Return the current mode: ``off``, ``warn``, ``error`` or ``record``."""
+    return settings.mode
+
+
+def set_mode(new_mode: str) -> None:
+    """Set the mode, overriding ``SYNCLESS_SYNC_CHECK``.
+
+    :func:`checked` decides when it decorates: a function decorated while the
+    mode was ``off`` stays unchecked. Set the mode before importing the code
+    that uses the decorator.
+
+    Raises:
+        ValueError: ``new_mode`` is not one of :data:`MODES`.
+    """
+    settings.mode = _state.validate_mode(new_mode)
+
+
+def is_enabled() -> bool:
+    """Return whether :func:`enable` has opened the gate (and there is something to check)."""
+    return settings.enabled
+
+
+def enable() -> bool:
+    """Open the gate: from now on syncs in checked regions count.
+
+    Installs the warnings hook and the wrappers of ``Tensor.to``/``cuda``/
+    ``copy_`` and of the host waits. Call it after model load and warm-up,
+    so that set-up may synchronize freely. Idempotent.
+
+    Returns:
+        True if the detector is active. False when the mode is ``off``, or
+        when this torch build has no CUDA sync debug mode or no GPU (said
+        once in the log); everything then stays a no-op.
+    """
+    with settings.lock:
+        if settings.enabled:
+            return True
+        if settings.mode == "off":
+            return False
+        reason = _debugmode.backend().unavailable_reason()
+        if reason is not None:
+            log_once(_log, logging.WARNING, "syncs-nothing-to-check",
+                     "syncless.syncs: nothing to check: %s; the detector stays off", reason)
+            return False
+        _hook.install()
+        _copies.install()
+        _waits.install()
+        settings.enabled = True
+        if settings.mode == "record":
+            recorder.print_at_exit()
+        return True
+
+
+def disable() -> None:
+    """Close the gate and put back everything :func:`enable` changed.
+
+    ``Tensor.to``/``cuda``/``copy_`` and the waits come back by identity (or
+    to the layer beneath, if another syncless capability patched them too);
+    the warnings hook and filter are removed. Regions still open keep their
+    bookkeeping and restore torch's debug mode when they close.
+    """
+    with settings.lock:
+        settings.enabled = False
+        _waits.uninstall()
+        _copies.uninstall()
+        _hook.uninstall()
+
+
+def checked(fn: F) -> F:
+    """Decorate ``fn`` so that its body is a checked region on the calling thread.
+
+    With the mode ``off`` this returns ``fn`` itself. Coroutine functions are
+    checked across their awaits (the region belongs to the task).
+    """
+    if not callable(fn):
+        raise TypeError(f"checked decorates a function; got {type(fn).__name__}")
+    if settings.mode == "off":
+        return fn
+    if inspect.iscoroutinefunction(fn):
+
+        @functools.wraps(fn)
+        async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+            token = _state.enter_checked()
+            try:
+                return await fn(*args, **kwargs)
+            finally:
+                _state.exit_checked(token)
+
+        return async_wrapper  # type: ignore[return-value]
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        token = _state.enter_checked()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _state.exit_checked(token)
+
+    return wrapper  # type: ignore[return-value]
+
+
+class _Checking:
+    __slots__ = ("_token",)
+
+    def __init__(self) -> None:
+        self._token: _state.RegionToken | None = None
+
+    def __enter__(self) -> None:
+        self._token = _state.enter_checked()
+
+    def __exit__(self, *exc_info: object) -> None:
+        token, self._token = self._token, None
+        _state.exit_checked(token)
+
+
+def checking() -> Any:
+    """Return a context manager whose block is a checked region on this thread/task.
+
+    Regions nest. Use a fresh one per ``with`` (each call returns one).
+    """
+    if settings.mode == "off":
+        return _NOOP
+    return _Checking()
+
+
+class _Allowing:
+    __slots__ = ("_site", "_token")
+
+    def __init__(self, site: tuple[str, int] | None) -> None:
+        self._site = site
+        self._token = None
+
+    def __enter__(self) -> None:
+        self._token = _state.enter_allowed(self._site)
+
+    def __exit__(self, *exc_info: object) -> None:
+        token, self._token = self._token, None
+        _state.exit_allowed(token)
+
+
+def allowed(first_only: bool = False) -> Any:
+    """Return a context manager that lets syncs through on this thread/task for its block.
+
+    Args:
+        first_only: allow only the first entry (while enabled) from this call
+            site, so a sync that should happen once and keeps happening is
+            still caught.
+
+    An allow region covers everything inside it, nested checked regions too.
+    """
+    if settings.mode == "off":
+        return _NOOP
+    return _Allowing(_state.caller_site(1) if first_only else None)
+
+
+def report() -> SyncReport:
+    """Return every call site recorded since the last :func:`reset` (all modes record)."""
+    return recorder.report()
+
+
+def print_report(file: Any = None, stacks: bool = True) -> None:
+    """Print the table of call sites with counts and one stack each."""
+    print(recorder.report().format(stacks=stacks), file=file)
+
+
+def reset() -> None:
+    """Forget the recorded sites and which ``allowed(first_only=True)`` sites were entered."""
+    recorder.reset()
+    _state.forget_first_only_sites()

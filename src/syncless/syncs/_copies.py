@@ -1,0 +1,331 @@
+"""Implicit syncs: ``non_blocking`` copies between CPU and GPU that block anyway.
+
+torch's debug mode never sees these: torch issues ``cudaMemcpyAsync``, but
+the driver runs a copy from or to *pageable* memory synchronously, and a CPU
+tensor that is not densely laid out is first staged through a fresh pageable
+temporary. :func:`classify_copy` is the one place that decides, from the two
+tensors' facts, following what torch's CUDA copy does (``copy_kernel_cuda``
+and ``copy_requires_temporaries``):
+
+* H2D: the source must be pinned; a pinned source is used in place when
+  it is contiguous (after broadcasting to the destination), or when it is
+  laid out exactly like the destination with the same dtype (so a transposed
+  ``.to(device)`` is fine: the result keeps the source's strides);
+  otherwise torch makes it contiguous in pageable memory first.
+* D2H: the destination must be pinned, and contiguous unless it is laid out
+  exactly like the source with the same dtype; otherwise torch copies into a
+  pageable temporary. ``.to("cpu", non_blocking=True)`` allocates a pinned
+  result, so it is fine.
+* Empty copies move nothing and are fine.
+
+The wrappers of ``Tensor.to``, ``Tensor.cuda`` and ``Tensor.copy_`` are
+installed through :mod:`syncless._core.patching` (layer key ``"syncs"``, the
+top rank), so they see the user's call and never syncless's internal copies.
+Outside a checked region a wrapper costs one ContextVar read.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from syncless._core import patching
+from syncless.syncs import _report
+from syncless.syncs._state import checked_depth, is_violation_context
+
+LAYER_KEY = "syncs"
+
+PAGEABLE_H2D = "pageable_h2d"
+STRIDED_H2D = "strided_h2d"
+PAGEABLE_D2H = "pageable_d2h"
+STRIDED_D2H = "strided_d2h"
+
+REASONS = {
+    PAGEABLE_H2D: "from pageable (not pinned) CPU memory, which the driver copies synchronously",
+    STRIDED_H2D: "from a pinned CPU tensor that is not dense: torch first copies it into a pageable temporary, "
+    "so the copy runs synchronously",
+    PAGEABLE_D2H: "into pageable (not pinned) CPU memory: the host waits for the GPU work before it and the copy",
+    STRIDED_D2H: "into a pinned CPU tensor that is not dense: torch copies through a pageable temporary and "
+    "the host waits",
+}
+FIXES = {
+    PAGEABLE_H2D: "allocate the CPU tensor with pin_memory=True (or fill a reusable pinned staging buffer) so "
+    "the copy runs asynchronously",
+    STRIDED_H2D: "make the pinned source dense first (gather into a contiguous pinned buffer on the CPU, or "
+    "upload the whole dense tensor and slice on the GPU)",
+    PAGEABLE_D2H: "copy into a pinned destination (torch.empty(..., pin_memory=True)) or use "
+    "tensor.to('cpu', non_blocking=True), which returns pinned memory; wait on an event before reading it",
+    STRIDED_D2H: "copy into a dense pinned destination and take the slice on the CPU after the event",
+}
+
+
+@dataclass(frozen=True)
+class TensorFacts:
+    """What the classification needs to know about one side of a copy.
+
+    Real tensors have the same attributes and methods, so
+    :func:`classify_copy` takes either; tests describe pinned CPU tensors
+    with this on a machine without CUDA.
+    """
+
+    is_cuda: bool
+    is_cpu: bool
+    pinned: bool
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: Any
+
+    def is_pinned(self) -> bool:
+        return self.pinned
+
+    def is_contiguous(self) -> bool:
+        return is_contiguous_layout(self.shape, self.strides)
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def stride(self) -> tuple[int, ...]:
+        return self.strides
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """Row-major strides, in elements."""
+    strides = []
+    step = 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def is_contiguous_layout(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """torch's ``is_contiguous``: row-major, ignoring dims of size 1 (and empty tensors)."""
+    if any(size == 0 for size in shape):
+        return True
+    expected = 1
+    for size, stride in zip(reversed(shape), reversed(strides)):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def is_dense_layout(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """torch's ``is_non_overlapping_and_dense``: some permutation of the dims is contiguous."""
+    if any(size == 0 for size in shape):
+        return True
+    dims = sorted((stride, size) for size, stride in zip(shape, strides) if size != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _broadcast_strides(src_shape: Sequence[int], src_strides: Sequence[int], dst_shape: Sequence[int]) -> tuple[int, ...]:
+    """Strides of ``src.expand_as(dst)``: 0 along broadcast dims."""
+    offset = len(dst_shape) - len(src_shape)
+    out = []
+    for index, size in enumerate(dst_shape):
+        src_index = index - offset
+        if src_index < 0 or (src_shape[src_index] == 1 and size != 1):
+            out.append(0)
+        else:
+            out.append(src_strides[src_index])
+    return tuple(out)
+
+
+def _same_dense_layout(shape: Sequence[int], dst_strides: Sequence[int], src_strides: Sequence[int]) -> bool:
+    """Whether torch's copy iterator sees both sides as one contiguous run."""
+    if not is_dense_layout(shape, dst_strides):
+        return False
+    return all(size == 1 or a == b for size, a, b in zip(shape, dst_strides, src_strides))
+
+
+def classify_copy(dst: Any, src: Any, non_blocking: bool) -> str | None:
+    """Return why copying ``src`` into ``dst`` blocks the host although ``non_blocking``.
+
+    Args:
+        dst, src: tensors, or :class:`TensorFacts` describing them (``dst``
+            may be the result a ``.to()`` call is about to allocate).
+        non_blocking: what the caller asked for. A blocking copy is torch's
+            debug mode's business, not an implicit sync, so this returns None.
+
+    Returns:
+        One of :data:`PAGEABLE_H2D`, :data:`STRIDED_H2D`,
+        :data:`PAGEABLE_D2H`, :data:`STRIDED_D2H`; None when the copy is
+        asynchronous (or is not between the CPU and a GPU).
+    """
+    if not non_blocking:
+        return None
+    if src.is_cpu and dst.is_cuda:
+        h2d = True
+    elif src.is_cuda and dst.is_cpu:
+        h2d = False
+    else:
+        return None
+    numel = dst.numel()
+    if numel == 0:
+        return None
+    if h2d:
+        if not src.is_pinned():
+            return PAGEABLE_H2D
+        if src.numel() == numel and src.is_contiguous():
+            return None  # used in place whatever the destination looks like
+        src_strides = _broadcast_strides(tuple(src.shape), tuple(src.stride()), tuple(dst.shape))
+        if numel == 1 or (src.dtype == dst.dtype and _same_dense_layout(tuple(dst.shape), tuple(dst.stride()), src_strides)):
+            return None
+        if is_contiguous_layout(tuple(dst.shape), src_strides):
+            return None
+        return STRIDED_H2D
+    if not dst.is_pinned():
+        return PAGEABLE_D2H
+    if dst.is_contiguous():
+        return None
+    src_strides = _broadcast_strides(tuple(src.shape), tuple(src.stride()), tuple(dst.shape))
+    if src.dtype == dst.dtype and _same_dense_layout(tuple(dst.shape), tuple(dst.stride()), src_strides):
+        return None
+    return STRIDED_D2H
+
+
+def planned_to_result(src: Any, to_cuda: bool, dtype: Any, memory_format: Any, non_blocking: bool) -> TensorFacts:
+    """Describe the tensor ``src.to(...)`` allocates for a copy across the CPU/GPU line.
+
+    torch allocates it like ``empty_like(src)`` with ``preserve_format`` (a
+    dense source keeps its strides, any other becomes contiguous) unless a
+    memory format is given, and pins a CPU result of a ``non_blocking`` D2H.
+    """
+    import torch
+
+    shape = tuple(src.shape)
+    if memory_format is None or memory_format is torch.preserve_format:
+        stride = tuple(src.stride())
+        strides = stride if is_dense_layout(shape, stride) else contiguous_strides(shape)
+    else:
+        strides = tuple(torch.empty(shape, device="meta", memory_format=memory_format).stride())
+    return TensorFacts(
+        is_cuda=to_cuda,
+        is_cpu=not to_cuda,
+        pinned=(not to_cuda) and bool(non_blocking),
+        shape=shape,
+        strides=strides,
+        dtype=src.dtype if dtype is None else dtype,
+    )
+
+
+def _plain_tensor_types() -> tuple[type, ...]:
+    import torch
+
+    return (torch.Tensor, torch.nn.Parameter)
+
+
+def _stepping_aside(*tensors: Any) -> bool:
+    """Whether the checks must stay out: torch.compile is tracing (fake or functional tensors)."""
+    import torch
+
+    plain = _plain_tensor_types()
+    if any(type(t) not in plain for t in tensors):
+        return True
+    return bool(torch.compiler.is_compiling())
+
+
+def _report_copy(reason: str, api: str) -> None:
+    if not is_violation_context():
+        return
+    operation = f"{api} with non_blocking=True {REASONS[reason]}"
+    violation = _report.locate(_report.KIND_IMPLICIT, operation, FIXES[reason], sys._getframe(1))
+    if violation is not None:
+        _report.handle(violation)
+
+
+def _check_to(self: Any, args: tuple, kwargs: dict) -> None:
+    import torch
+
+    device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+    if not non_blocking or device is None or _stepping_aside(self):
+        return
+    if self.is_cpu and device.type == "cuda":
+        to_cuda = True
+    elif self.is_cuda and device.type == "cpu":
+        to_cuda = False
+    else:
+        return
+    result = planned_to_result(self, to_cuda, dtype, memory_format, non_blocking)
+    reason = classify_copy(result, self, non_blocking)
+    if reason is not None:
+        _report_copy(reason, f"Tensor.to({device.type})")
+
+
+def _check_cuda(self: Any, args: tuple, kwargs: dict) -> None:
+    non_blocking = args[1] if len(args) > 1 else kwargs.get("non_blocking", False)
+    if not non_blocking or not self.is_cpu or _stepping_aside(self):
+        return
+    memory_format = kwargs.get("memory_format")
+    result = planned_to_result(self, True, None, memory_format, non_blocking)
+    reason = classify_copy(result, self, non_blocking)
+    if reason is not None:
+        _report_copy(reason, "Tensor.cuda()")
+
+
+def _check_copy(self: Any, args: tuple, kwargs: dict) -> None:
+    src = args[0] if args else kwargs.get("src")
+    non_blocking = args[1] if len(args) > 1 else kwargs.get("non_blocking", False)
+    if not non_blocking or src is None or _stepping_aside(self, src):
+        return
+    reason = classify_copy(self, src, non_blocking)
+    if reason is not None:
+        direction = "H2D" if self.is_cuda else "D2H"
+        _report_copy(reason, f"Tensor.copy_ ({direction})")
+
+
+def _make_wrapper(check, beneath):
+    # Outside a checked region: one ContextVar read, then straight through.
+    # The wrapper keeps the name of what it wraps ("to", "cuda", "copy_"): dynamo
+    # then treats the bound method as a plain tensor method and puts the call in
+    # the graph instead of tracing into this function, so fullgraph=True holds.
+    depth = checked_depth.get
+
+    if check is _check_copy:
+
+        @functools.wraps(beneath)
+        def copy_(self, src, non_blocking=False):
+            if depth():
+                _check_copy(self, (src, non_blocking), {})
+            return beneath(self, src, non_blocking)
+
+        return copy_
+
+    @functools.wraps(beneath)
+    def wrapper(self, *args, **kwargs):
+        if depth():
+            check(self, args, kwargs)
+        return beneath(self, *args, **kwargs)
+
+    return wrapper
+
+
+_CHECKS = {"to": _check_to, "cuda": _check_cuda, "copy_": _check_copy}
+
+
+def install() -> None:
+    """Wrap ``Tensor.to``, ``Tensor.cuda`` and ``Tensor.copy_`` (idempotent)."""
+    import torch
+
+    for name, check in _CHECKS.items():
+        patching.add_layer(torch.Tensor, name, LAYER_KEY, patching.RANK_SYNC_DETECTOR, functools.partial(_make_wrapper, check))
+
+
+def uninstall() -> None:
+    """Remove the wrappers; the attributes beneath come back by identity."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    for name in _CHECKS:
+        patching.remove_layer(torch.Tensor, name, LAYER_KEY)

@@ -1,0 +1,149 @@
+"""torch's CUDA sync debug mode, armed while any checked region is active.
+
+torch's debug mode is one process-wide integer (0 off, 1 warn, 2 error).
+The detector arms it at "warn" while at least one checked region is active
+on any thread, and puts back whatever was there before when the last one
+leaves. The warnings it produces are sorted per thread by the showwarning
+hook (:mod:`._hook`), which is why torch's own "error" level cannot be used:
+it would raise on every thread.
+
+A CPU-only torch build has no debug mode (``torch._C._cuda_set_sync_debug_mode``
+is absent); :class:`FakeDebugMode` stands in for it in tests, so the
+detector's logic runs on the CPU (it fakes the hardware, never the logic).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+LEVEL_OFF = 0
+LEVEL_WARN = 1
+LEVEL_ERROR = 2
+
+
+class TorchDebugMode:
+    """The real thing: ``torch._C._cuda_{get,set}_sync_debug_mode``."""
+
+    def unavailable_reason(self) -> str | None:
+        """Return why there is nothing to check here, or None if there is."""
+        import torch
+
+        if not hasattr(torch._C, "_cuda_set_sync_debug_mode"):
+            return f"this torch build ({torch.__version__}) has no CUDA sync debug mode (CPU-only build)"
+        if not torch.cuda.is_available():
+            return "no CUDA GPU is visible to torch"
+        return None
+
+    def __init__(self) -> None:
+        self._get = None
+        self._set = None
+
+    def _bind(self) -> None:
+        import torch
+
+        self._get = torch._C._cuda_get_sync_debug_mode
+        self._set = torch._C._cuda_set_sync_debug_mode
+
+    def get(self) -> int:
+        if self._get is None:
+            self._bind()
+        return int(self._get())
+
+    def set(self, level: int) -> None:
+        if self._set is None:
+            self._bind()
+        self._set(level)
+
+
+class FakeDebugMode:
+    """Stands in for torch's debug-mode switch on a machine without CUDA.
+
+    Attributes:
+        level: the level torch would be at.
+        history: every level set, in order (tests check arming and restoring).
+    """
+
+    def __init__(self, level: int = LEVEL_OFF):
+        self.level = level
+        self.history: list[int] = []
+
+    def unavailable_reason(self) -> str | None:
+        return None
+
+    def get(self) -> int:
+        return self.level
+
+    def set(self, level: int) -> None:
+        self.level = level
+        self.history.append(level)
+
+
+_backend: TorchDebugMode | FakeDebugMode = TorchDebugMode()
+
+
+def backend() -> TorchDebugMode | FakeDebugMode:
+    """Return the debug-mode switch in use."""
+    return _backend
+
+
+@contextlib.contextmanager
+def fake(level: int = LEVEL_OFF) -> Iterator[FakeDebugMode]:
+    """Use a :class:`FakeDebugMode` for the duration of the block (tests only)."""
+    global _backend
+    previous = _backend
+    stand_in = FakeDebugMode(level)
+    _backend = stand_in
+    try:
+        yield stand_in
+    finally:
+        _backend = previous
+
+
+class _Armer:
+    """Reference count of active checked regions, process-wide.
+
+    Every region entry (on any thread or task) adds one, every exit removes
+    one. The 0 -> 1 step saves the current level and sets "warn"; the 1 -> 0
+    step restores the saved level. Under the lock, so two threads that enter
+    and leave at the same time cannot both save or both restore.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = 0
+        self._saved = LEVEL_OFF
+        self._armed_on: TorchDebugMode | FakeDebugMode | None = None
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    @property
+    def saved_level(self) -> int:
+        """The level in force before the detector armed (what the user asked for)."""
+        return self._saved if self._count else _backend.get()
+
+    def arm(self) -> None:
+        with self._lock:
+            if self._count == 0:
+                self._armed_on = _backend
+                self._saved = _backend.get()
+                if self._saved != LEVEL_WARN:
+                    _backend.set(LEVEL_WARN)
+            self._count += 1
+
+    def disarm(self) -> None:
+        with self._lock:
+            if self._count == 0:
+                return
+            self._count -= 1
+            if self._count == 0 and self._armed_on is not None:
+                # Restore on the switch we armed, even if a test swapped backends since.
+                if self._armed_on.get() != self._saved:
+                    self._armed_on.set(self._saved)
+                self._armed_on = None
+
+
+armer = _Armer()

@@ -1,0 +1,138 @@
+"""The ``warnings.showwarning`` hook that turns torch's sync warnings into violations.
+
+With torch's debug mode at "warn", every synchronizing CUDA call (``.item()``,
+``nonzero``, a blocking copy, ...) issues a UserWarning whose text starts
+with :data:`TORCH_SYNC_TEXT`, attributed to the Python frame that made the
+call. The warning reaches :func:`showwarning` on the thread that synchronized,
+which decides: a thread (task) in a checked region and outside every allow
+region gets the violation; every other thread gets nothing (its warning
+exists only because another thread armed the process-wide debug mode).
+
+Two things undo the hook from outside, and both are re-asserted on every
+checked call (:func:`reassert`): ``warnings.catch_warnings`` (pytest wraps
+each test in one) restores ``showwarning`` and the filter list, and the
+default filter action would show a repeated warning from one line only once.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import threading
+import warnings
+
+from syncless.syncs import _debugmode, _report, _state
+from syncless.syncs._state import is_violation_context
+
+TORCH_SYNC_TEXT = "called a synchronizing CUDA operation"
+
+_lock = threading.Lock()
+_filter_entry: tuple | None = None
+_previous = None  # the showwarning we replaced; non-sync warnings go there
+_local = threading.local()
+
+
+def is_torch_sync_warning(message: object, category: type) -> bool:
+    """Return whether a warning is torch's sync-debug-mode warning."""
+    return issubclass(category, UserWarning) and str(message).startswith(TORCH_SYNC_TEXT)
+
+
+def _forward(message, category, filename, lineno, file=None, line=None) -> None:
+    """Deliver a warning we do not own to whoever handled warnings before us."""
+    target = _previous
+    if target is None or target is showwarning or getattr(_local, "forwarding", False):
+        # Never loop through ourselves; fall back to the stdlib's own writer.
+        target = warnings._showwarning_orig  # type: ignore[attr-defined]
+    _local.forwarding = True
+    try:
+        target(message, category, filename, lineno, file, line)
+    finally:
+        _local.forwarding = False
+
+
+def decide(message: object, category: type, start=None) -> _report.Violation | None:
+    """Return the violation a torch sync warning is, here and now, or None.
+
+    This is the decision the hook makes; it is separate so that tests can
+    feed it torch's warning text on a machine without CUDA.
+
+    Args:
+        start: the frame to look for the user's code from (default: the caller's).
+    """
+    if not is_torch_sync_warning(message, category):
+        return None
+    if not is_violation_context():
+        return None
+    if _is_compiling():
+        return None
+    frame = start if start is not None else sys._getframe(1)
+    return _report.locate(_report.KIND_EXPLICIT, None, _report.FIX_EXPLICIT, frame)
+
+
+def showwarning(message, category, filename, lineno, file=None, line=None) -> None:
+    """The hook: violations are handled per mode, other torch sync warnings dropped.
+
+    Raises:
+        SyncViolation: in ``error`` mode; it propagates out of the torch call
+            that synchronized.
+    """
+    if not is_torch_sync_warning(message, category):
+        _forward(message, category, filename, lineno, file, line)
+        return
+    violation = decide(message, category, sys._getframe(1))
+    if violation is not None:
+        _report.handle(violation, forward_warning=_forward)
+        return
+    if _debugmode.armer.saved_level != _debugmode.LEVEL_OFF and not is_violation_context():
+        # The user had torch's debug mode on before we armed it: keep their warnings.
+        _forward(message, category, filename, lineno, file, line)
+
+
+def _is_compiling() -> bool:
+    torch = sys.modules.get("torch")
+    compiler = getattr(torch, "compiler", None)
+    is_compiling = getattr(compiler, "is_compiling", None)
+    return bool(is_compiling()) if is_compiling is not None else False
+
+
+def reassert() -> None:
+    """Put the hook and the "always" filter back in front if something removed them.
+
+    Cheap when nothing changed: two identity checks.
+    """
+    global _previous, _filter_entry
+    if warnings.showwarning is not showwarning:
+        with _lock:
+            current = warnings.showwarning
+            if current is not showwarning:
+                _previous = current
+                warnings.showwarning = showwarning
+    filters = warnings.filters
+    if _filter_entry is None or not filters or filters[0] is not _filter_entry:
+        with _lock:
+            warnings.filterwarnings("always", message=re.escape(TORCH_SYNC_TEXT), category=UserWarning)
+            _filter_entry = warnings.filters[0]
+
+
+_state.reassert_warnings = reassert
+
+
+def install() -> None:
+    """Install the hook and the filter (idempotent)."""
+    reassert()
+
+
+def uninstall() -> None:
+    """Remove the filter and, if it is still ours, the hook."""
+    global _previous, _filter_entry
+    with _lock:
+        if warnings.showwarning is showwarning:
+            warnings.showwarning = _previous if _previous is not None else warnings._showwarning_orig  # type: ignore[attr-defined]
+        _previous = None
+        if _filter_entry is not None:
+            while _filter_entry in warnings.filters:
+                warnings.filters.remove(_filter_entry)
+            mutated = getattr(warnings, "_filters_mutated", None)
+            if callable(mutated):
+                mutated()
+            _filter_entry = None

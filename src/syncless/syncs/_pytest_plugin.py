@@ -1,0 +1,110 @@
+"""pytest plugin: ``--sync-check=warn|error|record``, the ``sync_checked`` marker, a summary.
+
+Registered through the ``pytest11`` entry point ``syncless``. Without
+``--sync-check`` it does nothing but register its marker (so
+``--strict-markers`` accepts it). With it:
+
+* the mode is set before test modules are imported (so ``@checked`` in the
+  code under test decides with it), and the detector is enabled;
+* the body of a test marked ``@pytest.mark.sync_checked`` is a checked
+  region (fixtures' set-up and tear-down are not);
+* the terminal report ends with the table of sync sites found.
+
+Everything it changes is put back at the end of the session; per-session
+state lives in ``config.stash``, not in module globals. Load it from a
+source tree with ``-p no:syncless -p syncless.syncs._pytest_plugin``: the
+``no:`` blocks the installed entry point, so the module is never registered
+twice (pluggy refuses that).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from syncless import syncs
+
+MARKER = "sync_checked"
+
+
+@dataclass
+class _Session:
+    mode: str
+    previous_mode: str
+    was_enabled: bool
+
+
+_SESSION = pytest.StashKey[_Session]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("syncless", "syncless hidden-sync detector")
+    group.addoption(
+        "--sync-check",
+        dest="sync_check",
+        choices=("warn", "error", "record"),
+        default=None,
+        help="check tests marked sync_checked (and code under @syncless.syncs.checked) for hidden GPU syncs: "
+        "warn, fail the test (error), or collect a table of sync sites (record)",
+    )
+
+
+def _start(config: pytest.Config, wanted: str | None) -> None:
+    if _SESSION in config.stash:
+        return
+    if wanted is None:
+        return
+    config.stash[_SESSION] = _Session(wanted, syncs.mode(), syncs.is_enabled())
+    syncs.set_mode(wanted)
+    syncs.reset()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
+    # Before the root conftest imports the code under test (options are only
+    # pre-parsed here, hence known_args_namespace).
+    _start(early_config, getattr(early_config.known_args_namespace, "sync_check", None))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        f"{MARKER}: the test body is a checked region of the syncless hidden-sync detector (active with --sync-check)",
+    )
+    _start(config, config.getoption("sync_check", None))
+    if _SESSION in config.stash:
+        syncs.enable()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    session = item.config.stash.get(_SESSION, None)
+    if session is None or item.get_closest_marker(MARKER) is None:
+        return (yield)
+    # enable() again here: a fixture may only now have made a device available.
+    syncs.enable()
+    with syncs.checking():
+        return (yield)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    session = config.stash.get(_SESSION, None)
+    if session is None:
+        return
+    terminalreporter.section(f"syncless sync check ({session.mode})")
+    if not syncs.is_enabled():
+        terminalreporter.write_line("the detector could not be enabled here (no CUDA sync debug mode); nothing was checked")
+    found = syncs.report()
+    terminalreporter.write_line(found.format(stacks=session.mode == "record"))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    session = config.stash.get(_SESSION, None)
+    if session is None:
+        return
+    del config.stash[_SESSION]
+    syncs.reset()
+    if not session.was_enabled:
+        syncs.disable()
+    syncs.set_mode(session.previous_mode)

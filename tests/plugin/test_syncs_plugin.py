@@ -1,0 +1,121 @@
+"""The pytest plugin, run through pytester.
+
+From a source tree the plugin is not installed, so each run loads it with
+``-p syncless.syncs._pytest_plugin``; ``-p no:syncless`` first blocks the
+entry point of an installed copy, so the module is never registered twice.
+On a machine without CUDA the inner tests fake torch's debug-mode switch
+and issue torch's warning themselves; the GPU test syncs for real.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from syncless import syncs
+
+PLUGIN = ["-p", "no:syncless", "-p", "syncless.syncs._pytest_plugin", "--strict-markers", "-p", "no:cacheprovider"]
+
+FAKE_CONFTEST = """
+import functools, warnings
+import pytest
+from syncless.syncs import _debugmode
+
+sync = functools.partial(warnings.warn, "called a synchronizing CUDA operation", UserWarning)
+
+@pytest.fixture(autouse=True)
+def fake_debug_mode():
+    with _debugmode.fake():
+        yield
+"""
+
+FAKE_TESTS = """
+import pytest
+from conftest import sync
+
+@pytest.mark.sync_checked
+def test_syncs():
+    x = 1
+    sync()
+
+@pytest.mark.sync_checked
+def test_quiet():
+    assert sum(range(4)) == 6
+
+def test_unmarked_syncs():
+    sync()
+"""
+
+
+@pytest.fixture
+def untouched():
+    """The inner runs share this process: check they leave the detector as they found it."""
+    before = (syncs.mode(), syncs.is_enabled(), torch.Tensor.to, torch.Tensor.copy_, warnings.showwarning)
+    yield
+    assert (syncs.mode(), syncs.is_enabled(), torch.Tensor.to, torch.Tensor.copy_, warnings.showwarning) == before
+
+
+def _fake_project(pytester):
+    pytester.makeconftest(FAKE_CONFTEST)
+    pytester.makepyfile(test_hot=FAKE_TESTS)
+
+
+def test_without_the_option_it_does_nothing(pytester, untouched):
+    _fake_project(pytester)
+    result = pytester.runpytest(*PLUGIN, "-W", "ignore::UserWarning")
+    result.assert_outcomes(passed=3)
+    assert "syncless sync check" not in result.stdout.str()
+
+
+def test_error_fails_the_test_that_syncs_and_passes_the_quiet_one(pytester, untouched):
+    _fake_project(pytester)
+    result = pytester.runpytest(*PLUGIN, "--sync-check=error", "-W", "ignore::UserWarning")
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines(["*SyncViolation: hidden GPU sync in a checked region at *test_hot.py:7 (in test_syncs)*"])
+    assert "test_hot.py:14" not in result.stdout.str()  # the unmarked test is not checked
+
+
+def test_record_prints_the_sites_in_the_terminal_summary(pytester, untouched):
+    _fake_project(pytester)
+    result = pytester.runpytest(*PLUGIN, "--sync-check=record", "-W", "ignore::UserWarning")
+    result.assert_outcomes(passed=3)
+    result.stdout.fnmatch_lines([
+        "*syncless sync check (record)*",
+        "*1 hidden GPU sync(s) at 1 call site(s)*",
+        "*1  *test_hot.py:7 *explicit*",
+    ])
+
+
+def test_warn_reports_a_sync_warning(pytester, untouched):
+    _fake_project(pytester)
+    result = pytester.runpytest(*PLUGIN, "--sync-check=warn", "-W", "ignore::UserWarning",
+                                "-W", "default::syncless.syncs.SyncWarning")
+    result.assert_outcomes(passed=3)
+    result.stdout.fnmatch_lines(["*SyncWarning: hidden GPU sync in a checked region at *test_hot.py:7*"])
+
+
+def test_the_marker_is_registered_for_strict_markers(pytester, untouched):
+    result = pytester.runpytest(*PLUGIN, "--markers")
+    result.stdout.fnmatch_lines(["@pytest.mark.sync_checked:*"])
+
+
+@pytest.mark.gpu
+def test_error_with_a_real_gpu_sync(pytester, untouched):
+    pytester.makepyfile(test_gpu="""
+        import pytest, torch
+
+        @pytest.mark.sync_checked
+        def test_item():
+            x = torch.randn(16, device="cuda")
+            return x.sum().item()
+
+        @pytest.mark.sync_checked
+        def test_gpu_only():
+            x = torch.randn(16, device="cuda")
+            assert (x * 2).shape == (16,)
+    """)
+    result = pytester.runpytest(*PLUGIN, "--sync-check=error")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*SyncViolation: hidden GPU sync in a checked region at *test_gpu.py:6 (in test_item)*"])

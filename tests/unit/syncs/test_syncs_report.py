@@ -1,0 +1,112 @@
+"""The record (one row per call site with its count and one stack) and ``syncless trace``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+from pathlib import Path
+
+from syncless import syncs
+from syncless.syncs import _debugmode, _trace
+
+from .conftest import torch_sync_warning
+
+FAKE_SYNC = (
+    "import functools, warnings\n"
+    "sync = functools.partial(warnings.warn, 'called a synchronizing CUDA operation', UserWarning)\n"
+)
+
+
+def test_record_counts_each_site_once_with_one_stack(fake_mode):
+    with syncs.checking():
+        for _ in range(4):
+            first = sys._getframe().f_lineno + 1
+            torch_sync_warning()
+        second = sys._getframe().f_lineno + 1
+        torch_sync_warning()
+    found = syncs.report()
+    assert [(s.first.lineno, s.count) for s in found.sites] == [(first, 4), (second, 1)]
+    assert found.total == 5
+    text = found.format()
+    here = Path(__file__).name
+    assert f"{here}:{first}" in text and f"{here}:{second}" in text
+    assert text.count("--- ") == 2  # one stack per site
+    assert "syncless/syncs" not in text  # the user's frames only
+    syncs.reset()
+    assert not syncs.report() and "no hidden GPU syncs" in syncs.report().format()
+
+
+def run_trace(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    _trace.add_arguments(parser)
+    return _trace.run(parser.parse_args(argv))
+
+
+def test_trace_checks_a_function_of_the_script(tmp_path, capsys, restored_globals):
+    script = tmp_path / "loop.py"
+    script.write_text(FAKE_SYNC + textwrap.dedent("""
+        def step(i):
+            sync()
+            return i
+
+        def setup():
+            sync()
+
+        setup()
+        total = sum(step(i) for i in range(3))
+        assert total == 3
+    """))
+    with _debugmode.fake():
+        assert run_trace(["--fn", "__main__:step", str(script)]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if "loop.py:" in line and "explicit" in line]
+    assert [(row[0], row[1]) for row in rows] == [("3", f"{script}:5")]
+    assert "loop.py:9" not in out  # setup() is not checked
+    assert not syncs.report() and not syncs.is_enabled()
+
+
+def test_trace_checks_a_method_of_an_imported_module(tmp_path, capsys, monkeypatch, restored_globals):
+    module = tmp_path / "hotmod.py"
+    module.write_text(FAKE_SYNC + textwrap.dedent("""
+        class Engine:
+            def step(self):
+                sync()
+
+            @staticmethod
+            def helper():
+                sync()
+    """))
+    script = tmp_path / "main.py"
+    script.write_text("import hotmod\nengine = hotmod.Engine()\nfor _ in range(2):\n    engine.step()\n    engine.helper()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "hotmod", raising=False)
+    with _debugmode.fake():
+        status = run_trace(["--fn", "hotmod:Engine.step", "--fn", "hotmod:Engine.helper", str(script)])
+    assert status == 0
+    out = capsys.readouterr().out
+    counts = {line.split()[1]: line.split()[0] for line in out.splitlines() if "hotmod.py:" in line and "explicit" in line}
+    assert counts == {f"{module}:6": "2", f"{module}:10": "2"}
+    import hotmod
+
+    assert isinstance(hotmod.Engine.__dict__["helper"], staticmethod)
+    assert not hasattr(hotmod.Engine.step, "__wrapped__")  # the original is back
+
+
+def test_trace_rejects_bad_targets(tmp_path, capsys, restored_globals):
+    script = tmp_path / "s.py"
+    script.write_text("x = 1\n")
+    assert run_trace(["--fn", "no_colon", str(script)]) == 2
+    assert "MODULE:QUALNAME" in capsys.readouterr().err
+    assert run_trace(["--fn", "__main__:missing", str(script)]) == 2
+    assert "defines no function missing" in capsys.readouterr().err
+    assert run_trace([str(tmp_path / "absent.py")]) == 2
+    assert "no such script" in capsys.readouterr().err
+
+
+def test_trace_returns_the_scripts_exit_status(tmp_path, capsys, restored_globals):
+    script = tmp_path / "fails.py"
+    script.write_text("import sys\nsys.exit(3)\n")
+    with _debugmode.fake():
+        assert run_trace([str(script)]) == 3
+    assert "no hidden GPU syncs" in capsys.readouterr().out
