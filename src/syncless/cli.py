@@ -18,6 +18,7 @@ from syncless._core.errors import SynclessError
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("syncless.doctor", "show what this machine offers and what syncless would choose"),
+    "demo": ("syncless.demo", "run a pipelined decode loop that uses all three capabilities"),
     "bench": ("syncless.bench._cli", "measure syncless against the plain path and write reports"),
     "trace": ("syncless.syncs._trace", "run a script with chosen functions checked for hidden GPU syncs (record mode)"),
 }

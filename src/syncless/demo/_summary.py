@@ -24,8 +24,10 @@ def format_summary(options: DemoOptions, results: list[StageResult], wall_s: flo
                  f"({options.steps} steps x {options.micro_batches} micro-batches x {options.batch} sequences; "
                  f"{wall_s:.1f} s with start-up)")
     total_syncs = sum(int(row.get("count", 1)) for r in results for row in r.syncs)
-    if total_syncs == 0:
-        lines.append("  hidden syncs in the hot loop: none")
+    if not any(r.sync_checked for r in results):
+        lines.append("  hidden syncs in the hot loop: not checked (this torch build has no CUDA sync debug mode)")
+    elif total_syncs == 0:
+        lines.append("  hidden syncs in the hot loop: none (checked in record mode)")
     else:
         lines.append(f"  hidden syncs in the hot loop: {total_syncs}")
         for r in results:
