@@ -197,7 +197,12 @@ def _collect_tokens(readbacks: list[tuple[torch.Tensor, Any]]) -> list[list[int]
 
 
 def _settle(device: torch.device) -> None:
-    """Wait for this rank's GPU work, then line the ranks up (outside the hot loop)."""
+    """Wait for this rank's current stream, then line the ranks up (outside the hot loop).
+
+    Not a device-wide synchronize: a transport's side stream may hold the
+    next step's copy until the peer consumes the previous one, which the
+    peer does only after this point, so waiting for it here would deadlock.
+    """
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
     dist.barrier()

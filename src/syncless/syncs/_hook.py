@@ -28,7 +28,8 @@ TORCH_SYNC_TEXT = "called a synchronizing CUDA operation"
 
 _lock = threading.Lock()
 _filter_entry: tuple | None = None
-_previous = None  # the showwarning we replaced; non-sync warnings go there
+_previous = None  # the showwarning we replaced most recently; non-sync warnings go there
+_installed_over = None  # the showwarning in place when install() ran; uninstall() puts it back
 _local = threading.local()
 
 
@@ -119,16 +120,24 @@ _state.reassert_warnings = reassert
 
 def install() -> None:
     """Install the hook and the filter (idempotent)."""
+    global _installed_over
+    with _lock:
+        if _installed_over is None and warnings.showwarning is not showwarning:
+            _installed_over = warnings.showwarning
     reassert()
 
 
 def uninstall() -> None:
     """Remove the filter and, if it is still ours, the hook."""
-    global _previous, _filter_entry
+    global _previous, _filter_entry, _installed_over
     with _lock:
         if warnings.showwarning is showwarning:
-            warnings.showwarning = _previous if _previous is not None else warnings._showwarning_orig  # type: ignore[attr-defined]
+            # Not _previous: a re-assertion inside a catch_warnings block (pytest's, per test)
+            # displaced that block's function, which the block restores by itself.
+            restore = _installed_over if _installed_over is not None else _previous
+            warnings.showwarning = restore if restore is not None else warnings._showwarning_orig  # type: ignore[attr-defined]
         _previous = None
+        _installed_over = None
         if _filter_entry is not None:
             while _filter_entry in warnings.filters:
                 warnings.filters.remove(_filter_entry)
