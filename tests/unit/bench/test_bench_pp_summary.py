@@ -1,0 +1,188 @@
+"""The pp report: tables, ratios, goals, notes and the plot, from made-up results (CPU only)."""
+
+import json
+import math
+
+import pytest
+
+from syncless.bench._pp_launch import Outcome
+from syncless.bench._pp_plan import KIB, MIB, make_plan
+from syncless.bench._pp_summary import (
+    BANDWIDTH_COLUMNS,
+    HOST_CPU_COLUMNS,
+    INTERFERENCE_COLUMNS,
+    LATENCY_COLUMNS,
+    build_output,
+    goals,
+    number,
+    quality_flags,
+    ratio,
+)
+from syncless.bench._report import render_markdown, write_output
+
+
+def fake_results(plan, *, ours_bw=380.0, raw_bw=390.0, nccl_bw=330.0, ours_lat=30.0, nccl_lat=45.0,
+                 gemm=(1.50, 1.62, 1.56), spin=(2.0, 4.1, 2.03), cpu=(12.0, 20.0, 30.0, 40.0)):
+    """Results shaped like the workers' posts; numbers scale with the payload where it matters."""
+    bandwidth = {"raw": {}, "nccl": {}, "ours": {}}
+    host_cpu = {"ours": {}, "nccl": {}}
+    for nbytes in plan.payloads:
+        for method, value in (("raw", raw_bw), ("nccl", nccl_bw), ("ours", ours_bw)):
+            bandwidth[method][nbytes] = {"gbps": value * nbytes / max(plan.payloads), "ahead": [True, True],
+                                         "data_ok": True}
+        host_cpu["ours"][nbytes] = {"send": {"thread_us": cpu[0]}, "recv": {"thread_us": cpu[2]}}
+        host_cpu["nccl"][nbytes] = {"send": {"thread_us": cpu[1]}, "recv": {"thread_us": cpu[3]}}
+    latency = {"nccl": {}, "ours": {}, "raw_flags": {}}
+    for nbytes in plan.latency_payloads:
+        for method, value in (("nccl", nccl_lat), ("ours", ours_lat), ("raw_flags", ours_lat * 0.9)):
+            latency[method][nbytes] = {"one_way_us": value, "all_ahead": True, "data_ok": True}
+    alone, with_nccl, with_ours = gemm
+    return {
+        "setup": {"rank0": {"torch": "2.11.0", "nccl": "2.28.9", "cuda_bindings": "13.3.1", "nccl_nvls_enable": "0",
+                            "transport_fwd": {"backend": "copy_engine", "fallback_reason": None}}},
+        "bandwidth": bandwidth,
+        "host_cpu": host_cpu,
+        "latency": latency,
+        "gemm": {
+            "alone": {"ms_per_gemm": alone, "slowdown_pct": 0.0, "covered": True},
+            "nccl": {"ms_per_gemm": with_nccl, "slowdown_pct": (with_nccl / alone - 1) * 100, "covered": True},
+            "ours": {"ms_per_gemm": with_ours, "slowdown_pct": (with_ours / alone - 1) * 100, "covered": True},
+        },
+        "pending": {
+            "alone": {"kernel_ms": spin[0], "ratio": 1.0},
+            "nccl": {"kernel_ms": spin[1], "ratio": spin[1] / spin[0], "pending": True, "data_ok": True},
+            "ours": {"kernel_ms": spin[2], "ratio": spin[2] / spin[0], "pending": True, "data_ok": True},
+        },
+    }
+
+
+def goal_map(goal_list):
+    return {g.description: g for g in goal_list}
+
+
+def test_ratio_and_number_treat_missing_values_as_nan():
+    assert ratio(3.0, 2.0) == 1.5
+    for bad in [(1.0, 0.0), (float("nan"), 1.0), (1.0, float("nan")), (1.0, -2.0)]:
+        assert math.isnan(ratio(*bad))
+    tree = {"a": {1: {"x": 2.5, "flag": True}}}
+    assert number(tree, "a", 1, "x") == 2.5
+    assert math.isnan(number(tree, "a", 2, "x"))
+    assert math.isnan(number(tree, "a", 1, "flag"))  # a bool is not a measurement
+
+
+def test_tables_hold_every_payload_and_the_ratios():
+    plan = make_plan(quick=False)
+    output = build_output(plan, Outcome(results=fake_results(plan), complete=True))
+    (bw_caption, bw_cols, bw_rows), (_, lat_cols, lat_rows), (_, int_cols, int_rows), (_, cpu_cols, cpu_rows) = (
+        output.tables
+    )
+    assert "GB/s" in bw_caption
+    assert list(bw_cols) == BANDWIDTH_COLUMNS and list(lat_cols) == LATENCY_COLUMNS
+    assert list(int_cols) == INTERFERENCE_COLUMNS and list(cpu_cols) == HOST_CPU_COLUMNS
+    assert [row[0].split(" ")[0:2] for row in bw_rows] == [["64", "KiB"], ["1", "MiB"], ["8", "MiB"], ["16", "MiB"],
+                                                          ["64", "MiB"], ["256", "MiB"]]
+    last = bw_rows[-1]
+    assert last[1:4] == [390.0, 330.0, 380.0]
+    assert last[4] == pytest.approx(380 / 390) and last[5] == pytest.approx(380 / 330)
+    assert len(lat_rows) == 3 and lat_rows[2][4] == pytest.approx(30 / 45)
+    gemm_row, spin_row = int_rows
+    assert gemm_row[1:4] == [1.50, 1.62, 1.56] and gemm_row[4] == pytest.approx(1.62 / 1.5)
+    assert spin_row[5] == pytest.approx(2.03 / 2.0)
+    assert cpu_rows[2][1:] == [12.0, 20.0, 30.0, 40.0]
+
+
+def test_goals_met_with_good_numbers():
+    plan = make_plan(quick=False)
+    got = goals(plan, fake_results(plan))
+    assert all(g.met for g in got), [g.as_dict() for g in got if not g.met]
+    by_name = goal_map(got)
+    # bandwidth goals at 64 MiB and 256 MiB only, two each; then latency, GEMM, pending, send CPU, recv CPU
+    assert len([d for d in by_name if d.startswith("sustained bandwidth")]) == 4
+    assert len(got) == 4 + 5
+    latency = by_name["one-way GPU latency at 8 MiB: ours / NCCL"]
+    assert latency.measured == pytest.approx(30 / 45) and latency.target == 0.85 and not latency.higher_is_better
+    gemm = next(g for g in got if g.description.startswith("GEMM slowdown"))
+    assert gemm.measured == pytest.approx(4.0) and gemm.target == pytest.approx(8.0) and gemm.unit == "%"
+
+
+def test_goals_missed_with_bad_numbers():
+    plan = make_plan(quick=False)
+    bad = fake_results(plan, ours_bw=300.0, ours_lat=44.0, gemm=(1.5, 1.55, 1.6), spin=(2.0, 4.0, 2.5),
+                       cpu=(25.0, 20.0, 30.0, 29.0))
+    by_name = goal_map(goals(plan, bad))
+    assert not by_name["sustained bandwidth at 256 MiB: ours / raw peer copy"].met  # 300 / 390
+    assert not by_name["sustained bandwidth at 64 MiB: ours / NCCL"].met  # 300 / 330
+    assert not by_name["one-way GPU latency at 8 MiB: ours / NCCL"].met  # 44 / 45 > 0.85
+    assert not next(g for d, g in by_name.items() if d.startswith("GEMM slowdown")).met
+    assert not by_name["full-SM kernel on the receiving GPU with a receive pending: ours / alone"].met
+    assert [g.met for d, g in by_name.items() if d.startswith("host CPU")] == [False, False]
+
+
+def test_missing_measurements_show_as_nan_and_miss_their_goals():
+    plan = make_plan(quick=True)
+    results = fake_results(plan)
+    del results["bandwidth"]["ours"]
+    del results["pending"]
+    output = build_output(plan, Outcome(results=results, complete=False, failure="rank 1 failed: boom"))
+    bw_rows = output.tables[0][2]
+    assert all(math.isnan(row[3]) for row in bw_rows)
+    by_name = goal_map(output.goals)
+    assert not by_name["sustained bandwidth at 64 MiB: ours / NCCL"].met
+    assert math.isnan(by_name["full-SM kernel on the receiving GPU with a receive pending: ours / alone"].measured)
+    assert output.notes[0].startswith("INCOMPLETE RUN: rank 1 failed: boom")
+    assert output.data["complete"] is False and output.data["failure"] == "rank 1 failed: boom"
+
+
+def test_quality_flags_name_each_broken_condition():
+    plan = make_plan(quick=True)
+    results = fake_results(plan)
+    assert quality_flags(plan, results) == []
+    results["bandwidth"]["ours"][8 * MIB]["data_ok"] = False
+    results["bandwidth"]["nccl"][64 * KIB]["ahead"] = [True, False]
+    results["latency"]["ours"][1 * MIB]["all_ahead"] = False
+    results["gemm"]["ours"]["covered"] = False
+    results["pending"]["nccl"]["pending"] = False
+    flags = quality_flags(plan, results)
+    assert len(flags) == 5
+    assert any("ours at 8 MiB" in f and "did NOT match" in f for f in flags)
+    assert any("NCCL send/recv at 64 KiB" in f and "1 of 2 repeats" in f for f in flags)
+    assert any("latency ours at 1 MiB" in f for f in flags)
+    assert any(f.startswith("GEMM interference with ours") for f in flags)
+    assert any(f.startswith("pending receive with NCCL") for f in flags)
+
+
+def test_notes_carry_transport_choice_and_worker_notes():
+    plan = make_plan(quick=True)
+    results = fake_results(plan)
+    results["setup"]["rank0"]["transport_fwd"] = {"backend": "torch_distributed", "fallback_reason": "no NVLink"}
+    output = build_output(plan, Outcome(results=results, notes=["rank 1: something odd"], complete=True))
+    assert any("backend torch_distributed; fallback reason: no NVLink" in n for n in output.notes)
+    assert output.notes[-1] == "rank 1: something odd"
+    assert "quick run" in output.title
+
+
+def test_written_report_has_json_markdown_and_png(tmp_path):
+    plan = make_plan(quick=False)
+    output = build_output(plan, Outcome(results=fake_results(plan), complete=True))
+    meta = {"date_utc": "2026-12-01 00:00:00", "command": "syncless bench pp", "host": "h", "platform": "p",
+            "python": "3.12", "torch": "2.11", "cuda": "13.0", "gpus": ["H200", "H200"]}
+    paths = write_output(output, tmp_path, meta)
+    document = json.loads(paths["json"].read_text())
+    assert document["data"]["complete"] is True
+    assert document["data"]["results"]["bandwidth"]["ours"][str(256 * MIB)]["gbps"] == pytest.approx(380.0)
+    assert len(document["goals"]) == 9 and all(g["met"] for g in document["goals"])
+    png = paths["png"].read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    markdown = paths["md"].read_text()
+    assert "| 256 MiB (prefill, 8192 tokens) | 390 | 330 | 380 |" in markdown
+    assert "MISSED" not in markdown
+    assert "![" in render_markdown(output, meta)
+
+
+def test_plot_survives_missing_values(tmp_path):
+    plan = make_plan(quick=True)
+    output = build_output(plan, Outcome(results={}, complete=False, failure="hard time limit"))
+    target = tmp_path / "pp.png"
+    output.plot(target)
+    assert target.read_bytes()[:4] == b"\x89PNG"
+    assert all(not g.met for g in output.goals)
