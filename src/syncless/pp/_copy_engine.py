@@ -1,40 +1,68 @@
 """The copy-engine transport: CUDA IPC buffers, peer copies, and 64-bit flags awaited on the GPU.
 
 Buffers. Every stage allocates one IPC-shareable buffer (zeroed before its
-handle is shared)::
+handle is shared) holding ``depth`` receive slots, each laid out like its
+persistent tensors (:class:`~syncless.pp._layout.Ring`)::
 
-    [ full: u64 | empty: u64 | pad to 256 | receive region laid out like its persistent tensors ]
+    [ full: u64 | empty: u64 | pad to 256 | slot 0 | slot 1 | ... | slot depth-1 ]
 
-``full`` is written by the previous stage (step N delivered), ``empty`` by the
-next stage (step N consumed): each flag lives on the GPU that waits on it. A
-stage that sends also owns a local send buffer laid out like the next stage's
-region.
+``full`` is written by the previous stage (the last step delivered), ``empty``
+by the next stage (the last step consumed): each flag lives on the GPU that
+waits on it, and both only grow (64-bit step counters, never reused). A stage
+that sends also owns a local send buffer of ``depth`` slots laid out like the
+next stage's. Step N = 1, 2, ... uses slot s = (N - 1) % D on both sides
+(D = depth)::
 
-One step, N = 1, 2, ... (sender on the left, receiver on the right)::
+    sender current:   [wait copied[s] if N > D] pack rows -> send slot s, (packed)
+    sender side:      wait packed, (pre) [wait empty >= N-D if N > D],
+                      copy send slot s -> peer slot s (copy engine), write peer.full = N, (post) (copied[s])
+    receiver current: ...earlier work... (pre) wait full >= N,
+                      copy peer slot s -> persistent, write sender.empty = N (post)
 
-    sender current: [wait copied(N-1)] [pack rows -> send buf] (packed)
-    sender side:                          wait packed, (pre) wait empty>=N-1,
-                                          copy rows -> peer region (copy engine),
-                                          write peer.full=N, (post)(copied)
-    receiver current:          ...earlier work... (pre) wait full>=N,
-                                          copy region rows -> persistent, write sender.empty=N (post)
+So up to D steps are in flight per link, and the three pieces of work of
+neighbouring steps overlap. With D = 2, when pack, peer copy and unpack take
+about as long as each other::
+
+    time ->           | t1     | t2     | t3       | t4       | t5       |
+    sender current    | pack 1 | pack 2 | pack 3   | pack 4   | pack 5   |
+    sender side       |        | copy 1 | copy 2   | copy 3   | copy 4   |
+    receiver current  |        |        | unpack 1 | unpack 2 | unpack 3 |
+                                          pack N+1 || copy N || unpack N-1
+
+(pack 3 reuses send slot 0 once copy 1 is done; copy 3 reuses peer slot 0
+once unpack 1 is done: both ended in t3 at the latest.) With D = 1 each step
+pays pack + copy + unpack back to back. A larger D absorbs jitter (a long
+kernel ahead of one unpack) at the price of D slots of memory on each side.
 
 Why each ordering is safe:
 - The caller may overwrite its tensors once send() returns: they are read by
   the pack, which is on the caller's current stream, before anything the
   caller enqueues later.
-- The send buffer is rewritten (pack N) only after ``copied(N-1)``: the peer
-  copy of step N-1 has finished reading it.
-- The peer region is rewritten (copy N) only after ``empty >= N-1``: the
-  receiver's copy of step N-1 out of it finished (the receiver writes
-  ``empty`` on the same stream, after that copy).
-- The receiver reads the region only after ``full >= N``: the sender writes
-  ``full`` on the same stream after its copies; over NVLink the data lands
-  before the flag write that follows it (why PCIe peers are refused), and on
-  one GPU it is local memory in stream order.
+- Send slot s is rewritten (pack N) only after ``copied[s]``: its latest record
+  when send(N) runs is the one send(N-D) made after the peer copy of step N-D,
+  the last step that read slot s (the host enqueues steps in order, and
+  ``cuStreamWaitEvent`` waits for the record made before it was called).
+- Peer slot s is rewritten (copy N) only after ``empty >= N-D``: the receiver
+  writes ``empty = N-D`` on its stream after its copy of step N-D out of slot
+  s, the last read of that slot before step N; a larger value is written
+  later still. Steps N-D+1 .. N-1 use the other slots, so they may be in
+  flight at the same time.
+- The receiver reads slot s only after ``full >= N``: the sender writes
+  ``full = N`` on its side stream after the copies of step N (and, in stream
+  order, of every earlier step); over NVLink the data lands before the flag
+  write that follows it (why PCIe peers are refused), and on one GPU it is
+  local memory in stream order. Step N+D, the next writer of slot s, cannot
+  start before the receiver wrote ``empty = N`` (previous point).
 - The persistent tensors are rewritten on the receiver's current stream,
   after whatever the caller queued there before recv() (readers of the last
   step included), and the caller's later work sees the new rows.
+
+Host cost per step: a handful of driver calls, no host sync and no GPU
+allocation. The per-slot ``copied`` events and the ``packed`` event are made
+at set-up; the watchdog's bracket events come from a pool that only grows
+while more steps are in flight than ever before. The receiver's ``empty``
+write is one ``cuStreamWriteValue64`` per step; it is what frees a slot, so
+batching it would stall the sender.
 
 Metadata (N and the row counts) goes over the CPU group with ``isend``; the
 host never waits for the GPU. A watchdog (``_watchdog.py``) bounds every
@@ -57,7 +85,7 @@ from syncless.pp import _driver as drv
 from syncless.pp._base import Transport
 from syncless.pp._eligibility import StageDevice, local_stage_device, mem_ops_problem, query_nvlink, topology_problem
 from syncless.pp._group import StageMap, agree, barrier, recv_meta
-from syncless.pp._layout import Layout, TensorSpec, validate_step
+from syncless.pp._layout import Layout, Ring, TensorSpec, validate_step
 from syncless.pp._watchdog import Bracket, Watchdog
 
 logger = logging.getLogger(__name__)
@@ -87,11 +115,14 @@ def open_copy_engine(
     persistent: Mapping[str, torch.Tensor],
     device: torch.device,
     timeout_s: float,
+    depth: int,
     inject_failure: str | None,
 ) -> CopyEngineTransport:
     """Set up the copy-engine transport; collective over the stages.
 
-    Blocks the host for three exchanges over the CPU group. Any failure on
+    Every stage passes the same ``depth`` (``make_transport`` checked it):
+    the receive and send buffers hold ``depth`` slots each. Blocks the host
+    for three exchanges over the CPU group. Any failure on
     any rank raises the same exception on every rank, after every rank has
     unmapped and freed what it made.
 
@@ -116,8 +147,8 @@ def open_copy_engine(
         ctx = drv.PrimaryContext(device.index)
         stack.callback(ctx.release)
         parts = _Parts(ctx)
-        recv_layout = Layout.from_specs(specs[stages.index])
-        send_layout = Layout.from_specs(specs[stages.index + 1]) if stages.next_rank is not None else None
+        recv_ring = Ring(Layout.from_specs(specs[stages.index]), depth)
+        send_ring = Ring(Layout.from_specs(specs[stages.index + 1]), depth) if stages.next_rank is not None else None
 
         # Step 2: topology (every pair of GPUs on NVLink), then allocate and export.
         def local_allocate() -> bytes:
@@ -133,14 +164,14 @@ def open_copy_engine(
                 parts.side_stream = drv.stream_create()
                 stack.callback(_in(ctx, drv.stream_destroy), parts.side_stream)
                 stack.callback(_in(ctx, parts.destroy_events))
-                parts.buffer = drv.mem_alloc(REGION_OFFSET + recv_layout.nbytes)
+                parts.buffer = drv.mem_alloc(REGION_OFFSET + recv_ring.nbytes)
                 stack.callback(_in(ctx, drv.mem_free), parts.buffer)
-                drv.mem_zero(parts.buffer, REGION_OFFSET + recv_layout.nbytes, parts.private_stream)
-                if send_layout is not None:
-                    parts.send_buffer = drv.mem_alloc(send_layout.nbytes)
+                drv.mem_zero(parts.buffer, REGION_OFFSET + recv_ring.nbytes, parts.private_stream)
+                if send_ring is not None:
+                    parts.send_buffer = drv.mem_alloc(send_ring.nbytes)
                     stack.callback(_in(ctx, drv.mem_free), parts.send_buffer)
                 parts.packed = parts.acquire_event()
-                parts.copied = parts.acquire_event()
+                parts.copied = [parts.acquire_event() for _ in range(depth)]
                 # The flags must read 0 before any peer can see the handle.
                 drv.stream_synchronize(parts.private_stream)
                 return drv.ipc_handle(parts.buffer)
@@ -167,8 +198,8 @@ def open_copy_engine(
             side_group=side_group,
             stages=stages,
             tag=tag,
-            recv_layout=recv_layout,
-            send_layout=send_layout,
+            recv_ring=recv_ring,
+            send_ring=send_ring,
             persistent=dict(persistent),
             device=device,
             timeout_s=timeout_s,
@@ -194,7 +225,7 @@ class _Parts:
         self.send_buffer = 0
         self.peer_base: dict[int, int] = {}
         self.packed: drv.Event | None = None
-        self.copied: drv.Event | None = None
+        self.copied: list[drv.Event] = []  # one per send slot, never recycled
         self.events: list[drv.Event] = []  # every event ever created, destroyed at the end
         self.free_events: deque[drv.Event] = deque()
         self.lock = threading.Lock()
@@ -222,7 +253,11 @@ class _Parts:
 
 
 class CopyEngineTransport(Transport):
-    """Pipeline transport over copy engines; built by ``make_transport``. See the module docstring."""
+    """Pipeline transport over copy engines; built by ``make_transport``. See the module docstring.
+
+    Attributes:
+        depth: steps that may be in flight on each link (slots per buffer).
+    """
 
     backend = "copy_engine"
 
@@ -234,22 +269,25 @@ class CopyEngineTransport(Transport):
         side_group: Any,
         stages: StageMap,
         tag: int,
-        recv_layout: Layout,
-        send_layout: Layout | None,
+        recv_ring: Ring,
+        send_ring: Ring | None,
         persistent: dict[str, torch.Tensor],
         device: torch.device,
         timeout_s: float,
     ):
         self.device = device
         self.fallback_reason = None
+        self.depth = recv_ring.depth
         self._stack = stack
         self._parts = parts
         self._ctx = parts.ctx
         self._side_group = side_group
         self._stages = stages
         self._tag = tag
-        self._recv_layout = recv_layout
-        self._send_layout = send_layout
+        self._recv_ring = recv_ring
+        self._recv_layout = recv_ring.layout
+        self._send_ring = send_ring
+        self._send_layout = send_ring.layout if send_ring is not None else None
         self._persistent = persistent
         self._timeout_s = timeout_s
         self._send_step = 0
@@ -262,8 +300,16 @@ class CopyEngineTransport(Transport):
         self._region = parts.buffer + REGION_OFFSET
         nxt, prv = stages.index + 1, stages.index - 1
         self._next_full = parts.peer_base[nxt] + FULL_OFFSET if nxt in parts.peer_base else 0
-        self._next_region = parts.peer_base[nxt] + REGION_OFFSET if nxt in parts.peer_base else 0
         self._prev_empty = parts.peer_base[prv] + EMPTY_OFFSET if prv in parts.peer_base else 0
+        # Slot addresses, computed once: send() and recv() only index these lists.
+        self._recv_slots = [self._region + recv_ring.slot_offset(k) for k in range(self.depth)]
+        if send_ring is not None and nxt in parts.peer_base:
+            next_region = parts.peer_base[nxt] + REGION_OFFSET
+            offsets = [send_ring.slot_offset(k) for k in range(self.depth)]
+            self._send_slots = [parts.send_buffer + off for off in offsets]
+            self._next_slots = [next_region + off for off in offsets]
+        else:
+            self._send_slots = self._next_slots = []
         self._watchdog = Watchdog(timeout_s, self._on_timeout, parts.recycle_event, self._ctx.make_current)
 
     # -- sending ---------------------------------------------------------------------
@@ -287,7 +333,11 @@ class CopyEngineTransport(Transport):
         rows = validate_step(layout.specs, tensors, self.device, self._stages.name(self._stages.index + 1))
         self._reap_meta()
         step = self._send_step + 1
+        depth = self.depth
+        slot = (step - 1) % depth
+        send_slot, peer_slot = self._send_slots[slot], self._next_slots[slot]
         parts = self._parts
+        copied = parts.copied[slot]
         side = parts.side_stream
         with torch.cuda.device(self.device):
             current = torch.cuda.current_stream(self.device).cuda_stream
@@ -295,23 +345,24 @@ class CopyEngineTransport(Transport):
             # the caching allocator keeps each one until the current stream is past the pack.
             sources = {name: tensors[name].contiguous() for name, count in rows.items() if count}
             with self._ctx:
-                if step > 1:
-                    parts.copied.wait_on(current)
+                if step > depth:
+                    copied.wait_on(current)  # the peer copy of step N-D read this send slot last
                 for name, source in sources.items():
                     nbytes = rows[name] * layout.specs[name].row_nbytes
-                    drv.memcpy_async(parts.send_buffer + layout.offsets[name], source.data_ptr(), nbytes, current)
+                    drv.memcpy_async(send_slot + layout.offsets[name], source.data_ptr(), nbytes, current)
                 parts.packed.record(current)
                 parts.packed.wait_on(side)
                 pre, post = parts.acquire_event(), parts.acquire_event()
                 pre.record(side)
-                drv.wait_value_geq(side, self._empty, step - 1)
+                if step > depth:
+                    drv.wait_value_geq(side, self._empty, step - depth)  # the receiver is done with step N-D
                 for name in sources:
                     nbytes = rows[name] * layout.specs[name].row_nbytes
                     offset = layout.offsets[name]
-                    drv.memcpy_async(self._next_region + offset, parts.send_buffer + offset, nbytes, side)
+                    drv.memcpy_async(peer_slot + offset, send_slot + offset, nbytes, side)
                 drv.write_value(side, self._next_full, step)
                 post.record(side)
-                parts.copied.record(side)
+                copied.record(side)
         self._watchdog.watch(Bracket(side, pre, post, f"send step {step} to {self._stages.name(self._stages.index + 1)}"))
         self._send_meta(step, [rows[name] for name in layout.names])
         self._send_step = step
@@ -371,6 +422,7 @@ class CopyEngineTransport(Transport):
             self._failure = RuntimeError(f"{what}: the peer's metadata {meta} does not match (protocol error)")
             raise self._failure
         parts = self._parts
+        slot_base = self._recv_slots[(step - 1) % self.depth]
         with torch.cuda.device(self.device):
             current = torch.cuda.current_stream(self.device).cuda_stream
             with self._ctx:
@@ -381,7 +433,7 @@ class CopyEngineTransport(Transport):
                     if count:
                         nbytes = count * layout.specs[name].row_nbytes
                         target = self._persistent[name].data_ptr()
-                        drv.memcpy_async(target, self._region + layout.offsets[name], nbytes, current)
+                        drv.memcpy_async(target, slot_base + layout.offsets[name], nbytes, current)
                 drv.write_value(current, self._prev_empty, step)
                 post.record(current)
         self._watchdog.watch(Bracket(current, pre, post, what))
@@ -409,7 +461,7 @@ class CopyEngineTransport(Transport):
         parts = self._parts
         stream = parts.private_stream
         if self._stages.prev_rank is not None:
-            drv.mem_fill_bytes(self._region, 0xFF, self._recv_layout.nbytes, stream)
+            drv.mem_fill_bytes(self._region, 0xFF, self._recv_ring.nbytes, stream)  # every slot
         drv.write_value(stream, self._full, drv.RELEASE_VALUE)
         drv.write_value(stream, self._empty, drv.RELEASE_VALUE)
 

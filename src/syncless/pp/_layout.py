@@ -5,6 +5,7 @@ Plain Python over tensor metadata: no GPU work, so it is unit-tested on the CPU.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -81,6 +82,62 @@ class Layout:
             offsets[name] = cursor
             cursor += spec.nbytes
         return cls(dict(specs), offsets, max(_align_up(cursor, SLOT_ALIGN_BYTES), SLOT_ALIGN_BYTES))
+
+
+def check_depth(depth: object) -> int:
+    """Return ``depth`` as an int when it is a usable number of slots (an integer >= 1).
+
+    Raises:
+        ValueError: ``depth`` is not an integer (bool included) or is below 1.
+    """
+    if isinstance(depth, bool):
+        raise ValueError(f"depth must be an int >= 1 (steps in flight per link); got {depth!r}")
+    try:
+        value = operator.index(depth)
+    except TypeError:
+        raise ValueError(
+            f"depth must be an int >= 1 (steps in flight per link); got {depth!r} ({type(depth).__name__})"
+        ) from None
+    if value < 1:
+        raise ValueError(f"depth must be an int >= 1 (steps in flight per link); got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class Ring:
+    """``depth`` copies of a layout back to back: the slots that consecutive steps use in turn.
+
+    Step N (1, 2, ...) uses slot ``(N - 1) % depth``. Each slot is
+    ``layout.nbytes`` long, a multiple of :data:`SLOT_ALIGN_BYTES`, so every
+    slot (and every tensor in it) is as aligned as slot 0.
+
+    Attributes:
+        layout: the layout of one slot.
+        depth: how many slots (steps that may be in flight at once).
+    """
+
+    layout: Layout
+    depth: int
+
+    @property
+    def stride(self) -> int:
+        """Bytes from one slot's start to the next one's."""
+        return self.layout.nbytes
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all ``depth`` slots."""
+        return self.depth * self.layout.nbytes
+
+    def slot(self, step: int) -> int:
+        """Return the slot index step ``step`` (counted from 1) uses."""
+        return (step - 1) % self.depth
+
+    def slot_offset(self, slot: int) -> int:
+        """Return the byte offset of slot ``slot`` from the ring's start."""
+        if not 0 <= slot < self.depth:
+            raise ValueError(f"slot must be in [0, {self.depth}); got {slot}")
+        return slot * self.stride
 
 
 def specs_from_persistent(persistent: Mapping[str, torch.Tensor] | None) -> dict[str, TensorSpec]:

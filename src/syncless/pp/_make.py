@@ -14,7 +14,7 @@ from syncless._core.logs import log_once
 from syncless.pp._base import Transport
 from syncless.pp._copy_engine import INJECTABLE_FAILURES, open_copy_engine
 from syncless.pp._group import agree, cpu_group, next_tag, resolve_stages
-from syncless.pp._layout import TensorSpec, persistent_device, specs_from_persistent
+from syncless.pp._layout import TensorSpec, check_depth, persistent_device, specs_from_persistent
 from syncless.pp._torch_dist import TorchDistTransport
 
 logger = logging.getLogger("syncless.pp")
@@ -48,12 +48,13 @@ def make_transport(
     backend: str | None = None,
     timeout_s: float | None = None,
     device: Any = None,
+    depth: int = 2,
     _inject_failure: str | None = None,
 ) -> Transport:
     """Build the transport between this stage and its neighbours; collective over ``group``.
 
-    Every stage calls it with the same ``group``, ``stage_ranks`` and
-    ``backend``. Blocks the host for a few exchanges over the group's CPU
+    Every stage calls it with the same ``group``, ``stage_ranks``,
+    ``backend`` and ``depth``. Blocks the host for a few exchanges over the group's CPU
     side (a gloo group over the same ranks is created and cached when
     ``group`` has no CPU backend); enqueues no GPU work except zeroing the
     copy-engine buffers.
@@ -73,13 +74,22 @@ def make_transport(
             :class:`~syncless.PeerTimeoutError`; None reads ``SYNCLESS_PP_TIMEOUT_S``.
         device: this stage's device when ``persistent`` does not say it
             (the first stage); default the current CUDA device, else the CPU.
+        depth: how many steps may be in flight on each link (an int >= 1).
+            The copy-engine transport keeps ``depth`` receive slots on the
+            receiver and ``depth`` send slots on the sender (each slot as
+            large as the receiver's persistent tensors), so packing step N+1,
+            the peer copy of step N and unpacking step N-1 overlap; 1 runs
+            them back to back and needs the least memory. The
+            torch.distributed transport checks it and ignores it (its
+            backend queues the sends itself).
         _inject_failure: tests only: ``"mem_ops"`` or ``"peer_open"`` makes
             this rank's copy-engine set-up fail at that step.
 
     Raises:
         CopyEngineUnavailable: ``backend="copy_engine"`` and some stage cannot
             use copy engines; raised on every stage with the same message.
-        ValueError, TypeError: bad arguments (on every stage, naming the stage).
+        ValueError, TypeError: bad arguments (on every stage, naming the stage),
+            stages passing different ``depth`` included.
         PeerTimeoutError: a stage did not take part in set-up.
     """
     import torch.distributed as dist
@@ -102,11 +112,20 @@ def make_transport(
 
     resolved: dict[str, Any] = {}
 
-    def local_layout() -> dict[str, TensorSpec]:
+    def local_layout() -> tuple[dict[str, TensorSpec], int]:
+        checked_depth = check_depth(depth)
         resolved["device"] = _resolve_device(persistent, device)
-        return specs_from_persistent(persistent)
+        return specs_from_persistent(persistent), checked_depth
 
-    specs = agree(side, stages, "make_transport", local_layout)
+    shared = agree(side, stages, "make_transport", local_layout)
+    specs = [layout for layout, _ in shared]
+    depths = [stage_depth for _, stage_depth in shared]
+    # Every stage sizes its neighbours' slots from its own depth, so all must agree;
+    # every rank sees the same list and raises the same error.
+    if len(set(depths)) > 1:
+        listing = ", ".join(f"{stages.name(i)}: {d}" for i, d in enumerate(depths))
+        raise ValueError(f"make_transport: every stage must pass the same depth; got {listing}")
+    my_depth = depths[stages.index]
     my_device = resolved["device"]
     recv_specs = specs[stages.index] if stages.prev_rank is not None else {}
     send_specs = specs[stages.index + 1] if stages.next_rank is not None else None
@@ -124,6 +143,7 @@ def make_transport(
                 persistent=persistent or {},
                 device=my_device,
                 timeout_s=timeout,
+                depth=my_depth,
                 inject_failure=_inject_failure,
             )
         except CopyEngineUnavailable as err:

@@ -14,6 +14,9 @@ NCCL the receiver's current stream is made to wait for the receive
 host waits, bounded by the timeout. An NCCL receive whose peer died after its
 metadata arrived is bounded only by NCCL's own watchdog (the process group's
 timeout), not by ``timeout_s``.
+
+``make_transport``'s ``depth`` does not reach this transport: the backend
+queues any number of posted sends itself, and every send owns its clones.
 """
 
 from __future__ import annotations

@@ -22,11 +22,14 @@ _spec.loader.exec_module(cases)
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(200)]
 
 
-def test_two_stages_on_one_gpu_deliver_2000_steps_bit_exact():
+@pytest.mark.parametrize("depth, steps", [(1, 800), (2, 2000), (3, 800)])
+def test_two_stages_on_one_gpu_deliver_every_step_bit_exact(depth, steps):
+    # Every 100th step the receiver stalls ~20 ms: the sender fills all `depth` slots and must wait.
     results = run_ranks(
-        cases.bit_exact, 2, args=("cuda", 2000, 256, "copy_engine", "copy_engine"), devices=[0, 0], timeout_s=150
+        cases.bit_exact, 2, args=("cuda", steps, 256, "copy_engine", "copy_engine", None, 1234 + depth, 60, depth, 100),
+        devices=[0, 0], timeout_s=150,
     )
-    assert results[1] == {"backend": "copy_engine", "mismatches": 0, "steps": 2000}
+    assert results[1] == {"backend": "copy_engine", "mismatches": 0, "steps": steps}
 
 
 def test_three_stages_on_one_gpu_middle_stage_forwards_bit_exact():

@@ -22,17 +22,28 @@ pytestmark = [pytest.mark.multi_gpu(count=2), pytest.mark.timeout(200)]
 
 
 def test_copy_engine_two_gpus_2000_steps_bit_exact():
+    # Default depth; every 100th step the receiver stalls ~20 ms, so the sender fills the ring and must wait.
     results = run_ranks(
-        cases.bit_exact, 2, args=("cuda", 2000, 256, "copy_engine", "copy_engine"), devices=[0, 1], timeout_s=150
+        cases.bit_exact, 2, args=("cuda", 2000, 256, "copy_engine", "copy_engine", None, 1234, 60, None, 100),
+        devices=[0, 1], timeout_s=150,
     )
     assert results[1] == {"backend": "copy_engine", "mismatches": 0, "steps": 2000}
 
 
-def test_copy_engine_reverse_direction():
+def test_copy_engine_reverse_direction_depth_1():
     results = run_ranks(
-        cases.bit_exact, 2, args=("cuda", 300, 64, "copy_engine", "copy_engine", [1, 0]), devices=[0, 1], timeout_s=90
+        cases.bit_exact, 2, args=("cuda", 300, 64, "copy_engine", "copy_engine", [1, 0], 99, 60, 1, 50),
+        devices=[0, 1], timeout_s=90,
     )
     assert results[0]["mismatches"] == 0
+
+
+def test_copy_engine_depth_4_with_stalls():
+    results = run_ranks(
+        cases.bit_exact, 2, args=("cuda", 600, 64, "copy_engine", "copy_engine", None, 4321, 60, 4, 30),
+        devices=[0, 1], timeout_s=90,
+    )
+    assert results[1]["mismatches"] == 0
 
 
 def test_three_stages_on_two_gpus_middle_stage_forwards_bit_exact():

@@ -85,19 +85,35 @@ def _maybe_sleep(kind, rng, chance):
         torch.cuda._sleep(rng.randint(20_000, 2_000_000))
 
 
-def bit_exact(rank, world, kind, steps, max_rows, backend, expect_backend, stage_ranks=None, seed=1234, timeout_s=60):
-    """Stage 0 makes fresh data each step; every later stage checks it bit for bit, middle stages forward it."""
+#: GPU cycles of one stall (about 20 ms at H200 clocks): long enough for the sender to fill every slot.
+STALL_CYCLES = 40_000_000
+
+
+def bit_exact(
+    rank, world, kind, steps, max_rows, backend, expect_backend, stage_ranks=None, seed=1234, timeout_s=60,
+    depth=None, stall_every=0,
+):
+    """Stage 0 makes fresh data each step; every later stage checks it bit for bit, middle stages forward it.
+
+    ``depth`` None uses make_transport's default. ``stall_every`` > 0 (CUDA
+    only): before every such step the last stage holds its stream for a
+    long kernel, so the sender runs into a full ring (back-pressure) and any
+    slot reused too early shows up as a mismatch.
+    """
     device = _device(kind)
     order = list(stage_ranks) if stage_ranks else list(range(world))
     index = order.index(rank)
     first, last = index == 0, index == len(order) - 1
     persistent = None if first else _persistent(device, max_rows)
+    extra = {} if depth is None else {"depth": depth}
     transport = make_transport(
-        None, persistent, stage_ranks=order, backend=backend, timeout_s=timeout_s, device=device
+        None, persistent, stage_ranks=order, backend=backend, timeout_s=timeout_s, device=device, **extra
     )
     say(f"stage {index}: transport {transport.backend} (fallback: {transport.fallback_reason})")
     if transport.backend != expect_backend:
         raise AssertionError(f"expected the {expect_backend} transport, got {transport.backend}")
+    if depth is not None and transport.backend == "copy_engine" and transport.depth != depth:
+        raise AssertionError(f"expected depth {depth}, got {transport.depth}")
     rng = random.Random(seed + rank)
     bad = torch.zeros((), dtype=torch.int64, device=device)
     src = _persistent(device, max_rows) if first else None
@@ -121,6 +137,8 @@ def bit_exact(rank, world, kind, steps, max_rows, backend, expect_backend, stage
             for t in persistent.values():
                 _poison(t)
             _maybe_sleep(kind, rng, 0.15)  # a long kernel before reading: back-pressure on the sender
+            if last and stall_every and kind == "cuda" and step % stall_every == 0:
+                torch.cuda._sleep(STALL_CYCLES)
             out = transport.recv()
             bad += _mismatches(out, expected(seed, step, max_rows, device))
             if not last:
@@ -177,6 +195,40 @@ def validation(rank, world, kind, backend, other_device=None):
         out = transport.recv()
         if int(_mismatches(out, expected(7, 1, max_rows, device))) != 0:
             raise AssertionError("the good step after the bad ones arrived wrong")
+    dist.barrier()
+    transport.close()
+    return messages
+
+
+def depth_checks(rank, world, kind):
+    """Bad or mismatched depths raise the same ValueError on every rank; a good depth then works."""
+    device = _device(kind)
+    max_rows = 8
+    messages = []
+    cases = [
+        ({0: 2, 1: 0}, "stage 1 (rank 1)"),
+        ({0: True, 1: 2}, "stage 0 (rank 0)"),
+        ({0: 2, 1: "2"}, "stage 1 (rank 1)"),
+        ({0: 2, 1: 3}, "stage 0 (rank 0): 2, stage 1 (rank 1): 3"),
+    ]
+    for depths, words in cases:
+        persistent = None if rank == 0 else _persistent(device, max_rows)
+        try:
+            make_transport(None, persistent, backend="torch_distributed", device=device, depth=depths[rank])
+        except ValueError as err:
+            if words not in str(err) or "depth" not in str(err):
+                raise AssertionError(f"message {str(err)!r} lacks {words!r} or 'depth'") from err
+            messages.append(str(err))
+        else:
+            raise AssertionError(f"make_transport accepted depths {depths}")
+    transport = make_transport(
+        None, None if rank == 0 else _persistent(device, max_rows), backend="torch_distributed", device=device, depth=3
+    )
+    for step in range(1, 6):
+        if rank == 0:
+            transport.send(expected(13, step, max_rows, device))
+        elif int(_mismatches(transport.recv(), expected(13, step, max_rows, device))) != 0:
+            raise AssertionError("depth=3 delivered wrong data")
     dist.barrier()
     transport.close()
     return messages

@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from syncless.pp._layout import SLOT_ALIGN_BYTES, Layout, persistent_device, specs_from_persistent, validate_step
+from syncless.pp._layout import (
+    SLOT_ALIGN_BYTES,
+    Layout,
+    Ring,
+    TensorSpec,
+    check_depth,
+    persistent_device,
+    specs_from_persistent,
+    validate_step,
+)
 
 
 def _persistent():
@@ -34,6 +43,53 @@ def test_layout_slots_are_aligned_disjoint_and_in_order():
 
 def test_empty_layout_still_has_bytes():
     assert Layout.from_specs({}).nbytes == SLOT_ALIGN_BYTES
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3, 5])
+def test_ring_slots_are_aligned_disjoint_copies_of_the_layout(depth):
+    specs = specs_from_persistent(_persistent())
+    layout = Layout.from_specs(specs)
+    ring = Ring(layout, depth)
+    assert ring.stride == layout.nbytes and ring.nbytes == depth * layout.nbytes
+    spans = []
+    for k in range(depth):
+        start = ring.slot_offset(k)
+        assert start == k * layout.nbytes and start % SLOT_ALIGN_BYTES == 0
+        for name in layout.names:
+            begin = start + layout.offsets[name]
+            assert begin % SLOT_ALIGN_BYTES == 0
+            spans.append((begin, begin + specs[name].nbytes))
+    spans.sort()
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))  # nothing overlaps
+    assert spans[0][0] == 0 and spans[-1][1] <= ring.nbytes
+    # Steps 1, 2, ... take the slots in turn; step N and N + depth share one.
+    assert [ring.slot(step) for step in range(1, 2 * depth + 2)] == [*range(depth), *range(depth), 0]
+    with pytest.raises(ValueError, match=rf"slot must be in \[0, {depth}\); got {depth}"):
+        ring.slot_offset(depth)
+
+
+def test_ring_of_an_empty_layout_still_has_a_slot_each():
+    assert Ring(Layout.from_specs({}), 3).nbytes == 3 * SLOT_ALIGN_BYTES
+
+
+def test_ring_bytes_for_a_large_activation():
+    # 256 rows of 8192 bf16 = 4 MiB per slot; depth 2 holds 8 MiB.
+    specs = {"hidden": TensorSpec(torch.bfloat16, (8192,), 256)}
+    ring = Ring(Layout.from_specs(specs), 2)
+    assert ring.slot_offset(1) == 4 << 20 and ring.nbytes == 8 << 20
+
+
+@pytest.mark.parametrize("good", [1, 2, 7])
+def test_check_depth_accepts_positive_ints(good):
+    assert check_depth(good) == good
+
+
+@pytest.mark.parametrize("bad, words", [(0, "got 0"), (-1, "got -1"), (True, "got True"), (2.0, "got 2.0 (float)"),
+                                        ("2", "got '2' (str)"), (None, "got None")])
+def test_check_depth_rejects_the_rest_with_a_value_error(bad, words):
+    with pytest.raises(ValueError, match="depth must be an int >= 1") as info:
+        check_depth(bad)
+    assert words in str(info.value)
 
 
 def test_persistent_must_be_contiguous_tensors_with_rows():

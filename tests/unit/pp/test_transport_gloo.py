@@ -58,3 +58,9 @@ def test_silent_sender_makes_recv_raise_after_the_timeout():
     timeout_s = 1.5
     results = run_ranks(cases.stopped_sending, 2, args=("cpu", "torch_distributed", timeout_s), timeout_s=60)
     assert timeout_s * 0.9 <= results[1] < timeout_s + 10
+
+
+def test_bad_or_mismatched_depth_fails_on_every_rank_alike():
+    messages = run_ranks(cases.depth_checks, 2, args=("cpu",), timeout_s=60)
+    assert messages[0] == messages[1] and len(messages[0]) == 4
+    assert "same depth" in messages[0][3]
