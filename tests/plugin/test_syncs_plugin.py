@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from syncless import syncs
+from syncless.syncs import _hook
 
 PLUGIN = ["-p", "no:syncless", "-p", "syncless.syncs._pytest_plugin", "--strict-markers", "-p", "no:cacheprovider"]
 
@@ -51,10 +52,18 @@ def test_unmarked_syncs():
 
 @pytest.fixture
 def untouched():
-    """The inner runs share this process: check they leave the detector as they found it."""
-    before = (syncs.mode(), syncs.is_enabled(), torch.Tensor.to, torch.Tensor.copy_, warnings.showwarning)
+    """The inner runs share this process: check they leave the detector as they found it.
+
+    ``warnings.showwarning`` itself is not compared: pytest swaps it inside its
+    own ``catch_warnings`` blocks (around ``pytest_configure`` and each test),
+    so only "our hook is gone" is a property of the plugin.
+    """
+    before = (syncs.mode(), syncs.is_enabled(), torch.Tensor.to, torch.Tensor.copy_, torch.cuda.synchronize)
+    filters_before = list(warnings.filters)
     yield
-    assert (syncs.mode(), syncs.is_enabled(), torch.Tensor.to, torch.Tensor.copy_, warnings.showwarning) == before
+    assert (syncs.mode(), syncs.is_enabled(), torch.Tensor.to, torch.Tensor.copy_, torch.cuda.synchronize) == before
+    assert warnings.showwarning is not _hook.showwarning
+    assert warnings.filters == filters_before
 
 
 def _fake_project(pytester):

@@ -35,6 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pipeline transport (default: SYNCLESS_PP_TRANSPORT, auto)")
     parser.add_argument("--cc", choices=["auto", "on", "off", "emulate"], default=None,
                         help="Confidential Computing mode (default: SYNCLESS_CC, auto)")
+    parser.add_argument("--cpu", action="store_true", help="run on the CPU (gloo) even where GPUs are present")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="give up (and kill every stage) after this long")
 
 
@@ -61,7 +62,7 @@ def plan(args: argparse.Namespace, gpus: int) -> DemoOptions:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo and print its summary; return 0 if the hot loop had no unallowed sync."""
-    gpus = cuda_device_count()
+    gpus = 0 if args.cpu else cuda_device_count()
     options = plan(args, gpus)
     where = f"{gpus} GPU(s)" if gpus else "the CPU (no GPU found)"
     print(f"syncless demo: {options.stages} stage(s) on {where}, model {options.model.hidden}x{options.model.layers}, "

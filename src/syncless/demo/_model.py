@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn import functional as F
+from torch.nn import functional as F  # noqa: N812
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,8 @@ class DecoderLayer(nn.Module):
         shape = (batch, cfg.heads, cfg.max_tokens, cfg.head_dim)
         self.register_buffer("k_cache", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("positions", torch.arange(cfg.max_tokens, device=device), persistent=False)
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
 
     def forward(self, x: torch.Tensor, position: int, first_row: int) -> torch.Tensor:
         """Run one decode step for ``x`` (rows, hidden) at ``position``, cache rows from ``first_row``."""
@@ -81,9 +83,12 @@ class DecoderLayer(nn.Module):
         q, k, v = self.qkv(self.norm1(x)).view(batch, 3, self.cfg.heads, self.cfg.head_dim).unbind(1)
         self.k_cache[rows, :, position] = k
         self.v_cache[rows, :, position] = v
-        keys = self.k_cache[rows, :, : position + 1]
-        values = self.v_cache[rows, :, : position + 1]
-        attended = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values).reshape(batch, self.cfg.hidden)
+        # Attend over the whole cache with later positions masked: the shapes stay the same every
+        # step, so no per-shape set-up (cuDNN attention builds a plan per new length) and no sync.
+        scores = torch.matmul(q.unsqueeze(2), self.k_cache[rows].transpose(-1, -2)).squeeze(2)
+        scores = scores.masked_fill(self.positions > position, float("-inf")) * self.scale
+        weights = torch.softmax(scores.float(), dim=-1).to(x.dtype)
+        attended = torch.matmul(weights.unsqueeze(2), self.v_cache[rows]).reshape(batch, self.cfg.hidden)
         x = x + self.proj(attended)
         return x + self.down(F.gelu(self.up(self.norm2(x))))
 

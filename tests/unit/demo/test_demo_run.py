@@ -4,7 +4,7 @@ from syncless import cli
 
 
 def test_demo_runs_two_cpu_stages_and_summarizes(capsys):
-    assert cli.main(["demo", "--steps", "6", "--batch", "2", "--timeout-s", "120"]) == 0
+    assert cli.main(["demo", "--cpu", "--steps", "6", "--batch", "2", "--timeout-s", "120"]) == 0
     out = capsys.readouterr().out
     assert "2 stage(s) on the CPU" in out
     assert "stage 0: cpu, layers 0-1" in out and "stage 1: cpu, layers 2-3" in out
