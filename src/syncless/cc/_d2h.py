@@ -30,6 +30,7 @@ from typing import Any
 
 from syncless._core import patching
 from syncless._core.errors import SynclessError
+from syncless._core.layouts import is_dense_layout
 from syncless.cc import _streams
 from syncless.cc._worker import OrderedWorker
 
@@ -134,20 +135,9 @@ def pinned_like(src: Any, dtype: Any, memory_format: Any) -> Any:
     dtype = src.dtype if dtype is None else dtype
     if memory_format is not None and memory_format is not torch.preserve_format:
         return torch.empty(src.shape, dtype=dtype, pin_memory=True).contiguous(memory_format=memory_format)
-    if src.is_contiguous() or not _is_dense(src):
+    if src.is_contiguous() or not is_dense_layout(src.shape, src.stride()):
         return torch.empty(src.shape, dtype=dtype, pin_memory=True)
     return torch.empty_strided(src.shape, src.stride(), dtype=dtype, pin_memory=True)
-
-
-def _is_dense(t: Any) -> bool:
-    """Non-overlapping and dense: the strides are a permutation of a contiguous layout."""
-    pairs = sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1)
-    expected = 1
-    for stride, size in pairs:
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def offload(record: _D2HStream, dst: Any, src: Any, what: str) -> int:

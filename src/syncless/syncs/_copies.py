@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from syncless._core import patching
+from syncless._core.layouts import is_dense_layout
 from syncless.syncs import _report
 from syncless.syncs._state import checked_depth, is_violation_context
 
@@ -110,19 +111,6 @@ def is_contiguous_layout(shape: Sequence[int], strides: Sequence[int]) -> bool:
     for size, stride in zip(reversed(shape), reversed(strides)):
         if size == 1:
             continue
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def is_dense_layout(shape: Sequence[int], strides: Sequence[int]) -> bool:
-    """torch's ``is_non_overlapping_and_dense``: some permutation of the dims is contiguous."""
-    if any(size == 0 for size in shape):
-        return True
-    dims = sorted((stride, size) for size, stride in zip(shape, strides) if size != 1)
-    expected = 1
-    for stride, size in dims:
         if stride != expected:
             return False
         expected *= size
