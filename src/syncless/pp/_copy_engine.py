@@ -19,6 +19,15 @@ next stage's. Step N = 1, 2, ... uses slot s = (N - 1) % D on both sides
     receiver current: ...earlier work... (pre) wait full >= N,
                       copy peer slot s -> persistent, write sender.empty = N (post)
 
+Within a slot a step is packed densely: tensor after tensor in layout
+order, each starting on the next 256-byte boundary after the previous one's
+rows (``_layout.dense_spans``). The sender takes the offsets from its row
+counts, the receiver from the same counts in the step's metadata, so the peer
+copy is one ``cuMemcpyAsync`` of ``[0, end)`` per step whatever the number of
+tensors. Each offset is at most the tensor's offset at maximum rows, so a
+step always fits its slot; the few padding bytes between tensors travel
+along and are never read.
+
 So up to D steps are in flight per link, and the three pieces of work of
 neighbouring steps overlap. With D = 2, when pack, peer copy and unpack take
 about as long as each other::
@@ -58,24 +67,35 @@ Why each ordering is safe:
   step included), and the caller's later work sees the new rows.
 
 Host cost per step: a handful of driver calls, no host sync and no GPU
-allocation. The per-slot ``copied`` events and the ``packed`` event are made
-at set-up; the watchdog's bracket events come from a pool that only grows
+allocation. The driver calls are bound once (``_driver.Hot``: results
+checked inline, a failure raises the same ``CudaError`` as ``cuda.call``),
+and the primary context is pushed only when the calling thread does not
+already have it current (``_driver.ThreadBinding``: checked with the driver
+once per thread, then with torch's current device). Step validation uses
+expectations worked out at set-up (``_layout.StepCheck``). The per-slot
+``copied`` events and the ``packed`` event are made at set-up; the watchdog's bracket events come from a pool that only grows
 while more steps are in flight than ever before. The receiver's ``empty``
 write is one ``cuStreamWriteValue64`` per step; it is what frees a slot, so
 batching it would stall the sender.
 
-Metadata (N and the row counts) goes over the CPU group with ``isend``; the
-host never waits for the GPU. A watchdog (``_watchdog.py``) bounds every
-GPU-side wait; the metadata receive has a host timeout.
+Metadata (N and the row counts) goes over the CPU group with ``isend`` from a
+ring of reusable CPU tensors (``_MetaSlot``, at least ``META_RING``): send(N)
+first waits for the isend of the step that last used its tensor, which on
+gloo has long gone out unless the next stage's host is that many steps
+behind (then it is back-pressure, bounded by the timeout). The receiver
+reuses one buffer. The host never waits for the GPU. A watchdog
+(``_watchdog.py``) bounds every GPU-side wait; the metadata receive has a host timeout.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import threading
 from collections import deque
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -85,7 +105,7 @@ from syncless.pp import _driver as drv
 from syncless.pp._base import Transport
 from syncless.pp._eligibility import StageDevice, local_stage_device, mem_ops_problem, query_nvlink, topology_problem
 from syncless.pp._group import StageMap, agree, barrier, recv_meta
-from syncless.pp._layout import Layout, Ring, TensorSpec, validate_step
+from syncless.pp._layout import Layout, Ring, StepCheck, TensorSpec, dense_spans
 from syncless.pp._watchdog import Bracket, Watchdog
 
 logger = logging.getLogger(__name__)
@@ -206,6 +226,51 @@ def open_copy_engine(
         )
 
 
+#: Metadata tensors a sender cycles through; send(N) reuses the one of step N - META_RING (or N - 2 * depth).
+META_RING = 8
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _current_stream(index: int) -> int:
+    """Return the handle of torch's current stream on GPU ``index`` (an int; 0 is the legacy default stream)."""
+    if _raw_stream is not None:
+        return _raw_stream(index)
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+class _MetaSlot:
+    """One reusable CPU int64 tensor for a step's metadata ``[N, rows...]`` and its pending ``isend``.
+
+    Values are written through a ctypes view of the tensor's memory (no new
+    tensor per step). The tensor is rewritten only after :meth:`reclaim`
+    waited for its previous ``isend``. (Reading torch's ProcessGroupGloo, a
+    send work is marked complete only inside ``wait()``, so polling
+    ``is_completed()`` never frees it; the old reaping never did.)
+    """
+
+    __slots__ = ("tensor", "view", "work")
+
+    def __init__(self, length: int):
+        self.tensor = torch.zeros(length, dtype=torch.int64)
+        self.view = (ctypes.c_int64 * length).from_address(self.tensor.data_ptr())
+        self.work: Any = None
+
+    def reclaim(self, timeout: timedelta) -> None:
+        """Block until the previous ``isend`` of this tensor went out (at most ``timeout``)."""
+        work, self.work = self.work, None
+        if work is not None:
+            work.wait(timeout=timeout)
+
+    def send(self, step: int, rows: list[int], dst: int, group: Any, tag: int) -> None:
+        """Write ``[step, *rows]`` and start a non-blocking ``isend`` of it (call :meth:`reclaim` first)."""
+        import torch.distributed as dist
+
+        self.view[0] = step
+        self.view[1:] = rows
+        self.work = dist.isend(self.tensor, dst=dst, group=group, tag=tag)
+
+
 def _in(ctx: drv.PrimaryContext, fn: Any) -> Any:
     def run(*args: Any) -> None:
         with ctx:
@@ -232,17 +297,17 @@ class _Parts:
 
     def acquire_event(self) -> drv.Event:
         """Return a free event (the context must be current)."""
-        with self.lock:
-            if self.free_events:
-                return self.free_events.popleft()
+        try:
+            return self.free_events.popleft()  # deque operations are atomic: no lock on the hot path
+        except IndexError:
+            pass
         event = drv.Event()
         with self.lock:
             self.events.append(event)
         return event
 
     def recycle_event(self, event: drv.Event) -> None:
-        with self.lock:
-            self.free_events.append(event)
+        self.free_events.append(event)
 
     def destroy_events(self) -> None:
         with self.lock:
@@ -292,7 +357,6 @@ class CopyEngineTransport(Transport):
         self._timeout_s = timeout_s
         self._send_step = 0
         self._recv_step = 0
-        self._meta_works: deque[tuple[Any, torch.Tensor]] = deque()
         self._failure: BaseException | None = None
         self._closed = False
         self._full = parts.buffer + FULL_OFFSET
@@ -311,6 +375,22 @@ class CopyEngineTransport(Transport):
         else:
             self._send_slots = self._next_slots = []
         self._watchdog = Watchdog(timeout_s, self._on_timeout, parts.recycle_event, self._ctx.make_current)
+        # Per-step constants, worked out once so send() and recv() do only what changes per step.
+        self._hot = drv.Hot()
+        self._binding = drv.thread_binding(self._ctx)
+        self._index = device.index
+        torch.cuda.current_stream(device)  # torch's CUDA state is initialised before the raw lookups below
+        self._wait_timeout = timedelta(seconds=timeout_s)
+        self._recv_row_nbytes = [spec.row_nbytes for spec in self._recv_layout.specs.values()]
+        self._recv_targets = [(name, persistent[name].data_ptr()) for name in self._recv_layout.specs]
+        self._recv_meta = torch.empty(1 + len(self._recv_layout.specs), dtype=torch.int64)
+        self._recv_what = f"{stages.name()} receiving step"
+        if self._send_layout is not None:
+            self._send_check = StepCheck(self._send_layout.specs, device, stages.name(stages.index + 1))
+            self._send_row_nbytes = [spec.row_nbytes for spec in self._send_layout.specs.values()]
+            self._send_names = self._send_layout.names
+            self._send_what = f"send step {{}} to {stages.name(stages.index + 1)}"
+            self._metas = [_MetaSlot(1 + len(self._send_names)) for _ in range(max(META_RING, 2 * self.depth))]
 
     # -- sending ---------------------------------------------------------------------
 
@@ -319,75 +399,76 @@ class CopyEngineTransport(Transport):
 
         Enqueues the pack on the caller's current stream of this stage's GPU
         and the peer copy on a private side stream; blocks the host for
-        neither (only for a non-blocking metadata ``isend``). The caller may
-        overwrite ``tensors`` as soon as this returns.
+        neither (only for a non-blocking metadata ``isend``, and, when the
+        host runs ``len(metas)`` steps ahead of the next stage's host, until
+        the oldest metadata went out). The caller may overwrite ``tensors``
+        as soon as this returns.
 
         Raises:
             ValueError, TypeError: the step does not fit the next stage's layout (nothing was enqueued).
-            PeerTimeoutError: an earlier step timed out; the transport is unusable.
+            PeerTimeoutError: an earlier step timed out, or the next stage took no metadata within the
+                timeout; the transport is unusable.
         """
-        self._check_usable()
+        if self._closed or self._failure is not None:
+            self._check_usable()
         if self._send_layout is None:
             raise RuntimeError(f"{self._stages.name()} is the last stage: it has no next stage to send to")
-        layout = self._send_layout
-        rows = validate_step(layout.specs, tensors, self.device, self._stages.name(self._stages.index + 1))
-        self._reap_meta()
+        rows = self._send_check.rows(tensors)
         step = self._send_step + 1
+        meta = self._metas[step % len(self._metas)]
+        self._meta_free(meta, step)  # before any GPU work: a failure leaves no half-sent step
         depth = self.depth
         slot = (step - 1) % depth
         send_slot, peer_slot = self._send_slots[slot], self._next_slots[slot]
-        parts = self._parts
+        spans, total = dense_spans(self._send_row_nbytes, rows)
+        # Non-contiguous inputs become contiguous temporaries on the current stream;
+        # the caching allocator keeps each one until the current stream is past the pack.
+        sources = [tensors[name].contiguous().data_ptr() for name in self._send_names]
+        parts, hot, side = self._parts, self._hot, self._parts.side_stream
         copied = parts.copied[slot]
-        side = parts.side_stream
-        with torch.cuda.device(self.device):
-            current = torch.cuda.current_stream(self.device).cuda_stream
-            # Non-contiguous inputs become contiguous temporaries on the current stream;
-            # the caching allocator keeps each one until the current stream is past the pack.
-            sources = {name: tensors[name].contiguous() for name, count in rows.items() if count}
-            with self._ctx:
-                if step > depth:
-                    copied.wait_on(current)  # the peer copy of step N-D read this send slot last
-                for name, source in sources.items():
-                    nbytes = rows[name] * layout.specs[name].row_nbytes
-                    drv.memcpy_async(send_slot + layout.offsets[name], source.data_ptr(), nbytes, current)
-                parts.packed.record(current)
-                parts.packed.wait_on(side)
-                pre, post = parts.acquire_event(), parts.acquire_event()
-                pre.record(side)
-                if step > depth:
-                    drv.wait_value_geq(side, self._empty, step - depth)  # the receiver is done with step N-D
-                for name in sources:
-                    nbytes = rows[name] * layout.specs[name].row_nbytes
-                    offset = layout.offsets[name]
-                    drv.memcpy_async(peer_slot + offset, send_slot + offset, nbytes, side)
-                drv.write_value(side, self._next_full, step)
-                post.record(side)
-                copied.record(side)
-        self._watchdog.watch(Bracket(side, pre, post, f"send step {step} to {self._stages.name(self._stages.index + 1)}"))
-        self._send_meta(step, [rows[name] for name in layout.names])
+        pushed = self._binding.enter()
+        try:
+            current = _current_stream(self._index)
+            if step > depth:
+                hot.wait_event(copied, current)  # the peer copy of step N-D read this send slot last
+            for source, (offset, nbytes) in zip(sources, spans):
+                if nbytes:
+                    hot.memcpy(send_slot + offset, source, nbytes, current)
+            hot.record(parts.packed, current)
+            hot.wait_event(parts.packed, side)
+            pre, post = parts.acquire_event(), parts.acquire_event()
+            hot.record(pre, side)
+            if step > depth:
+                hot.wait_geq(side, self._empty, step - depth)  # the receiver is done with step N-D
+            if total:
+                hot.memcpy(peer_slot, send_slot, total, side)  # the whole step: one copy-engine transfer
+            hot.write(side, self._next_full, step)
+            hot.record(post, side)
+            hot.record(copied, side)
+        finally:
+            self._binding.exit(pushed)
+        self._watchdog.watch(Bracket(side, pre, post, self._send_what.format(step)))
+        meta.send(step, rows, self._stages.next_rank, self._side_group, self._tag)
         self._send_step = step
 
-    def _send_meta(self, step: int, rows: list[int]) -> None:
-        import torch.distributed as dist
-
-        meta = torch.tensor([step, *rows], dtype=torch.int64)
-        work = dist.isend(meta, dst=self._stages.next_rank, group=self._side_group, tag=self._tag)
-        self._meta_works.append((work, meta))
+    def _meta_free(self, meta: _MetaSlot, step: int) -> None:
+        """Wait (at most the timeout) until ``meta``'s previous isend went out; usually it long has."""
+        try:
+            meta.reclaim(self._wait_timeout)
+        except RuntimeError as err:
+            self._failure = PeerTimeoutError(
+                f"{self._stages.name()} sending step {step}: the metadata of step {step - len(self._metas)} "
+                f"did not go out within {self._timeout_s:g} s; the next stage died or stopped receiving: {err}"
+            )
+            raise self._failure from err
 
     def _finish_meta(self) -> None:
-        from datetime import timedelta
-
-        works, self._meta_works = self._meta_works, deque()
-        for work, _meta in works:
+        for meta in getattr(self, "_metas", ()):
             try:
-                work.wait(timeout=timedelta(seconds=self._timeout_s))
+                meta.reclaim(self._wait_timeout)
             except RuntimeError as err:
                 logger.warning("%s: metadata not delivered before close(): %s", self._stages.name(), err)
                 return
-
-    def _reap_meta(self) -> None:
-        while self._meta_works and self._meta_works[0][0].is_completed():
-            self._meta_works.popleft()
 
     # -- receiving -------------------------------------------------------------------
 
@@ -403,42 +484,46 @@ class CopyEngineTransport(Transport):
         Raises:
             PeerTimeoutError: the previous stage sent nothing within the timeout, or an earlier step timed out.
         """
-        self._check_usable()
+        if self._closed or self._failure is not None:
+            self._check_usable()
         if self._stages.prev_rank is None:
             raise RuntimeError(f"{self._stages.name()} is the first stage: it has no previous stage to receive from")
         layout = self._recv_layout
         step = self._recv_step + 1
-        what = f"{self._stages.name()} receiving step {step}"
         try:
             meta = recv_meta(
-                self._side_group, self._stages.prev_rank, self._tag, 1 + len(layout.names), self._timeout_s, what
+                self._side_group, self._stages.prev_rank, self._tag, len(self._recv_meta), self._timeout_s,
+                f"{self._recv_what} {step}", out=self._recv_meta,
             ).tolist()
         except PeerTimeoutError as err:
             self._failure = err
             raise
-        rows = dict(zip(layout.names, meta[1:]))
-        bad = {n: r for n, r in rows.items() if not 0 <= r <= layout.specs[n].max_rows}
-        if meta[0] != step or bad:
-            self._failure = RuntimeError(f"{what}: the peer's metadata {meta} does not match (protocol error)")
+        rows = meta[1:]
+        if meta[0] != step or not all(0 <= r <= spec.max_rows for r, spec in zip(rows, layout.specs.values())):
+            self._failure = RuntimeError(
+                f"{self._recv_what} {step}: the peer's metadata {meta} does not match (protocol error)"
+            )
             raise self._failure
-        parts = self._parts
+        spans, _ = dense_spans(self._recv_row_nbytes, rows)
+        parts, hot = self._parts, self._hot
         slot_base = self._recv_slots[(step - 1) % self.depth]
-        with torch.cuda.device(self.device):
-            current = torch.cuda.current_stream(self.device).cuda_stream
-            with self._ctx:
-                pre, post = parts.acquire_event(), parts.acquire_event()
-                pre.record(current)
-                drv.wait_value_geq(current, self._full, step)
-                for name, count in rows.items():
-                    if count:
-                        nbytes = count * layout.specs[name].row_nbytes
-                        target = self._persistent[name].data_ptr()
-                        drv.memcpy_async(target, slot_base + layout.offsets[name], nbytes, current)
-                drv.write_value(current, self._prev_empty, step)
-                post.record(current)
-        self._watchdog.watch(Bracket(current, pre, post, what))
+        pushed = self._binding.enter()
+        try:
+            current = _current_stream(self._index)
+            pre, post = parts.acquire_event(), parts.acquire_event()
+            hot.record(pre, current)
+            hot.wait_geq(current, self._full, step)
+            for (_name, target), (offset, nbytes) in zip(self._recv_targets, spans):
+                if nbytes:
+                    hot.memcpy(target, slot_base + offset, nbytes, current)
+            hot.write(current, self._prev_empty, step)
+            hot.record(post, current)
+        finally:
+            self._binding.exit(pushed)
+        self._watchdog.watch(Bracket(current, pre, post, f"{self._recv_what} {step}"))
         self._recv_step = step
-        return {name: self._persistent[name][:count] for name, count in rows.items()}
+        persistent = self._persistent
+        return {name: persistent[name][:count] for name, count in zip(layout.specs, rows)}
 
     # -- failure and tear-down -------------------------------------------------------------
 

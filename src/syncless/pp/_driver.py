@@ -70,6 +70,146 @@ class PrimaryContext:
         _count("context", -1)
 
 
+class ThreadBinding:
+    """Makes a primary context current for one call at the lowest host cost; one per transport.
+
+    The per-step driver calls need the transport's primary context current
+    (the CUDA docs only promise that for calls naming a stream of that
+    context when it is current, so we never rely on less). Pushing and
+    popping it costs two driver calls per step, yet on a thread that torch
+    already uses for this GPU it is current anyway. So:
+
+    - :meth:`enter` asks torch for the thread's current device (cheap). Not
+      ours: push the context (``exit`` pops it), as before.
+    - Ours: once per thread, ask the driver what is current
+      (``cuCtxGetCurrent``). Our primary context: remember that on this
+      thread (a ``threading.local`` of this object) and from then on trust
+      torch's answer. No context at all: make ours current with
+      ``cuCtxSetCurrent``, which is what the CUDA runtime itself does on the
+      thread's first call for that device, and remember it. Another context
+      of our GPU (one the caller created with the driver API): push ours
+      each call, never remembered.
+
+    The runtime's current device follows the driver's current context, so a
+    later ``torch.cuda.set_device`` (or any switch to another GPU's context)
+    shows in torch's answer and sends the call back to the push path. The one
+    switch it cannot see is the caller making a *non-primary* context of this
+    same GPU current after we checked; a driver call then fails loudly
+    (CudaError), it does not run elsewhere.
+
+    Args:
+        ordinal: the GPU.
+        handle: the primary context (as returned by the driver).
+        current_device: returns the thread's current device ordinal (torch's).
+        get_current, set_current, push, pop: the driver calls, already checked
+            (``get_current`` returns a context handle; ``int()`` of it is 0 for none).
+    """
+
+    def __init__(self, ordinal: int, handle: Any, current_device: Any, get_current: Any, set_current: Any,
+                 push: Any, pop: Any):
+        self.ordinal = ordinal
+        self.handle = handle
+        self._handle_int = int(handle)
+        self._current_device = current_device
+        self._get_current = get_current
+        self._set_current = set_current
+        self._push = push
+        self._pop = pop
+        self._local = threading.local()
+
+    def enter(self) -> bool:
+        """Make the context current for this call; return whether :meth:`exit` must pop it."""
+        if self._current_device() == self.ordinal:
+            if getattr(self._local, "bound", False):
+                return False
+            current = int(self._get_current())
+            if current == self._handle_int:
+                self._local.bound = True
+                return False
+            if current == 0:
+                self._set_current(self.handle)
+                self._local.bound = True
+                return False
+        self._push(self.handle)
+        return True
+
+    def exit(self, pushed: bool) -> None:
+        """Undo :meth:`enter` (pop only what it pushed)."""
+        if pushed:
+            self._pop()
+
+    def forget(self) -> None:
+        """Drop this thread's memory (the next :meth:`enter` asks the driver again)."""
+        self._local.bound = False
+
+
+def thread_binding(ctx: PrimaryContext) -> ThreadBinding:
+    """Return a :class:`ThreadBinding` for ``ctx`` over torch and the real driver."""
+    import torch
+
+    return ThreadBinding(
+        ctx.ordinal,
+        ctx.handle,
+        torch.cuda.current_device,
+        lambda: cuda.call("cuCtxGetCurrent"),
+        lambda handle: cuda.call("cuCtxSetCurrent", handle),
+        lambda handle: cuda.call("cuCtxPushCurrent", handle),
+        lambda: cuda.call("cuCtxPopCurrent"),
+    )
+
+
+class Hot:
+    """The per-step driver calls, bound once: no name lookups, flags resolved, results checked inline.
+
+    Each method enqueues on the stream it is given and does not block the
+    host; a failing call raises :class:`~syncless._core.errors.CudaError`
+    through :func:`syncless._core.cuda.check`, exactly like ``cuda.call``.
+    """
+
+    __slots__ = ("_ok", "_memcpy", "_record", "_wait_event", "_wait_value", "_write_value", "_geq", "_write_default")
+
+    def __init__(self) -> None:
+        drv = cuda.ensure_driver()
+        self._ok = drv.CUresult.CUDA_SUCCESS
+        self._memcpy = drv.cuMemcpyAsync
+        self._record = drv.cuEventRecord
+        self._wait_event = drv.cuStreamWaitEvent
+        self._wait_value = drv.cuStreamWaitValue64
+        self._write_value = drv.cuStreamWriteValue64
+        self._geq = int(drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+        self._write_default = int(drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
+
+    def memcpy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        """Enqueue a copy of ``nbytes`` (peer or local, inferred from the addresses) on ``stream``."""
+        result = self._memcpy(dst, src, nbytes, stream)
+        if result[0] != self._ok:
+            cuda.check("cuMemcpyAsync", result)
+
+    def record(self, event: Event, stream: int) -> None:
+        """Enqueue a record of ``event`` on ``stream``."""
+        result = self._record(event.handle, stream)
+        if result[0] != self._ok:
+            cuda.check("cuEventRecord", result)
+
+    def wait_event(self, event: Event, stream: int) -> None:
+        """Make ``stream`` wait for the latest record of ``event``."""
+        result = self._wait_event(stream, event.handle, 0)
+        if result[0] != self._ok:
+            cuda.check("cuStreamWaitEvent", result)
+
+    def wait_geq(self, stream: int, addr: int, value: int) -> None:
+        """Enqueue: hold later work on ``stream`` until the 64-bit flag at ``addr`` is >= ``value`` (cyclic)."""
+        result = self._wait_value(stream, addr, value, self._geq)
+        if result[0] != self._ok:
+            cuda.check("cuStreamWaitValue64", result)
+
+    def write(self, stream: int, addr: int, value: int) -> None:
+        """Enqueue: write ``value`` to the 64-bit flag at ``addr`` after earlier work on ``stream``."""
+        result = self._write_value(stream, addr, value, self._write_default)
+        if result[0] != self._ok:
+            cuda.check("cuStreamWriteValue64", result)
+
+
 # Memory -------------------------------------------------------------------------
 
 

@@ -6,7 +6,7 @@ Plain Python over tensor metadata: no GPU work, so it is unit-tested on the CPU.
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -224,3 +224,64 @@ def validate_step(
             raise ValueError(f"send()[{name!r}]: expected a tensor on {device}, got one on {tensor.device}")
         rows[name] = count
     return rows
+
+
+def dense_spans(row_nbytes: Sequence[int], rows: Sequence[int]) -> tuple[list[tuple[int, int]], int]:
+    """Place one step's rows densely in a slot: ``([(offset, nbytes) per tensor], end)``.
+
+    Tensors follow each other in layout order, each starting on the next
+    :data:`SLOT_ALIGN_BYTES` boundary after the previous one's rows (a tensor
+    with no rows takes no bytes). ``end`` is where the last tensor's rows end
+    (0 for an empty step): one copy of ``[0, end)`` moves the whole step.
+    Sender and receiver call this with the same row counts (the receiver's
+    come in the step's metadata), so they agree on every offset. With every
+    count at most its tensor's ``max_rows``, each offset is at most that
+    tensor's offset in :meth:`Layout.from_specs`, so the step fits its slot.
+    """
+    spans: list[tuple[int, int]] = []
+    cursor = end = 0
+    for size, count in zip(row_nbytes, rows):
+        nbytes = size * count
+        spans.append((cursor, nbytes))
+        if nbytes:
+            end = cursor + nbytes
+            cursor = _align_up(end, SLOT_ALIGN_BYTES)
+    return spans, end
+
+
+class StepCheck:
+    """:func:`validate_step` with the per-name expectations worked out once; same errors, same result.
+
+    :meth:`rows` runs every check in one pass over precomputed tuples. When a
+    check fails (or the input is not a plain ``dict``) it calls
+    :func:`validate_step`, which raises the full message; so the fast path
+    only ever accepts what ``validate_step`` accepts.
+    """
+
+    def __init__(self, specs: Mapping[str, TensorSpec], device: torch.device, next_stage: str):
+        self.specs = dict(specs)
+        self.device = device
+        self.next_stage = next_stage
+        self._expect = [(name, spec.dtype, torch.Size(spec.row_shape), spec.max_rows) for name, spec in specs.items()]
+
+    def rows(self, tensors: object) -> list[int]:
+        """Return the row count of each tensor, in layout order.
+
+        Raises:
+            TypeError, ValueError: as :func:`validate_step`.
+        """
+        if type(tensors) is dict and len(tensors) == len(self._expect):
+            device = self.device
+            counts: list[int] = []
+            for name, dtype, row_shape, max_rows in self._expect:
+                tensor = tensors.get(name)
+                if not isinstance(tensor, torch.Tensor) or tensor.dtype != dtype:
+                    break
+                shape = tensor.shape
+                if not shape or shape[1:] != row_shape or shape[0] > max_rows or tensor.device != device:
+                    break
+                counts.append(shape[0])
+            else:
+                return counts
+        checked = validate_step(self.specs, tensors, self.device, self.next_stage)
+        return [checked[name] for name in self.specs]

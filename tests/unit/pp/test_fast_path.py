@@ -1,0 +1,322 @@
+"""The per-step fast paths of the copy-engine transport, on the CPU: dense spans, cheap validation,
+the per-thread context binding, the bound driver calls and the metadata ring (fakes stand in for CUDA)."""
+
+from __future__ import annotations
+
+import random
+import threading
+import types
+from datetime import timedelta
+
+import pytest
+import torch
+
+from syncless._core import cuda
+from syncless._core.errors import CudaError
+from syncless.pp import _driver as drv
+from syncless.pp._copy_engine import _MetaSlot
+from syncless.pp._layout import (
+    SLOT_ALIGN_BYTES,
+    Layout,
+    StepCheck,
+    TensorSpec,
+    dense_spans,
+    specs_from_persistent,
+    validate_step,
+)
+
+# -- dense spans ------------------------------------------------------------------------
+
+
+def test_dense_spans_two_bf16_tensors():
+    # hidden + residual, 8192 bf16 per row, 3 rows each: 49152 bytes, already aligned.
+    spans, end = dense_spans([16384, 16384], [3, 3])
+    assert spans == [(0, 49152), (49152, 49152)] and end == 98304
+
+
+def test_dense_spans_align_each_tensor_and_skip_empty_ones():
+    spans, end = dense_spans([10, 6, 8], [3, 0, 5])
+    assert spans == [(0, 30), (256, 0), (256, 40)] and end == 296
+    assert dense_spans([10, 6], [0, 0]) == ([(0, 0), (0, 0)], 0)
+    assert dense_spans([], []) == ([], 0)
+
+
+def test_dense_spans_fit_the_fixed_layout_for_random_row_counts():
+    rng = random.Random(20261130)
+    for _ in range(300):
+        count = rng.randint(1, 5)
+        specs = {
+            f"t{i}": TensorSpec(rng.choice([torch.bfloat16, torch.float32, torch.int64, torch.uint8]),
+                                (rng.randint(1, 300),), rng.randint(0, 40))
+            for i in range(count)
+        }
+        layout = Layout.from_specs(specs)
+        rows = [rng.randint(0, spec.max_rows) for spec in specs.values()]
+        spans, end = dense_spans([spec.row_nbytes for spec in specs.values()], rows)
+        previous_end = 0
+        for (offset, nbytes), name, r in zip(spans, layout.names, rows):
+            assert nbytes == r * specs[name].row_nbytes
+            assert offset % SLOT_ALIGN_BYTES == 0
+            assert offset <= layout.offsets[name]  # never later than at maximum rows: the step fits
+            assert offset >= previous_end  # no overlap
+            if nbytes:
+                previous_end = offset + nbytes
+        assert end == previous_end <= layout.nbytes
+
+
+# -- StepCheck ----------------------------------------------------------------------------
+
+
+def _persistent():
+    return {"hidden": torch.empty(7, 5, dtype=torch.bfloat16), "stats": torch.empty(7, 3, 2),
+            "ids": torch.empty(9, dtype=torch.int64)}
+
+
+def _step(rows=3):
+    return {"hidden": torch.randn(rows, 5).to(torch.bfloat16), "stats": torch.randn(rows, 3, 2),
+            "ids": torch.randint(0, 100, (rows,))}
+
+
+def test_step_check_returns_rows_in_layout_order():
+    check = StepCheck(specs_from_persistent(_persistent()), torch.device("cpu"), "stage 1")
+    step = _step(2)
+    step["ids"] = torch.randint(0, 9, (9,))
+    reordered = {"ids": step["ids"], "stats": step["stats"], "hidden": step["hidden"]}
+    assert check.rows(reordered) == [2, 2, 9]
+    assert check.rows(_step(0)) == [0, 0, 0]
+
+
+class _Frozen(dict):
+    """A mapping that is not a plain dict: takes the slow path, same answer."""
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda s: s.pop("ids"),
+        lambda s: s.update(extra=torch.zeros(1)),
+        lambda s: s.update(hidden=torch.randn(3, 5)),
+        lambda s: s.update(stats=torch.randn(3, 2, 3)),
+        lambda s: s.update(ids=torch.randint(0, 9, (10,))),
+        lambda s: s.update(ids=torch.tensor(3)),
+        lambda s: s.update(ids=[1, 2]),
+        lambda s: s.update(hidden=torch.empty(3, 5, dtype=torch.bfloat16, device="meta")),
+    ],
+)
+def test_step_check_raises_exactly_what_validate_step_raises(mutate):
+    specs = specs_from_persistent(_persistent())
+    cpu = torch.device("cpu")
+    step = _step(3)
+    mutate(step)
+    with pytest.raises((TypeError, ValueError)) as slow:
+        validate_step(specs, step, cpu, "stage 1 (rank 1)")
+    with pytest.raises(slow.type) as fast:
+        StepCheck(specs, cpu, "stage 1 (rank 1)").rows(step)
+    assert str(fast.value) == str(slow.value)
+
+
+def test_step_check_accepts_any_mapping_and_refuses_non_mappings():
+    check = StepCheck(specs_from_persistent(_persistent()), torch.device("cpu"), "stage 1")
+    assert check.rows(_Frozen(_step(4))) == [4, 4, 4]
+    with pytest.raises(TypeError, match="dict"):
+        check.rows([1, 2])
+
+
+# -- ThreadBinding --------------------------------------------------------------------------
+
+
+class _FakeThreadState:
+    """Per-thread 'current context' and 'current device' as the driver and torch would report them."""
+
+    def __init__(self, contexts_by_device):
+        self.local = threading.local()
+        self.contexts_by_device = contexts_by_device
+        self.calls: list[str] = []
+
+    def ctx(self):
+        return getattr(self.local, "ctx", 0)
+
+    def device(self):
+        ctx = self.ctx()
+        for dev, handle in self.contexts_by_device.items():
+            if handle == ctx:
+                return dev
+        return getattr(self.local, "device", 0)
+
+    def binding(self, ordinal):
+        def get_current():
+            self.calls.append("get")
+            return self.ctx()
+
+        def set_current(handle):
+            self.calls.append("set")
+            self.local.ctx = handle
+
+        def push(handle):
+            self.calls.append("push")
+            self.local.stack = [*getattr(self.local, "stack", []), self.ctx()]
+            self.local.ctx = handle
+
+        def pop():
+            self.calls.append("pop")
+            self.local.ctx = self.local.stack.pop()
+
+        return drv.ThreadBinding(ordinal, self.contexts_by_device[ordinal], self.device, get_current, set_current,
+                                 push, pop)
+
+
+def _call(binding, state):
+    pushed = binding.enter()
+    inside = state.ctx()
+    binding.exit(pushed)
+    return pushed, inside
+
+
+def test_binding_asks_the_driver_once_per_thread_when_ours_is_current():
+    state = _FakeThreadState({0: 100, 1: 101})
+    binding = state.binding(1)
+    state.local.ctx = 101
+    for _ in range(5):
+        assert _call(binding, state) == (False, 101)
+    assert state.calls == ["get"]
+    results = []
+
+    def other_thread():
+        state.local.ctx = 101
+        results.append(_call(binding, state))
+        results.append(_call(binding, state))
+
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    worker.join()
+    assert results == [(False, 101), (False, 101)]
+    assert state.calls == ["get", "get"]  # one more check, for the new thread
+
+
+def test_binding_pushes_when_the_thread_is_on_another_gpu_and_restores_it():
+    state = _FakeThreadState({0: 100, 1: 101})
+    binding = state.binding(1)
+    state.local.ctx = 100
+    assert _call(binding, state) == (True, 101)
+    assert state.ctx() == 100 and state.calls == ["push", "pop"]
+    # After a switch to our GPU the binding stops pushing; after a switch away it pushes again.
+    state.local.ctx = 101
+    assert _call(binding, state) == (False, 101)
+    state.local.ctx = 100
+    assert _call(binding, state) == (True, 101)
+    assert state.ctx() == 100
+
+
+def test_binding_sets_ours_on_a_thread_with_no_context_and_pushes_over_a_foreign_one():
+    state = _FakeThreadState({0: 100, 1: 101})
+    binding = state.binding(0)
+    assert state.ctx() == 0
+    assert _call(binding, state) == (False, 100)
+    assert state.ctx() == 100 and state.calls == ["get", "set"]
+    # A non-primary context of the same GPU (torch still reports device 0): pushed every time, never trusted.
+    other = state.binding(0)
+    state.local.ctx = 555
+    state.local.device = 0
+    assert _call(other, state) == (True, 100)
+    assert _call(other, state) == (True, 100)
+    assert state.ctx() == 555
+    assert state.calls[2:] == ["get", "push", "pop", "get", "push", "pop"]
+
+
+def test_binding_forget_makes_it_ask_again():
+    state = _FakeThreadState({0: 100})
+    binding = state.binding(0)
+    state.local.ctx = 100
+    _call(binding, state)
+    binding.forget()
+    _call(binding, state)
+    assert state.calls == ["get", "get"]
+
+
+# -- Hot ------------------------------------------------------------------------------------
+
+
+def test_hot_calls_pass_arguments_and_raise_cuda_errors(monkeypatch):
+    real = pytest.importorskip("cuda.bindings.driver")
+    ok, bad = real.CUresult.CUDA_SUCCESS, real.CUresult.CUDA_ERROR_INVALID_VALUE
+    seen = []
+    answer = {"code": ok}
+
+    def recorder(name):
+        def fn(*args):
+            seen.append((name, args))
+            return (answer["code"],)
+
+        return fn
+
+    fake = types.SimpleNamespace(
+        CUresult=real.CUresult,
+        CUstreamWaitValue_flags=real.CUstreamWaitValue_flags,
+        CUstreamWriteValue_flags=real.CUstreamWriteValue_flags,
+        **{name: recorder(name) for name in ("cuMemcpyAsync", "cuEventRecord", "cuStreamWaitEvent",
+                                             "cuStreamWaitValue64", "cuStreamWriteValue64")},
+    )
+    monkeypatch.setattr(cuda, "ensure_driver", lambda: fake)
+    hot = drv.Hot()
+    event = types.SimpleNamespace(handle="ev")
+    hot.memcpy(1, 2, 3, 4)
+    hot.record(event, 5)
+    hot.wait_event(event, 6)
+    hot.wait_geq(7, 8, 9)
+    hot.write(10, 11, 12)
+    geq = int(real.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+    default = int(real.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
+    assert seen == [
+        ("cuMemcpyAsync", (1, 2, 3, 4)),
+        ("cuEventRecord", ("ev", 5)),
+        ("cuStreamWaitEvent", (6, "ev", 0)),
+        ("cuStreamWaitValue64", (7, 8, 9, geq)),
+        ("cuStreamWriteValue64", (10, 11, 12, default)),
+    ]
+    answer["code"] = bad
+    for call, name in [(lambda: hot.memcpy(1, 2, 3, 4), "cuMemcpyAsync"), (lambda: hot.write(1, 2, 3), "cuStreamWriteValue64"),
+                       (lambda: hot.wait_geq(1, 2, 3), "cuStreamWaitValue64"), (lambda: hot.record(event, 1), "cuEventRecord"),
+                       (lambda: hot.wait_event(event, 1), "cuStreamWaitEvent")]:
+        with pytest.raises(CudaError) as info:
+            call()
+        assert info.value.call == name and info.value.name == "CUDA_ERROR_INVALID_VALUE"
+
+
+# -- metadata ring -------------------------------------------------------------------------------
+
+
+class _FakeWork:
+    def __init__(self, log, fail=False):
+        self.log, self.fail = log, fail
+
+    def wait(self, timeout):
+        self.log.append(timeout)
+        if self.fail:
+            raise RuntimeError("timed out")
+
+
+def test_meta_slot_writes_values_in_place_and_waits_for_the_previous_send(monkeypatch):
+    import torch.distributed as dist
+
+    log, sent = [], []
+
+    def fake_isend(tensor, dst, group, tag):
+        sent.append((tensor.tolist(), dst, group, tag))
+        return _FakeWork(log)
+
+    monkeypatch.setattr(dist, "isend", fake_isend)
+    slot = _MetaSlot(3)
+    tensor = slot.tensor
+    slot.reclaim(timedelta(seconds=1))  # nothing pending: returns at once
+    assert log == []
+    values = [random.randint(0, 2**40) for _ in range(2)]
+    slot.send(17, values, 1, "group", 5)
+    assert sent == [([17, *values], 1, "group", 5)]
+    slot.reclaim(timedelta(seconds=2))
+    assert log == [timedelta(seconds=2)]
+    slot.send(18, [0, 3], 1, "group", 5)
+    assert slot.tensor is tensor and tensor.tolist() == [18, 0, 3]
+    slot.work = _FakeWork(log, fail=True)
+    with pytest.raises(RuntimeError, match="timed out"):
+        slot.reclaim(timedelta(seconds=3))
+    assert slot.work is None
