@@ -9,13 +9,15 @@ and issue torch's warning themselves; the GPU test syncs for real.
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 
 import pytest
 import torch
 
 from syncless import syncs
-from syncless.syncs import _hook
+from syncless.syncs import _debugmode, _hook
 
 PLUGIN = ["-p", "no:syncless", "-p", "syncless.syncs._pytest_plugin", "--strict-markers", "-p", "no:cacheprovider"]
 
@@ -66,6 +68,22 @@ def untouched():
     assert warnings.filters == filters_before
 
 
+@pytest.fixture
+def isolated(monkeypatch):
+    """Runs that enable the detector go to a subprocess: the parent's warnings state stays out of it.
+
+    (Restoration in-process is checked by ``test_in_process_run_leaves_no_hook_behind``.)
+    """
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in sys.path if p))
+
+
+def test_in_process_run_leaves_no_hook_behind(pytester, untouched):
+    _fake_project(pytester)
+    with _debugmode.fake():  # the detector enables at configure time, as it does on a GPU
+        result = pytester.runpytest(*PLUGIN, "--sync-check=error", "-W", "ignore::UserWarning")
+    result.assert_outcomes(passed=2, failed=1)
+
+
 def _fake_project(pytester):
     pytester.makeconftest(FAKE_CONFTEST)
     pytester.makepyfile(test_hot=FAKE_TESTS)
@@ -78,17 +96,17 @@ def test_without_the_option_it_does_nothing(pytester, untouched):
     assert "syncless sync check" not in result.stdout.str()
 
 
-def test_error_fails_the_test_that_syncs_and_passes_the_quiet_one(pytester, untouched):
+def test_error_fails_the_test_that_syncs_and_passes_the_quiet_one(pytester, isolated):
     _fake_project(pytester)
-    result = pytester.runpytest(*PLUGIN, "--sync-check=error", "-W", "ignore::UserWarning")
+    result = pytester.runpytest_subprocess(*PLUGIN, "--sync-check=error", "-W", "ignore::UserWarning")
     result.assert_outcomes(passed=2, failed=1)
     result.stdout.fnmatch_lines(["*SyncViolation: hidden GPU sync in a checked region at *test_hot.py:7 (in test_syncs)*"])
     assert "test_hot.py:14" not in result.stdout.str()  # the unmarked test is not checked
 
 
-def test_record_prints_the_sites_in_the_terminal_summary(pytester, untouched):
+def test_record_prints_the_sites_in_the_terminal_summary(pytester, isolated):
     _fake_project(pytester)
-    result = pytester.runpytest(*PLUGIN, "--sync-check=record", "-W", "ignore::UserWarning")
+    result = pytester.runpytest_subprocess(*PLUGIN, "--sync-check=record", "-W", "ignore::UserWarning")
     result.assert_outcomes(passed=3)
     result.stdout.fnmatch_lines([
         "*syncless sync check (record)*",
@@ -97,9 +115,9 @@ def test_record_prints_the_sites_in_the_terminal_summary(pytester, untouched):
     ])
 
 
-def test_warn_reports_a_sync_warning(pytester, untouched):
+def test_warn_reports_a_sync_warning(pytester, isolated):
     _fake_project(pytester)
-    result = pytester.runpytest(*PLUGIN, "--sync-check=warn", "-W", "ignore::UserWarning",
+    result = pytester.runpytest_subprocess(*PLUGIN, "--sync-check=warn", "-W", "ignore::UserWarning",
                                 "-W", "default::syncless.syncs.SyncWarning")
     result.assert_outcomes(passed=3)
     result.stdout.fnmatch_lines(["*SyncWarning: hidden GPU sync in a checked region at *test_hot.py:7*"])
@@ -111,7 +129,7 @@ def test_the_marker_is_registered_for_strict_markers(pytester, untouched):
 
 
 @pytest.mark.gpu
-def test_error_with_a_real_gpu_sync(pytester, untouched):
+def test_error_with_a_real_gpu_sync(pytester, isolated):
     pytester.makepyfile(test_gpu="""
         import pytest, torch
 
@@ -125,6 +143,6 @@ def test_error_with_a_real_gpu_sync(pytester, untouched):
             x = torch.randn(16, device="cuda")
             assert (x * 2).shape == (16,)
     """)
-    result = pytester.runpytest(*PLUGIN, "--sync-check=error")
+    result = pytester.runpytest_subprocess(*PLUGIN, "--sync-check=error")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*SyncViolation: hidden GPU sync in a checked region at *test_gpu.py:6 (in test_item)*"])

@@ -5,7 +5,7 @@ stream, ``W`` the worker thread)::
 
     host  : x = f(...) on P ; D.wait_stream(P) ; y = x.to("cpu", non_blocking=True) -> returns now
     P     : [ f ......... ] E                 (E recorded on P when the copy is issued)
-    W     :        cuEventSynchronize(E) ...... copy x -> y on D, wait D ; done #n
+    W     :        cuEventSynchronize(E) ...... copy x -> y on W's stream, wait it ; done #n
     later : event.synchronize() / stream.synchronize() / torch.cuda.synchronize() wait for #n too
 
 Why the event goes on ``P`` and not on ``D``: under CC an event behind a
@@ -154,6 +154,10 @@ def offload(record: _D2HStream, dst: Any, src: Any, what: str) -> int:
     ready = torch.cuda.Event()
     torch.cuda.Event.__mro__[1].record(ready, source_stream)
     index = stream.device.index
+    # The copy runs on the worker's own stream, not on the D2H stream: the caller's
+    # D2H.wait_stream(P) of the *next* step would otherwise sit in front of this copy
+    # and hold it until that step's work is done (a whole step late).
+    copy_stream = _streams.worker_stream(index)
 
     def job() -> None:
         nonlocal dst, src
@@ -161,9 +165,9 @@ def offload(record: _D2HStream, dst: Any, src: Any, what: str) -> int:
             torch.cuda.set_device(index)  # the worker thread's own current device
         _streams.wait_event_raw(ready)
         copy_beneath = patching.beneath(torch.Tensor, "copy_", SHIM_KEY)
-        with torch.inference_mode(), torch.cuda.stream(stream):
+        with torch.inference_mode(), torch.cuda.stream(copy_stream):
             copy_beneath(dst, src, non_blocking=True)
-            _streams.wait_stream_raw(stream)
+            _streams.wait_stream_raw(copy_stream)
         dst = src = None  # release the source only after the copy has run
 
     return WORKER.submit(job, what)

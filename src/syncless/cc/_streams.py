@@ -19,6 +19,7 @@ from typing import Any
 from syncless._core import cuda as _cuda
 
 _lock = threading.Lock()
+_worker_streams: dict[int, Any] = {}
 _staging: dict[int, Any] = {}
 _order_events: dict[int, Any] = {}
 _created_handles: set[int] = set()
@@ -76,18 +77,27 @@ def create_private_stream(index: int) -> Any:
     return torch.cuda.ExternalStream(ptr, device=torch.device("cuda", index))
 
 
-def staging_stream(index: int) -> Any:
-    """Return the idle staging stream of GPU ``index`` (created on first use; only syncless enqueues on it)."""
-    stream = _staging.get(index)
+def _private_stream_of(table: dict[int, Any], index: int) -> Any:
+    stream = table.get(index)
     if stream is not None:
         return stream
     with _lock:
-        stream = _staging.get(index)
+        stream = table.get(index)
     if stream is None:
         stream = create_private_stream(index)
         with _lock:
-            stream = _staging.setdefault(index, stream)
+            stream = table.setdefault(index, stream)
     return stream
+
+
+def staging_stream(index: int) -> Any:
+    """Return the idle staging stream of GPU ``index`` (created on first use; only syncless enqueues on it)."""
+    return _private_stream_of(_staging, index)
+
+
+def worker_stream(index: int) -> Any:
+    """Return the stream the D2H worker copies on for GPU ``index`` (created on first use; only the worker uses it)."""
+    return _private_stream_of(_worker_streams, index)
 
 
 def order_after(waiter: Any, producer: Any) -> None:

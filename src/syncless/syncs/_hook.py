@@ -122,14 +122,14 @@ def install() -> None:
     """Install the hook and the filter (idempotent)."""
     global _installed_over
     with _lock:
-        if _installed_over is None and warnings.showwarning is not showwarning:
+        if warnings.showwarning is not showwarning:
             _installed_over = warnings.showwarning
     reassert()
 
 
 def uninstall() -> None:
     """Remove the filter and, if it is still ours, the hook."""
-    global _previous, _filter_entry, _installed_over
+    global _previous, _filter_entry
     with _lock:
         if warnings.showwarning is showwarning:
             # Not _previous: a re-assertion inside a catch_warnings block (pytest's, per test)
@@ -137,7 +137,6 @@ def uninstall() -> None:
             restore = _installed_over if _installed_over is not None else _previous
             warnings.showwarning = restore if restore is not None else warnings._showwarning_orig  # type: ignore[attr-defined]
         _previous = None
-        _installed_over = None
         if _filter_entry is not None:
             while _filter_entry in warnings.filters:
                 warnings.filters.remove(_filter_entry)

@@ -55,9 +55,13 @@ def _start(config: pytest.Config, wanted: str | None) -> None:
         return
     if wanted is None:
         return
-    config.stash[_SESSION] = _Session(wanted, syncs.mode(), syncs.is_enabled())
+    session = _Session(wanted, syncs.mode(), syncs.is_enabled())
+    config.stash[_SESSION] = session
     syncs.set_mode(wanted)
     syncs.reset()
+    # Again after pytest_unconfigure: pytest may run that hook inside a catch_warnings
+    # block whose exit puts our warnings hook back; cleanups run after it.
+    config.add_cleanup(lambda: _put_back(session))
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -97,6 +101,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         terminalreporter.write_line("the detector could not be enabled here (no CUDA sync debug mode); nothing was checked")
     found = syncs.report()
     terminalreporter.write_line(found.format(stacks=session.mode == "record"))
+
+
+def _put_back(session: _Session) -> None:
+    if not session.was_enabled:
+        syncs.disable()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
