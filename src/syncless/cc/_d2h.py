@@ -68,6 +68,7 @@ def new_d2h_stream(device: Any = None) -> Any:
     """
     index = _streams.device_index(device)
     stream = _streams.create_private_stream(index)
+    _streams.worker_stream(index)  # made now, never on the path of a copy
     with _lock:
         _streams_by_key[(index, stream.cuda_stream)] = _D2HStream(stream)
     return stream

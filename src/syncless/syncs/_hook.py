@@ -138,8 +138,11 @@ def uninstall() -> None:
             warnings.showwarning = restore if restore is not None else warnings._showwarning_orig  # type: ignore[attr-defined]
         _previous = None
         if _filter_entry is not None:
-            while _filter_entry in warnings.filters:
-                warnings.filters.remove(_filter_entry)
+            # Every copy of our entry, including ones a catch_warnings block restored.
+            ours = [f for f in warnings.filters if f[0] == "always" and f[2] is UserWarning
+                    and getattr(f[1], "pattern", None) == _filter_entry[1].pattern]
+            for entry in ours:
+                warnings.filters.remove(entry)
             mutated = getattr(warnings, "_filters_mutated", None)
             if callable(mutated):
                 mutated()
