@@ -127,6 +127,19 @@ def install() -> None:
     reassert()
 
 
+def forget_filters() -> None:
+    """Remove every copy of our "always" filter, including ones a ``catch_warnings`` block put back."""
+    pattern = re.escape(TORCH_SYNC_TEXT)
+    ours = [f for f in warnings.filters
+            if f[0] == "always" and f[2] is UserWarning and getattr(f[1], "pattern", None) == pattern]
+    for entry in ours:
+        warnings.filters.remove(entry)
+    if ours:
+        mutated = getattr(warnings, "_filters_mutated", None)
+        if callable(mutated):
+            mutated()
+
+
 def uninstall() -> None:
     """Remove the filter and, if it is still ours, the hook."""
     global _previous, _filter_entry
@@ -138,11 +151,7 @@ def uninstall() -> None:
             warnings.showwarning = restore if restore is not None else warnings._showwarning_orig  # type: ignore[attr-defined]
         _previous = None
         if _filter_entry is not None:
-            # Every copy of our entry, including ones a catch_warnings block restored.
-            ours = [f for f in warnings.filters if f[0] == "always" and f[2] is UserWarning
-                    and getattr(f[1], "pattern", None) == _filter_entry[1].pattern]
-            for entry in ours:
-                warnings.filters.remove(entry)
+            forget_filters()
             mutated = getattr(warnings, "_filters_mutated", None)
             if callable(mutated):
                 mutated()

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import pytest
 
 from syncless import syncs
+from syncless.syncs import _hook
 
 MARKER = "sync_checked"
 
@@ -106,6 +107,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
 def _put_back(session: _Session) -> None:
     if not session.was_enabled:
         syncs.disable()
+        _hook.forget_filters()  # pytest's configure-time catch_warnings closes before this and may restore it
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
