@@ -81,6 +81,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *, args: Sequence[Any] = 
         process.start()
     outcomes: dict[int, tuple[str, Any]] = {}
     deadline = time.monotonic() + timeout_s
+    timed_out = False
     try:
         while len(outcomes) < world_size:
             try:
@@ -98,6 +99,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *, args: Sequence[Any] = 
                         outcomes[r] = ("error", f"rank {r} exited with code {processes[r].exitcode} without a result")
                     break
             if time.monotonic() > deadline:
+                timed_out = True
                 break
     finally:
         for process in processes:
@@ -109,7 +111,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *, args: Sequence[Any] = 
     missing = [r for r in range(world_size) if r not in outcomes]
     if failures or missing:
         parts = [f"--- rank {r} failed:\n{text}" for r, text in sorted(failures.items())]
-        if missing:
+        if missing and timed_out:
             parts.append(f"--- ranks {missing} gave no result within {timeout_s:.0f} s (killed)")
+        elif missing:
+            parts.append(f"--- ranks {missing} were stopped after the failure above")
         raise RankFailed("a rank failed:\n" + "\n".join(parts))
     return [outcomes[r][1] for r in range(world_size)]
