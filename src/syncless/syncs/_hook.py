@@ -25,6 +25,8 @@ from syncless.syncs import _debugmode, _report, _state
 from syncless.syncs._state import is_violation_context
 
 TORCH_SYNC_TEXT = "called a synchronizing CUDA operation"
+# torch says this once per process when its debug mode is first set: we set it, the user did not.
+TORCH_PROTOTYPE_TEXT = "Synchronization debug mode is a prototype feature"
 
 _lock = threading.Lock()
 _filter_entry: tuple | None = None
@@ -78,7 +80,8 @@ def showwarning(message, category, filename, lineno, file=None, line=None) -> No
             that synchronized.
     """
     if not is_torch_sync_warning(message, category):
-        _forward(message, category, filename, lineno, file, line)
+        if not str(message).startswith(TORCH_PROTOTYPE_TEXT):
+            _forward(message, category, filename, lineno, file, line)
         return
     violation = decide(message, category, sys._getframe(1))
     if violation is not None:

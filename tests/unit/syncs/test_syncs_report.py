@@ -110,3 +110,13 @@ def test_trace_returns_the_scripts_exit_status(tmp_path, capsys, restored_global
     with _debugmode.fake():
         assert run_trace([str(script)]) == 3
     assert "no hidden GPU syncs" in capsys.readouterr().out
+
+
+def test_hook_drops_torchs_prototype_notice_and_forwards_other_warnings(monkeypatch):
+    from syncless.syncs import _hook
+
+    seen = []
+    monkeypatch.setattr(_hook, "_previous", lambda *args: seen.append(str(args[0])))
+    _hook.showwarning(UserWarning(_hook.TORCH_PROTOTYPE_TEXT + " and does not yet detect all"), UserWarning, "f.py", 1)
+    _hook.showwarning(UserWarning("something else"), UserWarning, "f.py", 2)
+    assert seen == ["something else"]
