@@ -65,6 +65,14 @@ class BenchOutput:
     notes: list[str] = field(default_factory=list)
 
 
+def _command_line() -> str:
+    """The command as a user would type it (``syncless ...`` also for ``python -m syncless``)."""
+    program = sys.argv[0] if sys.argv else ""
+    if program.endswith(("syncless", "__main__.py")):
+        return " ".join(["syncless", *sys.argv[1:]])
+    return " ".join(sys.argv)
+
+
 def run_metadata() -> dict[str, Any]:
     """Describe this run: date, command, host, software and GPUs."""
     import torch
@@ -74,7 +82,7 @@ def run_metadata() -> dict[str, Any]:
         gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
-        "command": " ".join(["syncless", *sys.argv[1:]]) if sys.argv and sys.argv[0].endswith("syncless") else " ".join(sys.argv),
+        "command": _command_line(),
         "host": socket.gethostname(),
         "platform": platform.platform(),
         "python": platform.python_version(),
