@@ -49,7 +49,7 @@ def _section_lines(title: str, section: Any) -> list[str]:
         return [title, f"  unavailable: {section['error']}"]
     lines = [title]
     for key, value in section.items():
-        if isinstance(value, list) and all(isinstance(item, dict) and "ok" in item for item in value):
+        if isinstance(value, list) and value and all(isinstance(item, dict) and "ok" in item for item in value):
             lines.append(f"  {key.replace('_', ' ')}:")
             lines += [f"    [{'ok' if item['ok'] else 'no'}] {item.get('name')}: {item.get('detail', '')}" for item in value]
         elif isinstance(value, list):

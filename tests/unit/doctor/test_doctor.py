@@ -22,7 +22,8 @@ def _fake_two_h200_report():
         "gpus": [{**gpu, "ordinal": 0, "pci_bus_id": "0000:18:00.0"}, {**gpu, "ordinal": 1, "pci_bus_id": "0000:2a:00.0"}],
         "links": links,
         "confidential_compute": {"state": "off", "mode": "auto -> off"},
-        "pp_transport": {"transport": "copy_engine", "reason": "2 GPUs, every pair on NVLink"},
+        "pp_transport": {"transport": "copy_engine", "reason": "2 GPUs, every pair on NVLink", "notes": [],
+                         "checks": [{"name": "NVLink 0<->1", "ok": True, "detail": "yes"}]},
         "config": [{"name": "SYNCLESS_CC", "value": "auto", "source": "default", "error": None, "doc": ""}],
         "missing": [],
     }
@@ -34,6 +35,7 @@ def test_render_two_gpus_shows_nvlink_matrix_and_mem_ops():
     assert "64-bit stream memory ops: yes" in text
     assert "NV18" in text
     assert "copy_engine" in text
+    assert "[ok] NVLink 0<->1: yes" in text and "notes: none" in text
     assert "SYNCLESS_CC = auto (default)" in text
     assert "Missing" not in text
 
