@@ -143,6 +143,17 @@ def nvml_module() -> ModuleType:
     return pynvml
 
 
+def nvml_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions that mean "NVML cannot answer": NVML missing, or an NVML error.
+
+    For ``except`` clauses that must not swallow unrelated errors.
+    """
+    try:
+        return (MissingDependencyError, nvml_module().NVMLError)
+    except MissingDependencyError:
+        return (MissingDependencyError,)
+
+
 def ensure_nvml() -> ModuleType:
     """Import and initialize NVML once; return ``pynvml``.
 

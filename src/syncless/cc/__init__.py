@@ -20,7 +20,7 @@ from syncless.cc._emulation import Emulation, emulate, is_emulating
 from syncless.cc._shim import install_shim, is_shim_installed, uninstall_all
 from syncless.cc._staging import is_registered_target, register_inplace_h2d_target
 from syncless.cc._stats import COUNTERS, LEFT_ALONE_REASONS, CopyStats
-from syncless.cc._worker import D2HCopyError
+from syncless.cc._worker import D2HCopyError, D2HTimeoutError
 
 _log = logging.getLogger(__name__)
 
@@ -29,6 +29,7 @@ __all__ = [
     "CopyStats",
     "D2HCopyError",
     "D2HStreamCaptureError",
+    "D2HTimeoutError",
     "Emulation",
     "ModeDecision",
     "cc_mode",
@@ -79,15 +80,17 @@ def _emulation_install() -> None:
     install_emulation()
 
 
-def uninstall() -> None:
+def uninstall(timeout_s: float = 60.0) -> None:
     """Restore every attribute syncless.cc patched (shim and emulator), by identity.
 
-    Blocks the host until the D2H copies already queued have finished.
+    Blocks the host until the D2H copies already queued have finished, at
+    most ``timeout_s``; the originals come back either way.
 
     Raises:
         D2HCopyError: one of those copies failed (raised after restoring).
+        D2HTimeoutError: they did not finish in time (raised after restoring).
     """
-    uninstall_all()
+    uninstall_all(timeout_s)
 
 
 def is_installed() -> bool:

@@ -63,6 +63,13 @@ def new_d2h_stream(device: Any = None) -> Any:
     stream current returns at once (see the module docstring). Enqueues
     nothing and does not block the host.
 
+    Ordering back from the D2H stream is host-side only: an offloaded copy
+    has not been issued on any GPU stream when the call returns, so
+    ``P.wait_stream(d2h)`` or ``P.wait_event(e)`` with ``e`` recorded on it
+    does not order ``P`` after the copy. Wait on the host instead
+    (``e.synchronize()``, ``d2h.synchronize()``) before a kernel overwrites
+    the source or before the pinned result is uploaded again.
+
     Returns:
         a ``torch.cuda.ExternalStream``; it lives as long as the process.
     """

@@ -21,7 +21,8 @@ class WeakKeyedRegistry:
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # Reentrant: a garbage collection inside a locked section may run a lapse callback on this thread.
+        self._lock = threading.RLock()
         self._entries: dict[Hashable, weakref.ref] = {}
 
     def register(self, key: Hashable, obj: Any) -> bool:

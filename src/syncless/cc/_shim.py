@@ -245,11 +245,12 @@ def install_shim(max_staged_bytes: int | None = None) -> bool:
         return True
 
 
-def uninstall_all() -> None:
-    """Finish queued D2H copies, then remove the shim's and the emulator's layers.
+def uninstall_all(timeout_s: float = 60.0) -> None:
+    """Finish queued D2H copies (at most ``timeout_s``), then remove the shim's and the emulator's layers.
 
     Raises:
         D2HCopyError: a queued copy failed (raised after everything is restored).
+        D2HTimeoutError: the queued copies did not finish in time (raised after everything is restored).
     """
     import torch
 
@@ -257,7 +258,7 @@ def uninstall_all() -> None:
         pending_error: BaseException | None = None
         if WORKER.submitted:
             try:
-                WORKER.wait_and_raise(WORKER.submitted)
+                WORKER.wait_and_raise(WORKER.submitted, timeout_s=timeout_s)
             except BaseException as err:  # noqa: BLE001 - re-raised below, after the originals are back
                 pending_error = err
         if _STATE.installed:

@@ -21,7 +21,7 @@ from syncless._core import cuda as _cuda
 _lock = threading.Lock()
 _worker_streams: dict[int, Any] = {}
 _staging: dict[int, Any] = {}
-_order_events: dict[int, Any] = {}
+_order_events = threading.local()  # per thread: {device index: event}
 _created_handles: set[int] = set()
 
 
@@ -104,20 +104,22 @@ def order_after(waiter: Any, producer: Any) -> None:
     """Make future work on ``waiter`` wait for the work enqueued on ``producer`` so far.
 
     GPU-side only (event record + stream wait); the host does not block. One
-    cached event per device is re-recorded each time: a wait enqueued earlier
-    keeps the record it saw, and any record made later on the same stream is
-    later in that stream's order, so racing threads only ever wait longer,
-    never too little. Bypasses the patched ``Event.record`` (no redirection:
-    neither stream is a D2H stream).
+    cached event per device *and thread* is re-recorded each time: a wait
+    enqueued earlier keeps the record it saw, and within one thread the next
+    record comes only after this wait is enqueued. (Shared across threads, a
+    record by another thread between this record and this wait would make
+    ``waiter`` wait on that other stream instead.) Bypasses the patched
+    ``Event.record`` (no redirection: neither stream is a D2H stream).
     """
     import torch
 
     index = producer.device.index
-    event = _order_events.get(index)
+    events = getattr(_order_events, "by_device", None)
+    if events is None:
+        events = _order_events.by_device = {}
+    event = events.get(index)
     if event is None:
-        event = torch.cuda.Event()
-        with _lock:
-            event = _order_events.setdefault(index, event)
+        event = events[index] = torch.cuda.Event()
     base = torch.cuda.Event.__mro__[1]
     base.record(event, producer)
     base.wait(event, waiter)

@@ -11,6 +11,7 @@ import atexit
 import collections
 import logging
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +32,10 @@ class D2HCopyError(SynclessError):
     def __init__(self, message: str, worker_traceback: str):
         super().__init__(f"{message}\n--- worker traceback ---\n{worker_traceback}")
         self.worker_traceback = worker_traceback
+
+
+class D2HTimeoutError(SynclessError, TimeoutError):
+    """Queued device-to-host copies did not finish within a bounded wait (``uninstall()``)."""
 
 
 @dataclass
@@ -127,25 +132,32 @@ class OrderedWorker:
                 self._cv.notify_all()
 
     # -- wait / errors -------------------------------------------------------
-    def wait_for(self, seq: int, poll_s: float = 1.0) -> None:
-        """Block the calling thread until every job up to ``seq`` has finished.
+    def wait_for(self, seq: int, poll_s: float = 1.0, timeout_s: float | None = None) -> None:
+        """Block the calling thread until every job up to ``seq`` has finished (at most ``timeout_s``).
 
         Must not be called from the worker thread itself (it would wait for
         itself); such a call returns at once.
 
         Raises:
             RuntimeError: the worker thread is gone while jobs are still queued.
+            D2HTimeoutError: ``timeout_s`` passed first.
         """
         if self.is_worker_thread():
             return
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cv:
             while self._completed < seq:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise D2HTimeoutError(
+                        f"{self._name}: copies up to #{seq} are unfinished after {timeout_s:g} s (finished up to "
+                        f"#{self._completed}); the stream they wait for is stuck (a flag that never comes?)"
+                    )
                 if self._thread is None or not self._thread.is_alive():
                     raise RuntimeError(
                         f"{self._name} worker thread is not running but copies up to #{seq} are unfinished "
                         f"(finished up to #{self._completed}); was the interpreter shutting down?"
                     )
-                self._cv.wait(poll_s)
+                self._cv.wait(poll_s if deadline is None else max(0.0, min(poll_s, deadline - time.monotonic())))
 
     def raise_errors(self, upto: int) -> None:
         """Raise :class:`D2HCopyError` for the first failed job numbered ``<= upto``; forget those failures."""
@@ -164,11 +176,11 @@ class OrderedWorker:
             first.text,
         ) from first.error
 
-    def wait_and_raise(self, seq: int) -> None:
+    def wait_and_raise(self, seq: int, timeout_s: float | None = None) -> None:
         """:meth:`wait_for` then :meth:`raise_errors` up to ``seq``."""
         if seq <= 0:
             return
-        self.wait_for(seq)
+        self.wait_for(seq, timeout_s=timeout_s)
         self.raise_errors(seq)
 
     def failures_pending(self) -> int:

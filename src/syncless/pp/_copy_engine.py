@@ -100,6 +100,7 @@ from typing import Any
 
 import torch
 
+from syncless._core import cuda as cuda_core
 from syncless._core.errors import CopyEngineUnavailable, PeerTimeoutError
 from syncless.pp import _driver as drv
 from syncless.pp._base import Transport
@@ -115,15 +116,6 @@ EMPTY_OFFSET = 8
 REGION_OFFSET = 256
 
 INJECTABLE_FAILURES = ("mem_ops", "peer_open")
-
-
-def _nvml_error_type() -> type[BaseException]:
-    from syncless._core import cuda
-
-    try:
-        return cuda.nvml_module().NVMLError
-    except ImportError:
-        return RuntimeError
 
 
 def open_copy_engine(
@@ -174,7 +166,7 @@ def open_copy_engine(
         def local_allocate() -> bytes:
             try:
                 problem = topology_problem(devices, query_nvlink)
-            except _nvml_error_type() as err:
+            except cuda_core.nvml_errors() as err:
                 raise CopyEngineUnavailable(f"NVML could not tell whether the GPUs are NVLink-connected: {err}") from err
             if problem:
                 raise CopyEngineUnavailable(problem)
@@ -212,8 +204,10 @@ def open_copy_engine(
                         parts.peer_base[neighbour] = base
 
         agree(side_group, stages, "copy-engine set-up", local_open)
+        owned = stack.pop_all()
+    try:
         return CopyEngineTransport(
-            stack=stack.pop_all(),
+            stack=owned,
             parts=parts,
             side_group=side_group,
             stages=stages,
@@ -224,6 +218,9 @@ def open_copy_engine(
             device=device,
             timeout_s=timeout_s,
         )
+    except BaseException:
+        owned.close()  # nothing stays allocated or mapped if the object itself cannot be built
+        raise
 
 
 #: Metadata tensors a sender cycles through; send(N) reuses the one of step N - META_RING (or N - 2 * depth).
@@ -421,9 +418,11 @@ class CopyEngineTransport(Transport):
         slot = (step - 1) % depth
         send_slot, peer_slot = self._send_slots[slot], self._next_slots[slot]
         spans, total = dense_spans(self._send_row_nbytes, rows)
-        # Non-contiguous inputs become contiguous temporaries on the current stream;
-        # the caching allocator keeps each one until the current stream is past the pack.
-        sources = [tensors[name].contiguous().data_ptr() for name in self._send_names]
+        # Non-contiguous inputs become contiguous temporaries on the current stream. `dense` holds
+        # them until every pack copy is enqueued; after that, freeing is safe: the caching allocator
+        # reuses a block on the current stream only behind the copies already enqueued there.
+        dense = [tensors[name].contiguous() for name in self._send_names]
+        sources = [t.data_ptr() for t in dense]
         parts, hot, side = self._parts, self._hot, self._parts.side_stream
         copied = parts.copied[slot]
         pushed = self._binding.enter()
@@ -445,6 +444,9 @@ class CopyEngineTransport(Transport):
             hot.write(side, self._next_full, step)
             hot.record(post, side)
             hot.record(copied, side)
+        except BaseException as err:
+            self._fail_mid_step(f"sending step {step}", err)
+            raise
         finally:
             self._binding.exit(pushed)
         self._watchdog.watch(Bracket(side, pre, post, self._send_what.format(step)))
@@ -518,6 +520,9 @@ class CopyEngineTransport(Transport):
                     hot.memcpy(target, slot_base + offset, nbytes, current)
             hot.write(current, self._prev_empty, step)
             hot.record(post, current)
+        except BaseException as err:
+            self._fail_mid_step(f"receiving step {step}", err)
+            raise
         finally:
             self._binding.exit(pushed)
         self._watchdog.watch(Bracket(current, pre, post, f"{self._recv_what} {step}"))
@@ -526,6 +531,14 @@ class CopyEngineTransport(Transport):
         return {name: persistent[name][:count] for name, count in zip(layout.specs, rows)}
 
     # -- failure and tear-down -------------------------------------------------------------
+
+    def _fail_mid_step(self, what: str, err: BaseException) -> None:
+        """A driver call failed with part of a step enqueued: the flags no longer match the steps, so stop."""
+        if self._failure is None:
+            failure = RuntimeError(f"{self._stages.name()} {what}: {err}; part of the step was enqueued, so this "
+                                   "transport is unusable: close() it")
+            failure.__cause__ = err
+            self._failure = failure
 
     def _check_usable(self) -> None:
         if self._closed:

@@ -157,6 +157,7 @@ def gather_local_facts() -> LocalFacts:
     except (CudaError, MissingDependencyError) as err:
         facts.notes.append(f"the CUDA driver could not be queried: {err}")
         return facts
+    nvml_errors = cuda.nvml_errors()
     for a in range(count):
         for b in range(a + 1, count):
             try:
@@ -166,12 +167,9 @@ def gather_local_facts() -> LocalFacts:
                 facts.notes.append(f"peer access {a}<->{b} unknown: {err}")
             try:
                 facts.nvlink[(a, b)] = query_nvlink(uuids[a], uuids[b])
-            except MissingDependencyError as err:
+            except nvml_errors as err:  # NVML missing or refusing: the fact is unknown, doctor goes on
                 facts.nvlink[(a, b)] = None
                 facts.notes.append(f"NVLink {a}<->{b} unknown: {err}")
-            except Exception as err:  # noqa: BLE001 - any NVMLError: report the fact as unknown, never crash doctor
-                facts.nvlink[(a, b)] = None
-                facts.notes.append(f"NVLink {a}<->{b} unknown: NVML said {err}")
     return facts
 
 

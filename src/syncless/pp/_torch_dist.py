@@ -36,6 +36,9 @@ from syncless.pp._layout import TensorSpec, validate_step
 
 logger = logging.getLogger(__name__)
 
+#: Steps whose sends may still be in flight before send() waits for the oldest.
+MAX_SENDS_IN_FLIGHT = 8
+
 
 def backend_for(group: Any, device_type: str) -> str:
     """Return the name of the backend ``group`` uses for ``device_type`` tensors (e.g. ``"nccl"``)."""
@@ -193,8 +196,33 @@ class TorchDistTransport(Transport):
         return [op(t, peer, group=self._group, tag=self._data_tag) for t in tensors]
 
     def _reap(self) -> None:
+        """Drop finished sends; past ``MAX_SENDS_IN_FLIGHT``, wait for the oldest (gloo reports a send
+        complete only from ``wait()``, so without this every step's buffers would stay alive)."""
         while self._pending and all(w.is_completed() for w in self._pending[0][0]):
             self._pending.popleft()
+        while len(self._pending) >= MAX_SENDS_IN_FLIGHT:
+            works, _buffers = self._pending[0]
+            try:
+                self._wait_sent(works)
+            except RuntimeError as err:
+                self._failure = PeerTimeoutError(
+                    f"{self._stages.name()}: a send of {MAX_SENDS_IN_FLIGHT} steps ago did not complete within "
+                    f"{self._timeout_s:g} s; the next stage died or stopped receiving: {err}"
+                )
+                raise self._failure from err
+            self._pending.popleft()
+
+    def _wait_sent(self, works: list[Any]) -> None:
+        """Wait for one step's sends: the host for gloo (at most the timeout), the current stream for NCCL.
+
+        After this, dropping the step's buffers is safe: NCCL's ``wait()`` orders the current
+        stream, on which the clones were allocated, after the send.
+        """
+        for work in works:
+            if self._host_waits or work is works[0]:
+                work.wait(timeout=timedelta(seconds=self._timeout_s))
+            else:
+                work.wait()
 
     def _check_usable(self) -> None:
         if self._closed:
@@ -214,12 +242,8 @@ class TorchDistTransport(Transport):
         self._closed = True
         pending, self._pending = self._pending, deque()
         for works, _buffers in pending:
-            for work in works:
-                try:
-                    if self._host_waits or work is works[0]:
-                        work.wait(timeout=timedelta(seconds=self._timeout_s))
-                    else:
-                        work.wait()
-                except RuntimeError as err:
-                    logger.warning("%s: a send did not complete before close(): %s", self._stages.name(), err)
-                    return
+            try:
+                self._wait_sent(works)
+            except RuntimeError as err:
+                logger.warning("%s: a send did not complete before close(): %s", self._stages.name(), err)
+                return

@@ -156,6 +156,11 @@ def checked(fn: F) -> F:
     """
     if not callable(fn):
         raise TypeError(f"checked decorates a function; got {type(fn).__name__}")
+    if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+        raise TypeError(
+            f"checked cannot check the generator function {fn.__qualname__}: its body runs later, while it is "
+            "iterated, outside the call; put `with syncless.syncs.checking():` around the loop that consumes it"
+        )
     if settings.mode == "off":
         return fn
     if inspect.iscoroutinefunction(fn):

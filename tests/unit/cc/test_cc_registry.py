@@ -44,7 +44,31 @@ def test_object_dead_before_reregistration_does_not_match_new_one():
     gc.collect()
     newcomer = Obj()  # may even reuse old's id(); it was never registered
     assert reg.lookup(7) is None
-    assert newcomer is not None
+    assert reg.register(7, newcomer) is True
+    assert reg.lookup(7) is newcomer
+
+
+def test_lapse_during_a_locked_section_does_not_deadlock():
+    import threading
+
+    reg = WeakKeyedRegistry()
+    doomed = Obj()
+    doomed.cycle = doomed  # freed only by the collector
+    reg.register(1, doomed)
+    del doomed
+    finished = threading.Event()
+
+    def register_with_collection_inside():
+        keep = Obj()
+        with reg._lock:  # a collection here runs the lapse on this very thread
+            gc.collect()
+            reg.register(2, keep)
+        finished.set()
+
+    worker = threading.Thread(target=register_with_collection_inside, daemon=True)
+    worker.start()
+    assert finished.wait(10), "the lapse callback deadlocked on the registry's lock"
+    assert reg.lookup(1) is None
 
 
 def test_unregister_and_clear():

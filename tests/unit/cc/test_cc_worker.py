@@ -109,3 +109,18 @@ def test_wait_from_worker_thread_does_not_deadlock(worker):
 
 def test_wait_and_raise_zero_is_noop(worker):
     worker.wait_and_raise(0)
+
+
+def test_bounded_wait_for_a_stuck_copy_raises_in_time(worker):
+    import time
+
+    from syncless.cc._worker import D2HTimeoutError
+
+    gate = threading.Event()
+    seq = worker.submit(lambda: gate.wait(30))  # a copy whose producer never finishes
+    start = time.monotonic()
+    with pytest.raises(D2HTimeoutError, match=r"unfinished after 0.3 s"):
+        worker.wait_and_raise(seq, timeout_s=0.3)
+    assert time.monotonic() - start < 5
+    gate.set()
+    worker.wait_for(seq)

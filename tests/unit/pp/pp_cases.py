@@ -402,3 +402,24 @@ def _full_step(device, max_rows):
         "stats": torch.randn((max_rows, 3, 4), device=device),
         "ids": torch.randint(0, 2**40, (max_rows,), device=device),
     }
+
+
+def bounded_sends(rank: int, world_size: int, steps: int) -> int:
+    """Send ``steps`` small steps while the receiver lags behind; return the most sends ever pending."""
+    import torch
+
+    from syncless.pp import make_transport
+
+    persistent = None if rank == 0 else {"x": torch.empty(4, 3)}
+    transport = make_transport(None, persistent, backend="torch_distributed", device=torch.device("cpu"))
+    most = 0
+    for step in range(steps):
+        if rank == 0:
+            transport.send({"x": torch.full((4, 3), float(step))})
+            most = max(most, len(transport._pending))
+        else:
+            got = transport.recv()["x"]
+            if not torch.equal(got, torch.full((4, 3), float(step))):
+                raise AssertionError(f"step {step}: got {got}")
+    transport.close()
+    return most

@@ -64,3 +64,10 @@ def test_bad_or_mismatched_depth_fails_on_every_rank_alike():
     messages = run_ranks(cases.depth_checks, 2, args=("cpu",), timeout_s=60)
     assert messages[0] == messages[1] and len(messages[0]) == 4
     assert "same depth" in messages[0][3]
+
+
+def test_send_buffers_do_not_pile_up():
+    from syncless.pp._torch_dist import MAX_SENDS_IN_FLIGHT
+
+    most_pending = run_ranks(cases.bounded_sends, 2, args=(200,), timeout_s=90)[0]
+    assert most_pending <= MAX_SENDS_IN_FLIGHT

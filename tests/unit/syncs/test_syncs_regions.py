@@ -282,3 +282,21 @@ def test_composes_with_a_lower_layer_in_either_order(restored_globals):
                 patching.remove_layer(torch.Tensor, "copy_", "test-lower")
                 syncs.disable()
             assert torch.Tensor.copy_ is original
+
+
+@pytest.mark.parametrize("mode", ["off", "error"])
+def test_checked_refuses_generator_functions_whose_body_would_escape(mode, monkeypatch):
+    from syncless import syncs
+    from syncless.syncs._state import settings
+
+    monkeypatch.setattr(settings, "mode", mode)
+
+    def tokens():
+        yield 1
+
+    async def atokens():
+        yield 1
+
+    for fn in (tokens, atokens):
+        with pytest.raises(TypeError, match="generator function .*checking"):
+            syncs.checked(fn)
