@@ -147,8 +147,8 @@ def _stream_sends(rig: Rig, mode: str, payload: dict[str, Any], sends: int) -> A
             works = nccl_send(rig, payload)
         else:
             rig.fwd.send(payload)
-    # NCCL: join the last send's stream; ours: the last pack ran after the
-    # previous step's peer copy finished, which is late enough to tell.
+    # NCCL: join the last send's stream; ours: the peer copies ran on this
+    # stream, so an event recorded here fires after the last one.
     wait_all(works)
     tail = torch.cuda.Event(enable_timing=True)
     tail.record()

@@ -13,7 +13,7 @@ Every timed loop follows one recipe so the three methods are comparable:
 
 Stream ordering, bandwidth loop (ours; NCCL is the same with its own stream)::
 
-    rank 0  current: [gate sleep][pack 1][pack 2]...        side: [copy 1 -> full=1][copy 2 ...]
+    rank 0  current: [gate sleep][copy 1 -> full=1][copy 2 -> full=2]...
     rank 1  current: [wait full>=1][unpack 1]^first [wait full>=2][unpack 2] ... [unpack K]^last
 
 ``first`` and ``last`` fire when step 1 and step K have landed on rank 1:
@@ -381,9 +381,9 @@ def _pingpong_nccl(rig: Rig, state: dict[str, Any], iters: int) -> Any:
 
 
 def _pingpong_ours(rig: Rig, state: dict[str, Any], iters: int) -> Any:
-    # The echo sends views of the persistent tensors it just received: the pack
-    # runs on the current stream after the unpack, and the next unpack after
-    # the pack, so no step overwrites data still being read.
+    # The echo sends views of the persistent tensors it just received: its peer
+    # copy runs on the current stream after the unpack, and the next unpack
+    # after that copy, so no step overwrites data still being read.
     if rig.sender:
         current = state["x"]
         for _ in range(iters):

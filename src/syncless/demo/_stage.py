@@ -7,8 +7,7 @@ micro-batches are in flight so every stage has work while the others run.
 
 Streams on a GPU rank, one step of one micro-batch (stage 0 of 2)::
 
-    current  |upload pos (H2D, non_blocking)|embed+layers|send pack|...
-    side     (transport)                              |wait empty|copy->peer|full=N|
+    current  |upload pos (H2D, non_blocking)|embed+layers|wait empty|copy->peer|full=N|...
     d2h      (last stage only)          wait current |tokens -> pinned host|
 
 The host never waits inside the hot loop: it only enqueues, and the syncs

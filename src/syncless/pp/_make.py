@@ -76,10 +76,11 @@ def make_transport(
             (the first stage); default the current CUDA device, else the CPU.
         depth: how many steps may be in flight on each link (an int >= 1).
             The copy-engine transport keeps ``depth`` receive slots on the
-            receiver and ``depth`` send slots on the sender (each slot as
-            large as the receiver's persistent tensors), so packing step N+1,
-            the peer copy of step N and unpacking step N-1 overlap; 1 runs
-            them back to back and needs the least memory. The
+            receiver (each as large as its persistent tensors), so the peer
+            copy of step N overlaps the receiver's copy of step N-1 out of
+            its slot, and the sender's stream waits only when the receiver's
+            is ``depth`` steps behind; 1 runs them back to back and needs the
+            least memory. The
             torch.distributed transport checks it and ignores it (its
             backend queues the sends itself).
         _inject_failure: tests only: ``"mem_ops"`` or ``"peer_open"`` makes
@@ -138,7 +139,6 @@ def make_transport(
             return open_copy_engine(
                 side_group=side,
                 stages=stages,
-                tag=tag,
                 specs=specs,
                 persistent=persistent or {},
                 device=my_device,

@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 import threading
 import types
-from datetime import timedelta
 
 import pytest
 import torch
@@ -14,7 +13,6 @@ import torch
 from syncless._core import cuda
 from syncless._core.errors import CudaError
 from syncless.pp import _driver as drv
-from syncless.pp._copy_engine import _MetaSlot
 from syncless.pp._layout import (
     SLOT_ALIGN_BYTES,
     Layout,
@@ -280,43 +278,3 @@ def test_hot_calls_pass_arguments_and_raise_cuda_errors(monkeypatch):
         with pytest.raises(CudaError) as info:
             call()
         assert info.value.call == name and info.value.name == "CUDA_ERROR_INVALID_VALUE"
-
-
-# -- metadata ring -------------------------------------------------------------------------------
-
-
-class _FakeWork:
-    def __init__(self, log, fail=False):
-        self.log, self.fail = log, fail
-
-    def wait(self, timeout):
-        self.log.append(timeout)
-        if self.fail:
-            raise RuntimeError("timed out")
-
-
-def test_meta_slot_writes_values_in_place_and_waits_for_the_previous_send(monkeypatch):
-    import torch.distributed as dist
-
-    log, sent = [], []
-
-    def fake_isend(tensor, dst, group, tag):
-        sent.append((tensor.tolist(), dst, group, tag))
-        return _FakeWork(log)
-
-    monkeypatch.setattr(dist, "isend", fake_isend)
-    slot = _MetaSlot(3)
-    tensor = slot.tensor
-    slot.reclaim(timedelta(seconds=1))  # nothing pending: returns at once
-    assert log == []
-    values = [random.randint(0, 2**40) for _ in range(2)]
-    slot.send(17, values, 1, "group", 5)
-    assert sent == [([17, *values], 1, "group", 5)]
-    slot.reclaim(timedelta(seconds=2))
-    assert log == [timedelta(seconds=2)]
-    slot.send(18, [0, 3], 1, "group", 5)
-    assert slot.tensor is tensor and tensor.tolist() == [18, 0, 3]
-    slot.work = _FakeWork(log, fail=True)
-    with pytest.raises(RuntimeError, match="timed out"):
-        slot.reclaim(timedelta(seconds=3))
-    assert slot.work is None

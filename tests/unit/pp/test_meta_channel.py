@@ -1,0 +1,129 @@
+"""The copy-engine transport's metadata socket: framing, order, timeouts and a peer that goes away."""
+
+from __future__ import annotations
+
+import random
+import socket
+import threading
+import time
+
+import pytest
+
+from syncless._core.errors import PeerTimeoutError
+from syncless.pp import _meta_channel as meta_channel
+
+
+def _pair(length, timeout_s=5.0):
+    listener = meta_channel.Listener()
+    sender = meta_channel.connect(listener.name, length, timeout_s, "test")
+    receiver = listener.accept(length, timeout_s, "test")
+    listener.close()
+    return sender, receiver
+
+
+def test_messages_arrive_whole_and_in_order_with_random_values():
+    rng = random.Random(20261130)
+    sender, receiver = _pair(4)
+    sent = [(step, [rng.randint(0, 2**40) for _ in range(3)]) for step in range(1, 2001)]
+
+    def produce():
+        for step, rows in sent:
+            sender.send(step, rows, 5.0)
+
+    thread = threading.Thread(target=produce)
+    thread.start()
+    got = [receiver.recv(5.0, "step") for _ in sent]
+    thread.join()
+    assert got == [(step, *rows) for step, rows in sent]
+    sender.close()
+    receiver.close()
+
+
+def test_a_message_split_by_the_kernel_is_reassembled():
+    listener = meta_channel.Listener()
+    raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    raw.connect(listener.name)
+    receiver = listener.accept(2, 5.0, "test")
+    payload = (7).to_bytes(8, "little") + (123456789).to_bytes(8, "little")
+
+    def dribble():
+        for byte in payload:
+            raw.send(bytes([byte]))
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=dribble)
+    thread.start()
+    assert receiver.recv(5.0, "step") == (7, 123456789)
+    thread.join()
+    raw.close()
+    receiver.close()
+    listener.close()
+
+
+def test_receive_times_out_with_a_clear_error_when_nothing_comes():
+    sender, receiver = _pair(2)
+    start = time.monotonic()
+    with pytest.raises(PeerTimeoutError, match="sent nothing within 0.2 s"):
+        receiver.recv(0.2, "stage 1 receiving step 1")
+    assert 0.15 < time.monotonic() - start < 3.0
+    sender.close()
+    receiver.close()
+
+
+def test_a_sender_that_goes_away_ends_the_wait_at_once():
+    sender, receiver = _pair(2)
+    sender.send(1, [5], 5.0)
+    sender.close()  # what the kernel does when the sender's process dies
+    assert receiver.recv(5.0, "step") == (1, 5)
+    start = time.monotonic()
+    with pytest.raises(PeerTimeoutError, match="closed its metadata socket"):
+        receiver.recv(30.0, "step 2")
+    assert time.monotonic() - start < 2.0
+    receiver.close()
+
+
+def test_sending_to_a_closed_receiver_raises_peer_timeout():
+    sender, receiver = _pair(2, timeout_s=1.0)
+    receiver.close()
+    with pytest.raises(PeerTimeoutError, match="closed its end|took no metadata"):
+        for step in range(1, 100_000):  # the first sends may still fit the socket buffer
+            sender.send(step, [0], 1.0)
+    sender.close()
+
+
+def test_a_sender_blocked_by_a_reader_that_stopped_gives_up_after_its_timeout():
+    sender, receiver = _pair(64, timeout_s=0.3)
+    start = time.monotonic()
+    with pytest.raises(PeerTimeoutError):
+        for step in range(1, 1_000_000):  # 512-byte messages fill the socket buffer quickly
+            sender.send(step, [0] * 63, 0.3)
+    assert time.monotonic() - start < 10.0
+    sender.close()
+    receiver.close()
+
+
+def test_connect_to_a_name_nobody_listens_on_raises():
+    listener = meta_channel.Listener()
+    name = listener.name
+    listener.close()
+    with pytest.raises(PeerTimeoutError, match="could not reach"):
+        meta_channel.connect(name, 2, 1.0, "test")
+
+
+def test_accept_without_a_sender_times_out():
+    listener = meta_channel.Listener()
+    with pytest.raises(PeerTimeoutError, match="did not connect within 0.1 s"):
+        listener.accept(2, 0.1, "test")
+    listener.close()
+
+
+def test_every_listener_has_its_own_name():
+    first, second = meta_channel.Listener(), meta_channel.Listener()
+    assert first.name != second.name and first.name.startswith("\0syncless-pp-")
+    first.close()
+    second.close()
+
+
+def test_a_message_needs_at_least_the_step_number():
+    with pytest.raises(ValueError, match="at least the step number"):
+        meta_channel._message_format(0)
