@@ -98,7 +98,10 @@ def run_stage(rank: int, world_size: int, options: DemoOptions) -> StageResult:
         ends = dist.new_group([0, world_size - 1])
         if first or last:
             tokens_in = {"ids": torch.empty(rows, device=device, dtype=torch.int64)} if first else None
-            token_link = pp.make_transport(ends, tokens_in, stage_ranks=[world_size - 1, 0], backend=options.transport)
+            # Each step's `micro` tokens are received only in the next step, so the link holds that many.
+            token_link = pp.make_transport(
+                ends, tokens_in, stage_ranks=[world_size - 1, 0], backend=options.transport, depth=max(2, micro)
+            )
 
     d2h_stream = None
     if last and device.type == "cuda":
@@ -198,9 +201,10 @@ def _collect_tokens(readbacks: list[tuple[torch.Tensor, Any]]) -> list[list[int]
 def _settle(device: torch.device) -> None:
     """Wait for this rank's current stream, then line the ranks up (outside the hot loop).
 
-    Not a device-wide synchronize: a transport's side stream may hold the
-    next step's copy until the peer consumes the previous one, which the
-    peer does only after this point, so waiting for it here would deadlock.
+    The token link has a slot for every micro-batch, so the last stage's
+    sends of the step before never wait here for the first stage, which
+    receives them only after this point. Not a device-wide synchronize: the
+    transports' private streams are none of the demo's business.
     """
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()

@@ -61,6 +61,10 @@ Why each ordering is safe:
   write that follows it (why PCIe peers are refused), and on one GPU it is
   local memory in stream order. Step N+D, the next writer of slot s, cannot
   start before the receiver wrote ``empty = N`` (previous point).
+- Steps go out, and slots are freed, in step order whatever stream each
+  call runs on: a call on another stream than the previous call first waits
+  for the event recorded after the previous step's flag write (``sent`` on
+  the sender, ``received`` on the receiver), so both flags only grow.
 - The persistent tensors are rewritten on the receiver's current stream,
   after whatever the caller queued there before recv() (readers of the last
   step included), and the caller's later work sees the new rows.
@@ -78,9 +82,9 @@ flight than ever before. The receiver's ``empty`` write is one
 would stall the sender.
 
 Metadata (N and the row counts) goes to the next stage over a Unix socket
-of the node (``_meta_channel``): one system call per step on each side, and
-a receiver blocked waiting for it burns no CPU and learns at once when the
-sender's process died. The host never waits for the GPU. A watchdog
+of the node (``_meta_channel``): a few system calls per step on each side,
+and a receiver blocked waiting for it burns no CPU and learns at once when
+the sender's process died. The host never waits for the GPU. A watchdog
 (``_watchdog.py``) bounds every GPU-side wait; the metadata receive has a host timeout.
 """
 
@@ -163,7 +167,7 @@ def open_copy_engine(
 
         # Step 2: topology (every pair of GPUs on NVLink), then allocate and export (with the name of
         # the socket the previous stage will send metadata to).
-        def local_allocate() -> tuple[bytes, str | None]:
+        def local_allocate() -> tuple[bytes, str | None, bytes | None]:
             try:
                 problem = topology_problem(devices, query_nvlink)
             except cuda_core.nvml_errors() as err:
@@ -179,6 +183,9 @@ def open_copy_engine(
                 stack.callback(_in(ctx, parts.destroy_events))
                 if next_ring is not None:
                     parts.relay_in, parts.relay_out = parts.acquire_event(), parts.acquire_event()
+                    parts.sent = parts.acquire_event()
+                if stages.prev_rank is not None:
+                    parts.received = parts.acquire_event()
                 parts.buffer = drv.mem_alloc(REGION_OFFSET + recv_ring.nbytes)
                 stack.callback(_in(ctx, drv.mem_free), parts.buffer)
                 drv.mem_zero(parts.buffer, REGION_OFFSET + recv_ring.nbytes, parts.private_stream)
@@ -186,16 +193,16 @@ def open_copy_engine(
                 drv.stream_synchronize(parts.private_stream)
                 handle = drv.ipc_handle(parts.buffer)
             if stages.prev_rank is None:
-                return handle, None
+                return handle, None, None
             try:
                 parts.listener = meta_channel.Listener()
             except OSError as err:
                 raise CopyEngineUnavailable(f"could not create a local socket for the step metadata: {err}") from err
             stack.callback(parts.listener.close)
-            return handle, parts.listener.name
+            return handle, parts.listener.name, parts.listener.token
 
         exported = agree(side_group, stages, "copy-engine set-up", local_allocate)
-        handles = [handle for handle, _ in exported]
+        handles = [handle for handle, _, _ in exported]
         # From here peers may map our buffer: nobody frees before everybody unmapped.
         stack.callback(barrier, side_group, timeout_s, "copy-engine tear-down")
 
@@ -210,9 +217,9 @@ def open_copy_engine(
                         stack.callback(_in(ctx, drv.ipc_close), base)
                         parts.peer_base[neighbour] = base
             if next_ring is not None:
-                name = exported[stages.index + 1][1]
+                _, name, token = exported[stages.index + 1]
                 try:
-                    parts.meta_out = meta_channel.connect(name, 1 + len(next_ring.layout.specs), timeout_s, what)
+                    parts.meta_out = meta_channel.connect(name, token, 1 + len(next_ring.layout.specs), timeout_s, what)
                 except PeerTimeoutError as err:
                     raise CopyEngineUnavailable(str(err)) from err
                 stack.callback(parts.meta_out.close)
@@ -228,6 +235,7 @@ def open_copy_engine(
             except PeerTimeoutError as err:
                 raise CopyEngineUnavailable(str(err)) from err
             stack.callback(parts.meta_in.close)
+            parts.listener.close()  # nobody else may connect later (closing twice is harmless)
 
         agree(side_group, stages, "copy-engine set-up", local_accept)
         owned = stack.pop_all()
@@ -275,6 +283,8 @@ class _Parts:
         self.relay_stream = 0  # a sender's stand-in for the legacy default stream (see send())
         self.relay_in: drv.Event | None = None
         self.relay_out: drv.Event | None = None
+        self.sent: drv.Event | None = None  # recorded after each step's `full` write
+        self.received: drv.Event | None = None  # recorded after each step's `empty` write
         self.buffer = 0
         self.peer_base: dict[int, int] = {}
         self.listener: meta_channel.Listener | None = None
@@ -338,7 +348,8 @@ class CopyEngineTransport(Transport):
         self._stages = stages
         self._recv_ring = recv_ring
         self._recv_layout = recv_ring.layout
-        self._next_ring = next_ring
+        self._last_send_stream: int | None = None
+        self._last_recv_stream: int | None = None
         self._send_layout = next_ring.layout if next_ring is not None else None
         self._persistent = persistent
         self._timeout_s = timeout_s
@@ -386,8 +397,9 @@ class CopyEngineTransport(Transport):
         the data has crossed, so the caller may overwrite ``tensors`` (on that
         stream) as soon as this returns. Blocks the host for none of it, only
         to write the step's metadata to the next stage's socket (it waits
-        there only if that stage's host stopped reading for thousands of
-        steps, at most the timeout).
+        there only if that stage's host left a few hundred steps unread, at
+        most the timeout). Successive sends may run on different streams:
+        each step goes out after the previous one.
 
         Raises:
             ValueError, TypeError: the step does not fit the next stage's layout (nothing was enqueued).
@@ -409,9 +421,9 @@ class CopyEngineTransport(Transport):
         dense = [tensors[name].contiguous() for name in self._send_names]
         parts, hot = self._parts, self._hot
         pushed = self._binding.enter()
+        current = stream = _current_stream(self._index)
+        relayed = False
         try:
-            current = _current_stream(self._index)
-            stream = current
             if current == LEGACY_DEFAULT_STREAM:
                 # A peer copy on the legacy default stream costs about 5-10 us more than on any other
                 # stream (measured on H200s), so the step runs on the relay stream, fenced on both sides:
@@ -419,6 +431,11 @@ class CopyEngineTransport(Transport):
                 stream = parts.relay_stream
                 hot.record(parts.relay_in, current)
                 hot.wait_event(parts.relay_in, stream)
+                relayed = True
+            if self._last_send_stream not in (None, stream):
+                # Steps go out in order whatever stream each send() runs on: this step's copies and
+                # its `full` write come after the previous step's `full` write, so `full` only grows.
+                hot.wait_event(parts.sent, stream)
             pre, post = parts.acquire_event(), parts.acquire_event()
             hot.record(pre, stream)
             if step > depth:
@@ -427,22 +444,40 @@ class CopyEngineTransport(Transport):
                 if nbytes:
                     hot.memcpy(peer_slot + offset, tensor.data_ptr(), nbytes, stream)
             hot.write(stream, self._next_full, step)
+            hot.record(parts.sent, stream)
             hot.record(post, stream)
-            if stream != current:
+            if relayed:
                 hot.record(parts.relay_out, stream)
                 hot.wait_event(parts.relay_out, current)
         except BaseException as err:
             self._fail_mid_step(f"sending step {step}", err)
+            if relayed:
+                self._fence_relay_after_failure(current)
             raise
         finally:
             self._binding.exit(pushed)
+        self._last_send_stream = stream
         self._watchdog.watch(Bracket(stream, pre, post, self._send_what.format(step)))
         try:
-            parts.meta_out.send(step, rows, self._timeout_s)
-        except PeerTimeoutError as err:
-            self._failure = PeerTimeoutError(f"{self._stages.name()} sending step {step}: {err}")
+            parts.meta_out.send(step, rows)
+        except BaseException as err:  # an interrupt too: the GPU part of the step is already enqueued
+            failure = err if isinstance(err, PeerTimeoutError) else RuntimeError(f"interrupted: {err!r}")
+            self._failure = PeerTimeoutError(
+                f"{self._stages.name()} sending step {step}: its metadata did not go out ({failure}); "
+                "this transport is unusable: close() it"
+            )
             raise self._failure from err
         self._send_step = step
+
+    def _fence_relay_after_failure(self, current: int) -> None:
+        """Best effort after a failed relayed step: the caller's stream waits for what the relay got.
+
+        So contiguous temporaries freed on the caller's stream are not reused
+        while a copy enqueued on the relay still reads them.
+        """
+        with contextlib.suppress(Exception):
+            self._hot.record(self._parts.relay_out, self._parts.relay_stream)
+            self._hot.wait_event(self._parts.relay_out, current)
 
     # -- receiving -------------------------------------------------------------------
 
@@ -466,8 +501,11 @@ class CopyEngineTransport(Transport):
         step = self._recv_step + 1
         try:
             meta = self._parts.meta_in.recv(self._timeout_s, f"{self._recv_what} {step}")
-        except PeerTimeoutError as err:
-            self._failure = err
+        except BaseException as err:  # an interrupt too: part of a message may have been read
+            self._failure = err if isinstance(err, PeerTimeoutError) else RuntimeError(
+                f"{self._recv_what} {step}: interrupted while reading its metadata ({err!r}); "
+                "this transport is unusable: close() it"
+            )
             raise
         rows = meta[1:]
         if meta[0] != step or not all(0 <= r <= spec.max_rows for r, spec in zip(rows, layout.specs.values())):
@@ -481,6 +519,10 @@ class CopyEngineTransport(Transport):
         pushed = self._binding.enter()
         try:
             current = _current_stream(self._index)
+            if self._last_recv_stream not in (None, current):
+                # Slots are freed in order whatever stream each recv() runs on: this step's `empty`
+                # write comes after the previous step's, so `empty` only grows.
+                hot.wait_event(parts.received, current)
             pre, post = parts.acquire_event(), parts.acquire_event()
             hot.record(pre, current)
             hot.wait_geq(current, self._full, step)
@@ -488,12 +530,14 @@ class CopyEngineTransport(Transport):
                 if nbytes:
                     hot.memcpy(target, slot_base + offset, nbytes, current)
             hot.write(current, self._prev_empty, step)
+            hot.record(parts.received, current)
             hot.record(post, current)
         except BaseException as err:
             self._fail_mid_step(f"receiving step {step}", err)
             raise
         finally:
             self._binding.exit(pushed)
+        self._last_recv_stream = current
         self._watchdog.watch(Bracket(current, pre, post, f"{self._recv_what} {step}"))
         self._recv_step = step
         persistent = self._persistent

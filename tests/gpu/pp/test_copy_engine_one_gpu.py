@@ -32,6 +32,11 @@ def test_two_stages_on_one_gpu_deliver_every_step_bit_exact(depth, steps):
     assert results[1] == {"backend": "copy_engine", "mismatches": 0, "steps": steps}
 
 
+def test_steps_stay_in_order_when_each_call_runs_on_another_stream():
+    results = run_ranks(cases.stream_switching, 2, args=(400,), devices=[0, 0], timeout_s=150)
+    assert results[1] == {"mismatches": 0, "steps": 400}
+
+
 def test_three_stages_on_one_gpu_middle_stage_forwards_bit_exact():
     results = run_ranks(
         cases.bit_exact, 3, args=("cuda", 400, 64, "copy_engine", "copy_engine", [1, 2, 0]), devices=[0, 0, 0],

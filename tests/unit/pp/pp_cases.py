@@ -153,6 +153,44 @@ def bit_exact(
     return {"backend": transport.backend, "mismatches": int(bad), "steps": steps}
 
 
+def stream_switching(rank, world, steps, seed=4321, timeout_s=60):
+    """Every send() and recv() runs on a stream picked at random, some held first by a long kernel.
+
+    CUDA only, two stages. The sender makes each step's tensors on the stream
+    it sends on and has no other ordering between those streams, so a step
+    sent from an idle stream right after one sent from a busy stream would
+    overtake it unless the transport keeps steps in order. The receiver
+    orders its own streams (its check of step N reads the persistent tensors
+    that step N+1 rewrites) and checks every step bit for bit.
+    """
+    device = _device("cuda")
+    max_rows = 64
+    persistent = None if rank == 0 else _persistent(device, max_rows)
+    transport = make_transport(None, persistent, backend="copy_engine", timeout_s=timeout_s, device=device)
+    rng = random.Random(seed + rank)
+    streams = [torch.cuda.default_stream(device), torch.cuda.Stream(device), torch.cuda.Stream(device)]
+    checks = []
+    previous = None
+    for step in range(1, steps + 1):
+        stream = rng.choice(streams)
+        if rank == 1 and previous is not None and previous is not stream:
+            stream.wait_stream(previous)
+        with torch.cuda.stream(stream):
+            if rng.random() < 0.3:
+                torch.cuda._sleep(rng.randint(1, 20) * 100_000)  # up to about 1 ms
+            if rank == 0:
+                transport.send(expected(seed, step, max_rows, device))
+            else:
+                checks.append(_mismatches(transport.recv(), expected(seed, step, max_rows, device)))
+        previous = stream
+        if step % 100 == 0:
+            say(f"rank {rank}: {step}/{steps} steps enqueued")
+    torch.cuda.synchronize()
+    mismatches = sum(int(check) for check in checks)
+    transport.close()
+    return {"mismatches": mismatches, "steps": steps}
+
+
 def validation(rank, world, kind, backend, other_device=None):
     """Bad steps raise ValueError/TypeError naming expected and got; the transport keeps working."""
     device = _device(kind)
@@ -372,7 +410,7 @@ def gpu_stall(rank, world, timeout_s):
     result = {}
     if rank == 0:
         transport.send(expected(9, 1, max_rows, device))
-        # Hold the sender's current stream (the pack) for about three timeouts.
+        # Hold the sender's current stream (its peer copies wait behind it) for about three timeouts.
         torch.cuda._sleep(int(3 * timeout_s * 2.0e9))
         transport.send(_full_step(device, max_rows))
     else:

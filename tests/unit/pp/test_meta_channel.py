@@ -15,7 +15,7 @@ from syncless.pp import _meta_channel as meta_channel
 
 def _pair(length, timeout_s=5.0):
     listener = meta_channel.Listener()
-    sender = meta_channel.connect(listener.name, length, timeout_s, "test")
+    sender = meta_channel.connect(listener.name, listener.token, length, timeout_s, "test")
     receiver = listener.accept(length, timeout_s, "test")
     listener.close()
     return sender, receiver
@@ -28,7 +28,7 @@ def test_messages_arrive_whole_and_in_order_with_random_values():
 
     def produce():
         for step, rows in sent:
-            sender.send(step, rows, 5.0)
+            sender.send(step, rows)
 
     thread = threading.Thread(target=produce)
     thread.start()
@@ -43,6 +43,7 @@ def test_a_message_split_by_the_kernel_is_reassembled():
     listener = meta_channel.Listener()
     raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     raw.connect(listener.name)
+    raw.sendall(listener.token)
     receiver = listener.accept(2, 5.0, "test")
     payload = (7).to_bytes(8, "little") + (123456789).to_bytes(8, "little")
 
@@ -72,7 +73,7 @@ def test_receive_times_out_with_a_clear_error_when_nothing_comes():
 
 def test_a_sender_that_goes_away_ends_the_wait_at_once():
     sender, receiver = _pair(2)
-    sender.send(1, [5], 5.0)
+    sender.send(1, [5])
     sender.close()  # what the kernel does when the sender's process dies
     assert receiver.recv(5.0, "step") == (1, 5)
     start = time.monotonic()
@@ -87,7 +88,7 @@ def test_sending_to_a_closed_receiver_raises_peer_timeout():
     receiver.close()
     with pytest.raises(PeerTimeoutError, match="closed its end|took no metadata"):
         for step in range(1, 100_000):  # the first sends may still fit the socket buffer
-            sender.send(step, [0], 1.0)
+            sender.send(step, [0])
     sender.close()
 
 
@@ -96,7 +97,7 @@ def test_a_sender_blocked_by_a_reader_that_stopped_gives_up_after_its_timeout():
     start = time.monotonic()
     with pytest.raises(PeerTimeoutError):
         for step in range(1, 1_000_000):  # 512-byte messages fill the socket buffer quickly
-            sender.send(step, [0] * 63, 0.3)
+            sender.send(step, [0] * 63)
     assert time.monotonic() - start < 10.0
     sender.close()
     receiver.close()
@@ -107,7 +108,7 @@ def test_connect_to_a_name_nobody_listens_on_raises():
     name = listener.name
     listener.close()
     with pytest.raises(PeerTimeoutError, match="could not reach"):
-        meta_channel.connect(name, 2, 1.0, "test")
+        meta_channel.connect(name, b"x" * 16, 2, 1.0, "test")
 
 
 def test_accept_without_a_sender_times_out():
@@ -127,3 +128,64 @@ def test_every_listener_has_its_own_name():
 def test_a_message_needs_at_least_the_step_number():
     with pytest.raises(ValueError, match="at least the step number"):
         meta_channel._message_format(0)
+
+
+def test_a_stranger_without_the_token_is_turned_away_and_the_sender_still_gets_through():
+    listener = meta_channel.Listener()
+    stranger = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stranger.connect(listener.name)
+    stranger.sendall(b"\0" * meta_channel.TOKEN_NBYTES)
+    sender = meta_channel.connect(listener.name, listener.token, 2, 5.0, "test")
+    receiver = listener.accept(2, 5.0, "test")
+    sender.send(1, [7])
+    assert receiver.recv(5.0, "step") == (1, 7)
+    stranger.settimeout(5.0)
+    assert stranger.recv(1) == b""  # its connection was closed
+    for sock in (stranger, sender, receiver, listener):
+        sock.close()
+
+
+def test_only_strangers_means_accept_times_out():
+    listener = meta_channel.Listener()
+    stranger = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stranger.connect(listener.name)  # sends nothing at all
+    start = time.monotonic()
+    with pytest.raises(PeerTimeoutError, match="did not connect within 0.3 s"):
+        listener.accept(2, 0.3, "test")
+    assert time.monotonic() - start < 3.0
+    stranger.close()
+    listener.close()
+
+
+def test_sending_to_a_dead_peer_raises_even_when_sigpipe_would_kill(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "sigpipe.py"
+    script.write_text(textwrap.dedent("""
+        import signal
+        from syncless._core.errors import PeerTimeoutError
+        from syncless.pp import _meta_channel as mc
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+        listener = mc.Listener()
+        sender = mc.connect(listener.name, listener.token, 2, 2.0, "test")
+        receiver = listener.accept(2, 2.0, "test")
+        receiver.close()
+        listener.close()
+        try:
+            for step in range(1, 100000):
+                sender.send(step, [0])
+        except PeerTimeoutError:
+            print("raised")
+    """))
+    import os
+    from pathlib import Path
+
+    import syncless
+
+    env = {**os.environ, "PYTHONPATH": str(Path(syncless.__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0 and "raised" in done.stdout, (done.returncode, done.stderr)
+    assert signal.SIGPIPE  # the child set SIG_DFL, so without MSG_NOSIGNAL it would have died with 141
