@@ -284,6 +284,8 @@ def run_latency(rig: Rig, methods: tuple[str, ...] = ("nccl", "ours")) -> None:
         for method in methods:
             if method == "ours" and (rig.fwd is None or rig.bwd is None):
                 continue
+            if method == "ours_depth0" and (rig.fwd0 is None or rig.bwd0 is None):
+                continue
             if method == "raw_flags" and rig.raw is None:
                 continue
             row[method] = latency(rig, nbytes, 500 + 10 * index, method)
@@ -309,14 +311,15 @@ def latency(rig: Rig, nbytes: int, seed: int, method: str) -> float:
         state: dict[str, Any] = {"x": make_payload(rows, seed, rig.device) if rig.sender else None,
                                  "bufs": [empty_payload(rows, rig.device), empty_payload(rows, rig.device)]}
         loop, initial_ms = _pingpong_nccl, 5.0 + 0.1 * iters
-    elif method == "ours":
-        state = {"x": make_payload(rows, seed, rig.device) if rig.sender else None}
+    elif method in ("ours", "ours_depth0"):
+        fwd, bwd = (rig.fwd, rig.bwd) if method == "ours" else (rig.fwd0, rig.bwd0)
+        state = {"x": make_payload(rows, seed, rig.device) if rig.sender else None, "fwd": fwd, "bwd": bwd}
         loop, initial_ms = _pingpong_ours, 10.0 + 0.5 * iters
     elif method == "raw_flags":
         state = {"x": pattern(nbytes // 2, seed, rig.device) if rig.sender else None, "nbytes": nbytes}
         loop, initial_ms = _pingpong_raw, 2.0 + 0.05 * iters
     else:
-        raise ValueError(f"method must be 'nccl', 'ours' or 'raw_flags'; got {method!r}")
+        raise ValueError(f"method must be 'nccl', 'ours', 'ours_depth0' or 'raw_flags'; got {method!r}")
     loop(rig, state, 2)
     rig.sync(f"{method} ping-pong warm-up")
     tuner = GateTuner(initial_ms, LATENCY_GATE_GROWTH)
@@ -384,14 +387,15 @@ def _pingpong_ours(rig: Rig, state: dict[str, Any], iters: int) -> Any:
     # The echo sends views of the persistent tensors it just received: its peer
     # copy runs on the current stream after the unpack, and the next unpack
     # after that copy, so no step overwrites data still being read.
+    fwd, bwd = state["fwd"], state["bwd"]
     if rig.sender:
         current = state["x"]
         for _ in range(iters):
-            rig.fwd.send(current)
-            current = views(rig.bwd.recv())
+            fwd.send(current)
+            current = views(bwd.recv())
         return current
     for _ in range(iters):
-        rig.bwd.send(views(rig.fwd.recv()))
+        bwd.send(views(fwd.recv()))
     return None
 
 

@@ -27,7 +27,13 @@ from syncless.bench._pp_plan import (
 from syncless.bench._report import BenchOutput, Goal
 
 NAN = float("nan")
-METHOD_NAMES = {"raw": "raw peer copy", "nccl": "NCCL send/recv", "ours": "ours", "raw_flags": "raw copy + flags"}
+METHOD_NAMES = {
+    "raw": "raw peer copy",
+    "nccl": "NCCL send/recv",
+    "ours": "ours",
+    "ours_depth0": "ours, depth=0",
+    "raw_flags": "raw copy + flags",
+}
 
 
 def lookup(tree: Any, *path: Any) -> Any:
@@ -58,7 +64,8 @@ def ratio(numerator: float, denominator: float) -> float:
 # Tables ----------------------------------------------------------------------------
 
 BANDWIDTH_COLUMNS = ["payload", "raw peer copy GB/s", "NCCL GB/s", "ours GB/s", "ours / raw", "ours / NCCL"]
-LATENCY_COLUMNS = ["payload", "NCCL us", "ours us", "raw copy + flags us", "ours / NCCL"]
+LATENCY_COLUMNS = ["payload", "NCCL us", "ours us", "ours depth=0 us", "raw copy + flags us", "ours / NCCL",
+                   "ours depth=0 / NCCL"]
 INTERFERENCE_COLUMNS = ["what", "alone", "with NCCL", "with ours", "NCCL / alone", "ours / alone"]
 HOST_CPU_COLUMNS = ["payload", "ours send() us", "NCCL send us", "ours recv() us", "NCCL recv us"]
 
@@ -74,8 +81,10 @@ def bandwidth_rows(plan: Plan, results: dict[Any, Any]) -> list[list[Any]]:
 def latency_rows(plan: Plan, results: dict[Any, Any]) -> list[list[Any]]:
     rows = []
     for nbytes in plan.latency_payloads:
-        nccl, ours, raw = (number(results, "latency", m, nbytes, "one_way_us") for m in ("nccl", "ours", "raw_flags"))
-        rows.append([payload_label(nbytes), nccl, ours, raw, ratio(ours, nccl)])
+        nccl, ours, direct, raw = (
+            number(results, "latency", m, nbytes, "one_way_us") for m in ("nccl", "ours", "ours_depth0", "raw_flags")
+        )
+        rows.append([payload_label(nbytes), nccl, ours, direct, raw, ratio(ours, nccl), ratio(direct, nccl)])
     return rows
 
 
@@ -125,6 +134,9 @@ def goals(plan: Plan, results: dict[Any, Any]) -> list[Goal]:
     ours_lat = number(results, "latency", "ours", LATENCY_GOAL_NBYTES, "one_way_us")
     out.append(Goal(f"one-way GPU latency at {size_label(LATENCY_GOAL_NBYTES)}: ours / NCCL", ratio(ours_lat, nccl_lat),
                     LATENCY_VS_NCCL_TARGET, "x"))  # fmt: skip
+    direct_lat = number(results, "latency", "ours_depth0", LATENCY_GOAL_NBYTES, "one_way_us")
+    out.append(Goal(f"one-way GPU latency at {size_label(LATENCY_GOAL_NBYTES)}: ours with depth=0 / NCCL",
+                    ratio(direct_lat, nccl_lat), LATENCY_VS_NCCL_TARGET, "x"))  # fmt: skip
     out.append(
         Goal(
             "GEMM slowdown on the sending GPU while streaming: ours (target: NCCL's slowdown)",
@@ -175,7 +187,7 @@ def quality_flags(plan: Plan, results: dict[Any, Any]) -> list[str]:
                     f"{where}: in {ahead.count(False)} of {len(ahead)} repeats the loop was not fully queued "
                     "before the GPU started (host-paced, or the launch queue was full)"
                 )
-    for method in ("nccl", "ours", "raw_flags"):
+    for method in ("nccl", "ours", "ours_depth0", "raw_flags"):
         for nbytes in plan.latency_payloads:
             record = lookup(results, "latency", method, nbytes)
             if not isinstance(record, dict):
@@ -264,7 +276,7 @@ def draw(path: Path, plan: Plan, results: dict[Any, Any]) -> None:
         lat_axes,
         [size_label(n) for n in plan.latency_payloads],
         {METHOD_NAMES[m]: [number(results, "latency", m, n, "one_way_us") for n in plan.latency_payloads]
-         for m in ("nccl", "ours", "raw_flags")},
+         for m in ("nccl", "ours", "ours_depth0", "raw_flags")},
     )  # fmt: skip
     lat_axes.set_ylabel("one-way GPU latency, us (lower is better)")
     lat_axes.set_title("Ping-pong latency")

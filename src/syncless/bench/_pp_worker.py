@@ -159,14 +159,19 @@ def _make_transports(rig: Rig) -> None:
 
     plan = rig.plan
     specs = (
-        ("fwd", [0, 1], 1, plan.max_rows),  # rank 1 receives the forward direction
-        ("bwd", [1, 0], 0, plan.latency_max_rows),  # rank 0 receives the echo
+        ("fwd", [0, 1], 1, plan.max_rows, None),  # rank 1 receives the forward direction
+        ("bwd", [1, 0], 0, plan.latency_max_rows, None),  # rank 0 receives the echo
+        ("fwd0", [0, 1], 1, plan.latency_max_rows, 0),  # the ping-pong again with depth=0
+        ("bwd0", [1, 0], 0, plan.latency_max_rows, 0),
     )
-    for name, order, receiver, rows in specs:
+    for name, order, receiver, rows, depth in specs:
         tensors = persistent(rows) if rig.rank == receiver else None
         transport = error = None
+        extra = {} if depth is None else {"depth": depth}
         try:
-            transport = make_transport(None, tensors, stage_ranks=order, timeout_s=plan.transport_timeout_s)
+            transport = make_transport(
+                None, tensors, stage_ranks=order, timeout_s=plan.transport_timeout_s, **extra
+            )
         # Any failure is reported and 'ours' is skipped, so the baselines still
         # run; make_transport fails on every rank alike, checked just below.
         except Exception as err:  # noqa: BLE001
@@ -200,7 +205,7 @@ def _run_sections(rig: Rig) -> None:
     progress(f"set up; transport under test: {backend}; measuring bandwidth")
     bandwidth = run_bandwidth(rig)
     progress("measuring one-way latency (ping-pong)")
-    run_latency(rig, ("nccl", "ours"))
+    run_latency(rig, ("nccl", "ours", "ours_depth0"))
     progress("measuring GEMM interference on the sender")
     run_gemm(rig, bandwidth)
     progress("measuring the full-SM kernel with a pending receive")
@@ -214,7 +219,7 @@ def _tear_down(rig: Rig) -> None:
     import torch.distributed as dist
 
     rig.sync("tear-down")
-    for transport in (rig.fwd, rig.bwd):
+    for transport in (rig.fwd, rig.bwd, rig.fwd0, rig.bwd0):
         if transport is not None:
             transport.close()
     if rig.raw is not None:

@@ -36,6 +36,19 @@ is by an NCCL send on it), and the caller may overwrite its tensors as soon
 as ``send()`` returns because everything it enqueues later on that stream
 runs after the copies.
 
+Depth 0 keeps no slots. The receiving stage shares its persistent tensors
+over CUDA IPC at set-up, and step N goes straight into them::
+
+    sender current:   (pre) wait empty >= N, copy each tensor's rows -> peer persistent, write peer.full = N (post)
+    receiver current: ...readers of step N-1..., write sender.empty = N, (pre) wait full >= N (post)
+
+``empty = N`` is written on the receiver's stream when it reaches recv(N),
+after everything queued there before, so the copies of step N never
+overwrite rows a reader of step N-1 still needs; the receiver's copy out of
+a slot is gone (lowest latency when it already waits), and in exchange the
+transfer of step N cannot start before the receiver's stream reached
+recv(N).
+
 When the caller's current stream is the legacy default stream (torch's
 default), the sender's part of a step runs on a relay stream instead, fenced
 by an event on each side (after the caller's earlier work, before its later
@@ -100,7 +113,7 @@ from typing import Any
 import torch
 
 from syncless._core import cuda as cuda_core
-from syncless._core.errors import CopyEngineUnavailable, PeerTimeoutError
+from syncless._core.errors import CopyEngineUnavailable, CudaError, PeerTimeoutError
 from syncless.pp import _driver as drv
 from syncless.pp._base import Transport
 from syncless.pp._eligibility import StageDevice, local_stage_device, mem_ops_problem, query_nvlink, topology_problem
@@ -167,7 +180,7 @@ def open_copy_engine(
 
         # Step 2: topology (every pair of GPUs on NVLink), then allocate and export (with the name of
         # the socket the previous stage will send metadata to).
-        def local_allocate() -> tuple[bytes, str | None, bytes | None]:
+        def local_allocate() -> tuple[bytes, str | None, bytes | None, list[tuple[int, int]] | None, list[bytes]]:
             try:
                 problem = topology_problem(devices, query_nvlink)
             except cuda_core.nvml_errors() as err:
@@ -192,17 +205,20 @@ def open_copy_engine(
                 # The flags must read 0 before any peer can see the handle.
                 drv.stream_synchronize(parts.private_stream)
                 handle = drv.ipc_handle(parts.buffer)
+            targets, target_handles = (None, []) if depth or stages.prev_rank is None else _share_persistent(
+                ctx, persistent, recv_ring.layout
+            )
             if stages.prev_rank is None:
-                return handle, None, None
+                return handle, None, None, targets, target_handles
             try:
                 parts.listener = meta_channel.Listener()
             except OSError as err:
                 raise CopyEngineUnavailable(f"could not create a local socket for the step metadata: {err}") from err
             stack.callback(parts.listener.close)
-            return handle, parts.listener.name, parts.listener.token
+            return handle, parts.listener.name, parts.listener.token, targets, target_handles
 
         exported = agree(side_group, stages, "copy-engine set-up", local_allocate)
-        handles = [handle for handle, _, _ in exported]
+        handles = [handle for handle, *_ in exported]
         # From here peers may map our buffer: nobody frees before everybody unmapped.
         stack.callback(barrier, side_group, timeout_s, "copy-engine tear-down")
 
@@ -216,8 +232,15 @@ def open_copy_engine(
                         base = drv.ipc_open(handles[neighbour])
                         stack.callback(_in(ctx, drv.ipc_close), base)
                         parts.peer_base[neighbour] = base
+                if next_ring is not None and not depth:
+                    _, _, _, targets, target_handles = exported[stages.index + 1]
+                    bases = []
+                    for target_handle in target_handles:
+                        bases.append(drv.ipc_open(target_handle))
+                        stack.callback(_in(ctx, drv.ipc_close), bases[-1])
+                    parts.next_targets = [bases[which] + offset if which >= 0 else 0 for which, offset in targets]
             if next_ring is not None:
-                _, name, token = exported[stages.index + 1]
+                _, name, token, _, _ = exported[stages.index + 1]
                 try:
                     parts.meta_out = meta_channel.connect(name, token, 1 + len(next_ring.layout.specs), timeout_s, what)
                 except PeerTimeoutError as err:
@@ -266,6 +289,43 @@ def _current_stream(index: int) -> int:
     return torch.cuda.current_stream(index).cuda_stream
 
 
+def _share_persistent(
+    ctx: drv.PrimaryContext, persistent: Mapping[str, torch.Tensor], layout: Layout
+) -> tuple[list[tuple[int, int]], list[bytes]]:
+    """Depth 0: export the persistent tensors so the previous stage can copy straight into them.
+
+    Returns, per tensor in layout order, ``(index into the handle list, byte
+    offset in that allocation)`` (``(-1, 0)`` for a tensor of no bytes), and
+    one legacy IPC handle per distinct allocation (tensors that share one
+    allocation share its handle: a process may map an allocation only once).
+
+    Raises:
+        CopyEngineUnavailable: an allocation cannot be shared over CUDA IPC.
+    """
+    targets: list[tuple[int, int]] = []
+    handles: list[bytes] = []
+    seen: dict[int, int] = {}
+    with ctx:
+        for name in layout.specs:
+            tensor = persistent[name]
+            if tensor.numel() == 0:
+                targets.append((-1, 0))
+                continue
+            try:
+                base, _ = drv.allocation_of(tensor.data_ptr())
+                if base not in seen:
+                    seen[base] = len(handles)
+                    handles.append(drv.ipc_handle(base))
+            except CudaError as err:
+                raise CopyEngineUnavailable(
+                    f"depth=0 copies straight into the persistent tensors, but persistent[{name!r}] is in memory "
+                    f"CUDA IPC cannot share ({err}); allocate it with plain cudaMalloc (torch's allocator without "
+                    "expandable_segments) or use depth >= 1"
+                ) from err
+            targets.append((seen[base], tensor.data_ptr() - base))
+    return targets, handles
+
+
 def _in(ctx: drv.PrimaryContext, fn: Any) -> Any:
     def run(*args: Any) -> None:
         with ctx:
@@ -287,6 +347,7 @@ class _Parts:
         self.received: drv.Event | None = None  # recorded after each step's `empty` write
         self.buffer = 0
         self.peer_base: dict[int, int] = {}
+        self.next_targets: list[int] = []  # depth 0: the next stage's persistent tensors, mapped here
         self.listener: meta_channel.Listener | None = None
         self.meta_in: meta_channel.Receiver | None = None  # from the previous stage
         self.meta_out: meta_channel.Sender | None = None  # to the next stage
@@ -413,8 +474,12 @@ class CopyEngineTransport(Transport):
         rows = self._send_check.rows(tensors)
         step = self._send_step + 1
         depth = self.depth
-        peer_slot = self._next_slots[(step - 1) % depth]
         spans, _ = dense_spans(self._send_row_nbytes, rows)
+        if depth:
+            slot = self._next_slots[(step - 1) % depth]
+            destinations = [slot + offset for offset, _ in spans]
+        else:
+            destinations = self._parts.next_targets  # straight into the next stage's persistent tensors
         # Non-contiguous inputs become contiguous temporaries on the current stream. `dense` holds
         # them until every copy is enqueued; after that, freeing is safe: the caching allocator
         # reuses a block on the current stream only behind the copies already enqueued there.
@@ -439,10 +504,11 @@ class CopyEngineTransport(Transport):
             pre, post = parts.acquire_event(), parts.acquire_event()
             hot.record(pre, stream)
             if step > depth:
-                hot.wait_geq(stream, self._empty, step - depth)  # the receiver is done with step N-D
-            for tensor, (offset, nbytes) in zip(dense, spans):
+                # The receiver is done with step N-D (depth 0: its stream reached recv(N)).
+                hot.wait_geq(stream, self._empty, step - depth)
+            for tensor, destination, (_, nbytes) in zip(dense, destinations, spans):
                 if nbytes:
-                    hot.memcpy(peer_slot + offset, tensor.data_ptr(), nbytes, stream)
+                    hot.memcpy(destination, tensor.data_ptr(), nbytes, stream)
             hot.write(stream, self._next_full, step)
             hot.record(parts.sent, stream)
             hot.record(post, stream)
@@ -515,7 +581,7 @@ class CopyEngineTransport(Transport):
             raise self._failure
         spans, _ = dense_spans(self._recv_row_nbytes, rows)
         parts, hot = self._parts, self._hot
-        slot_base = self._recv_slots[(step - 1) % self.depth]
+        slot_base = self._recv_slots[(step - 1) % self.depth] if self.depth else 0
         pushed = self._binding.enter()
         try:
             current = _current_stream(self._index)
@@ -524,12 +590,19 @@ class CopyEngineTransport(Transport):
                 # write comes after the previous step's, so `empty` only grows.
                 hot.wait_event(parts.received, current)
             pre, post = parts.acquire_event(), parts.acquire_event()
-            hot.record(pre, current)
-            hot.wait_geq(current, self._full, step)
-            for (_name, target), (offset, nbytes) in zip(self._recv_targets, spans):
-                if nbytes:
-                    hot.memcpy(target, slot_base + offset, nbytes, current)
-            hot.write(current, self._prev_empty, step)
+            if self.depth:
+                hot.record(pre, current)
+                hot.wait_geq(current, self._full, step)
+                for (_name, target), (offset, nbytes) in zip(self._recv_targets, spans):
+                    if nbytes:
+                        hot.memcpy(target, slot_base + offset, nbytes, current)
+                hot.write(current, self._prev_empty, step)
+            else:
+                # Depth 0: everything queued here before recv(), readers of the last step included, is
+                # done when this write runs, so the sender may copy step N into the persistent tensors.
+                hot.write(current, self._prev_empty, step)
+                hot.record(pre, current)
+                hot.wait_geq(current, self._full, step)
             hot.record(parts.received, current)
             hot.record(post, current)
         except BaseException as err:
@@ -561,9 +634,10 @@ class CopyEngineTransport(Transport):
 
     def _on_timeout(self, what: str, waited_s: float) -> None:
         """Watchdog thread: record the error and release every wait on our flags (runs once)."""
+        undefined = "bytes 0xFF" if self.depth else "whatever had landed"
         err = PeerTimeoutError(
             f"{what}: the GPU waited {waited_s:.1f} s for the peer's flag (timeout {self._timeout_s:g} s); the peer "
-            "died or stopped. The waits were released; that step's received data is undefined (bytes 0xFF). "
+            f"died or stopped. The waits were released; that step's received data is undefined ({undefined}). "
             "This transport is unusable: close() it."
         )
         if self._failure is None:
@@ -571,7 +645,7 @@ class CopyEngineTransport(Transport):
         logger.error("%s", err)
         parts = self._parts
         stream = parts.private_stream
-        if self._stages.prev_rank is not None:
+        if self._stages.prev_rank is not None and self._recv_ring.nbytes:
             drv.mem_fill_bytes(self._region, 0xFF, self._recv_ring.nbytes, stream)  # every slot
         drv.write_value(stream, self._full, drv.RELEASE_VALUE)
         drv.write_value(stream, self._empty, drv.RELEASE_VALUE)

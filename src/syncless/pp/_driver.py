@@ -241,6 +241,12 @@ def memcpy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
     cuda.call("cuMemcpyAsync", dst, src, nbytes, stream)
 
 
+def allocation_of(ptr: int) -> tuple[int, int]:
+    """Return ``(base, nbytes)`` of the device allocation that contains address ``ptr``."""
+    base, nbytes = cuda.call("cuMemGetAddressRange", ptr)
+    return int(base), int(nbytes)
+
+
 def ipc_handle(ptr: int) -> bytes:
     """Return the 64 bytes of the legacy CUDA IPC handle of allocation ``ptr``."""
     handle = cuda.call("cuIpcGetMemHandle", ptr)

@@ -85,21 +85,21 @@ class Layout:
 
 
 def check_depth(depth: object) -> int:
-    """Return ``depth`` as an int when it is a usable number of slots (an integer >= 1).
+    """Return ``depth`` as an int when it is a usable number of slots (an integer >= 0).
 
     Raises:
-        ValueError: ``depth`` is not an integer (bool included) or is below 1.
+        ValueError: ``depth`` is not an integer (bool included) or is negative.
     """
     if isinstance(depth, bool):
-        raise ValueError(f"depth must be an int >= 1 (steps in flight per link); got {depth!r}")
+        raise ValueError(f"depth must be an int >= 0 (steps in flight per link); got {depth!r}")
     try:
         value = operator.index(depth)
     except TypeError:
         raise ValueError(
-            f"depth must be an int >= 1 (steps in flight per link); got {depth!r} ({type(depth).__name__})"
+            f"depth must be an int >= 0 (steps in flight per link); got {depth!r} ({type(depth).__name__})"
         ) from None
-    if value < 1:
-        raise ValueError(f"depth must be an int >= 1 (steps in flight per link); got {value}")
+    if value < 0:
+        raise ValueError(f"depth must be an int >= 0 (steps in flight per link); got {value}")
     return value
 
 

@@ -74,13 +74,19 @@ def make_transport(
             :class:`~syncless.PeerTimeoutError`; None reads ``SYNCLESS_PP_TIMEOUT_S``.
         device: this stage's device when ``persistent`` does not say it
             (the first stage); default the current CUDA device, else the CPU.
-        depth: how many steps may be in flight on each link (an int >= 1).
+        depth: how many steps may be in flight on each link (an int >= 0).
             The copy-engine transport keeps ``depth`` receive slots on the
             receiver (each as large as its persistent tensors), so the peer
-            copy of step N overlaps the receiver's copy of step N-1 out of
-            its slot, and the sender's stream waits only when the receiver's
-            is ``depth`` steps behind; 1 runs them back to back and needs the
-            least memory. The
+            copy of step N overlaps the receiver's compute and its copy of
+            step N-1 out of its slot, and the sender's stream waits only when
+            the receiver's is ``depth`` steps behind. ``0`` keeps no slots:
+            the sender copies straight into the persistent tensors once the
+            receiver's stream reached ``recv()`` for that step, which saves
+            the receiver's copy (the lowest latency when the receiver is
+            already waiting) but holds the sender until then; the persistent
+            tensors must be in memory CUDA IPC can share (not
+            ``expandable_segments``), else set-up raises
+            :class:`~syncless.CopyEngineUnavailable` (``"auto"`` falls back). The
             torch.distributed transport checks it and ignores it (its
             backend queues the sends itself).
         _inject_failure: tests only: ``"mem_ops"`` or ``"peer_open"`` makes

@@ -22,7 +22,7 @@ _spec.loader.exec_module(cases)
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(200)]
 
 
-@pytest.mark.parametrize("depth, steps", [(1, 800), (2, 2000), (3, 800)])
+@pytest.mark.parametrize("depth, steps", [(0, 800), (1, 800), (2, 2000), (3, 800)])
 def test_two_stages_on_one_gpu_deliver_every_step_bit_exact(depth, steps):
     # Every 100th step the receiver stalls ~20 ms: the sender fills all `depth` slots and must wait.
     results = run_ranks(
@@ -32,8 +32,9 @@ def test_two_stages_on_one_gpu_deliver_every_step_bit_exact(depth, steps):
     assert results[1] == {"backend": "copy_engine", "mismatches": 0, "steps": steps}
 
 
-def test_steps_stay_in_order_when_each_call_runs_on_another_stream():
-    results = run_ranks(cases.stream_switching, 2, args=(400,), devices=[0, 0], timeout_s=150)
+@pytest.mark.parametrize("depth", [0, 2])
+def test_steps_stay_in_order_when_each_call_runs_on_another_stream(depth):
+    results = run_ranks(cases.stream_switching, 2, args=(400, depth), devices=[0, 0], timeout_s=150)
     assert results[1] == {"mismatches": 0, "steps": 400}
 
 

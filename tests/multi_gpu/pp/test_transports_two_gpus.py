@@ -46,6 +46,14 @@ def test_copy_engine_depth_4_with_stalls():
     assert results[1]["mismatches"] == 0
 
 
+def test_copy_engine_depth_0_straight_into_persistent_with_stalls():
+    results = run_ranks(
+        cases.bit_exact, 2, args=("cuda", 600, 64, "copy_engine", "copy_engine", None, 777, 60, 0, 30),
+        devices=[0, 1], timeout_s=90,
+    )
+    assert results[1]["mismatches"] == 0
+
+
 def test_three_stages_on_two_gpus_middle_stage_forwards_bit_exact():
     results = run_ranks(
         cases.bit_exact, 3, args=("cuda", 500, 64, "copy_engine", "copy_engine"), devices=[0, 1, 1], timeout_s=120

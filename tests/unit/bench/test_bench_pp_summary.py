@@ -21,7 +21,7 @@ from syncless.bench._pp_summary import (
 from syncless.bench._report import render_markdown, write_output
 
 
-def fake_results(plan, *, ours_bw=380.0, raw_bw=390.0, nccl_bw=330.0, ours_lat=30.0, nccl_lat=45.0,
+def fake_results(plan, *, ours_bw=380.0, raw_bw=390.0, nccl_bw=330.0, ours_lat=30.0, nccl_lat=45.0, direct_lat=28.0,
                  gemm=(1.50, 1.62, 1.56), spin=(2.0, 4.1, 2.03), cpu=(12.0, 20.0, 30.0, 40.0)):
     """Results shaped like the workers' posts; numbers scale with the payload where it matters."""
     bandwidth = {"raw": {}, "nccl": {}, "ours": {}}
@@ -32,9 +32,10 @@ def fake_results(plan, *, ours_bw=380.0, raw_bw=390.0, nccl_bw=330.0, ours_lat=3
                                          "data_ok": True}
         host_cpu["ours"][nbytes] = {"send": {"thread_us": cpu[0]}, "recv": {"thread_us": cpu[2]}}
         host_cpu["nccl"][nbytes] = {"send": {"thread_us": cpu[1]}, "recv": {"thread_us": cpu[3]}}
-    latency = {"nccl": {}, "ours": {}, "raw_flags": {}}
+    latency = {"nccl": {}, "ours": {}, "ours_depth0": {}, "raw_flags": {}}
     for nbytes in plan.latency_payloads:
-        for method, value in (("nccl", nccl_lat), ("ours", ours_lat), ("raw_flags", ours_lat * 0.9)):
+        for method, value in (("nccl", nccl_lat), ("ours", ours_lat), ("ours_depth0", direct_lat),
+                              ("raw_flags", ours_lat * 0.9)):
             latency[method][nbytes] = {"one_way_us": value, "all_ahead": True, "data_ok": True}
     alone, with_nccl, with_ours = gemm
     return {
@@ -84,7 +85,8 @@ def test_tables_hold_every_payload_and_the_ratios():
     last = bw_rows[-1]
     assert last[1:4] == [390.0, 330.0, 380.0]
     assert last[4] == pytest.approx(380 / 390) and last[5] == pytest.approx(380 / 330)
-    assert len(lat_rows) == 3 and lat_rows[2][4] == pytest.approx(30 / 45)
+    assert len(lat_rows) == 3 and lat_rows[2][1:5] == [45.0, 30.0, 28.0, 27.0]
+    assert lat_rows[2][5] == pytest.approx(30 / 45) and lat_rows[2][6] == pytest.approx(28 / 45)
     gemm_row, spin_row = int_rows
     assert gemm_row[1:4] == [1.50, 1.62, 1.56] and gemm_row[4] == pytest.approx(1.62 / 1.5)
     assert spin_row[5] == pytest.approx(2.03 / 2.0)
@@ -98,9 +100,11 @@ def test_goals_met_with_good_numbers():
     by_name = goal_map(got)
     # bandwidth goals at 64 MiB and 256 MiB only, two each; then latency, GEMM, pending, send CPU, recv CPU
     assert len([d for d in by_name if d.startswith("sustained bandwidth")]) == 4
-    assert len(got) == 4 + 5
+    assert len(got) == 4 + 6
     latency = by_name["one-way GPU latency at 8 MiB: ours / NCCL"]
     assert latency.measured == pytest.approx(30 / 45) and latency.target == 0.85 and not latency.higher_is_better
+    direct = by_name["one-way GPU latency at 8 MiB: ours with depth=0 / NCCL"]
+    assert direct.measured == pytest.approx(28 / 45) and direct.target == 0.85
     gemm = next(g for g in got if g.description.startswith("GEMM slowdown"))
     assert gemm.measured == pytest.approx(4.0) and gemm.target == pytest.approx(8.0) and gemm.unit == "%"
 
@@ -170,7 +174,7 @@ def test_written_report_has_json_markdown_and_png(tmp_path):
     document = json.loads(paths["json"].read_text())
     assert document["data"]["complete"] is True
     assert document["data"]["results"]["bandwidth"]["ours"][str(256 * MIB)]["gbps"] == pytest.approx(380.0)
-    assert len(document["goals"]) == 9 and all(g["met"] for g in document["goals"])
+    assert len(document["goals"]) == 10 and all(g["met"] for g in document["goals"])
     png = paths["png"].read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     markdown = paths["md"].read_text()

@@ -153,7 +153,7 @@ def bit_exact(
     return {"backend": transport.backend, "mismatches": int(bad), "steps": steps}
 
 
-def stream_switching(rank, world, steps, seed=4321, timeout_s=60):
+def stream_switching(rank, world, steps, depth=2, seed=4321, timeout_s=60):
     """Every send() and recv() runs on a stream picked at random, some held first by a long kernel.
 
     CUDA only, two stages. The sender makes each step's tensors on the stream
@@ -166,7 +166,9 @@ def stream_switching(rank, world, steps, seed=4321, timeout_s=60):
     device = _device("cuda")
     max_rows = 64
     persistent = None if rank == 0 else _persistent(device, max_rows)
-    transport = make_transport(None, persistent, backend="copy_engine", timeout_s=timeout_s, device=device)
+    transport = make_transport(
+        None, persistent, backend="copy_engine", timeout_s=timeout_s, device=device, depth=depth
+    )
     rng = random.Random(seed + rank)
     streams = [torch.cuda.default_stream(device), torch.cuda.Stream(device), torch.cuda.Stream(device)]
     checks = []

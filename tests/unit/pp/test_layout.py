@@ -79,15 +79,15 @@ def test_ring_bytes_for_a_large_activation():
     assert ring.slot_offset(1) == 4 << 20 and ring.nbytes == 8 << 20
 
 
-@pytest.mark.parametrize("good", [1, 2, 7])
-def test_check_depth_accepts_positive_ints(good):
+@pytest.mark.parametrize("good", [0, 1, 2, 7])
+def test_check_depth_accepts_non_negative_ints(good):
     assert check_depth(good) == good
 
 
-@pytest.mark.parametrize("bad, words", [(0, "got 0"), (-1, "got -1"), (True, "got True"), (2.0, "got 2.0 (float)"),
+@pytest.mark.parametrize("bad, words", [(-2, "got -2"), (-1, "got -1"), (True, "got True"), (2.0, "got 2.0 (float)"),
                                         ("2", "got '2' (str)"), (None, "got None")])
 def test_check_depth_rejects_the_rest_with_a_value_error(bad, words):
-    with pytest.raises(ValueError, match="depth must be an int >= 1") as info:
+    with pytest.raises(ValueError, match="depth must be an int >= 0") as info:
         check_depth(bad)
     assert words in str(info.value)
 
