@@ -117,12 +117,8 @@ def connect(name: str, token: bytes, length: int, timeout_s: float, what: str) -
     return Sender(sock, length, timeout_s)
 
 
-class Sender:
-    """Sends ``[step, *rows]`` messages of a fixed length; one per step, in order.
-
-    A send blocks only while the receiver's socket buffer is full (a few
-    hundred messages unread), at most ``timeout_s``.
-    """
+class _Endpoint:
+    """One connected end: the socket with its timeout, and a buffer for one fixed-length message."""
 
     def __init__(self, sock: socket.socket, length: int, timeout_s: float):
         self._sock = sock
@@ -130,6 +126,17 @@ class Sender:
         self._timeout_s = timeout_s
         self._format = _message_format(length)
         self._buffer = bytearray(self._format.size)
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+class Sender(_Endpoint):
+    """Sends ``[step, *rows]`` messages of a fixed length; one per step, in order.
+
+    A send blocks only while the receiver's socket buffer is full (a few
+    hundred messages unread), at most ``timeout_s``.
+    """
 
     def send(self, step: int, rows: list[int]) -> None:
         """Queue one message.
@@ -147,19 +154,12 @@ class Sender:
                 f"(it may have died): {err}"
             ) from err
 
-    def close(self) -> None:
-        self._sock.close()
 
-
-class Receiver:
+class Receiver(_Endpoint):
     """Receives the fixed-length messages a :class:`Sender` sends, into one reused buffer."""
 
     def __init__(self, sock: socket.socket, length: int, timeout_s: float):
-        self._sock = sock
-        self._sock.settimeout(timeout_s)
-        self._timeout_s = timeout_s
-        self._format = _message_format(length)
-        self._buffer = bytearray(self._format.size)
+        super().__init__(sock, length, timeout_s)
         self._view = memoryview(self._buffer)
 
     def recv(self, timeout_s: float, what: str) -> tuple[int, ...]:
@@ -187,6 +187,3 @@ class Receiver:
                 )
             got += count
         return self._format.unpack_from(self._buffer)
-
-    def close(self) -> None:
-        self._sock.close()

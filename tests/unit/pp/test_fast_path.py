@@ -278,3 +278,71 @@ def test_hot_calls_pass_arguments_and_raise_cuda_errors(monkeypatch):
         with pytest.raises(CudaError) as info:
             call()
         assert info.value.call == name and info.value.name == "CUDA_ERROR_INVALID_VALUE"
+
+
+# -- depth 0: sharing the persistent tensors ----------------------------------------------------
+
+
+class _NoContext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _fake_allocations(monkeypatch, allocations, failing=()):
+    """Pretend ``data_ptr()`` values fall in ``allocations`` (base -> size); IPC export fails for ``failing``."""
+    from syncless.pp import _copy_engine
+
+    exported = []
+
+    def allocation_of(ptr):
+        for base, size in allocations.items():
+            if base <= ptr < base + size:
+                return base, size
+        raise AssertionError(f"no allocation holds {ptr:#x}")
+
+    def ipc_handle(base):
+        if base in failing:
+            raise CudaError("cuIpcGetMemHandle", 1, "CUDA_ERROR_INVALID_VALUE", "invalid argument", "")
+        exported.append(base)
+        return base.to_bytes(8, "little") * 8
+
+    monkeypatch.setattr(_copy_engine.drv, "allocation_of", allocation_of)
+    monkeypatch.setattr(_copy_engine.drv, "ipc_handle", ipc_handle)
+    return exported
+
+
+class _FakeTensor:
+    def __init__(self, ptr, numel=4):
+        self._ptr, self._numel = ptr, numel
+
+    def data_ptr(self):
+        return self._ptr
+
+    def numel(self):
+        return self._numel
+
+
+def test_share_persistent_gives_one_handle_per_allocation_and_each_tensor_its_offset(monkeypatch):
+    from syncless.pp._copy_engine import _share_persistent
+
+    exported = _fake_allocations(monkeypatch, {0x10000: 0x10000, 0x40000: 0x1000})
+    specs = {name: TensorSpec(torch.float32, (4,), 2) for name in ("a", "b", "c", "empty")}
+    persistent = {"a": _FakeTensor(0x10200), "b": _FakeTensor(0x40000), "c": _FakeTensor(0x18000),
+                  "empty": _FakeTensor(0, numel=0)}
+    targets, handles = _share_persistent(_NoContext(), persistent, Layout.from_specs(specs))
+    assert exported == [0x10000, 0x40000]  # "a" and "c" share the first allocation's handle
+    assert targets == [(0, 0x200), (1, 0), (0, 0x8000), (-1, 0)]
+    assert len(handles) == 2 and all(len(h) == 64 for h in handles)
+
+
+def test_share_persistent_refuses_memory_ipc_cannot_share_and_says_what_to_do(monkeypatch):
+    from syncless._core.errors import CopyEngineUnavailable
+    from syncless.pp._copy_engine import _share_persistent
+
+    _fake_allocations(monkeypatch, {0x10000: 0x10000}, failing={0x10000})
+    specs = {"hidden": TensorSpec(torch.bfloat16, (8,), 2)}
+    with pytest.raises(CopyEngineUnavailable, match=r"persistent\['hidden'\].*expandable_segments.*depth >= 1"):
+        _share_persistent(_NoContext(), {"hidden": _FakeTensor(0x10000)}, Layout.from_specs(specs))
