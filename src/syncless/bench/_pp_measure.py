@@ -385,8 +385,9 @@ def _pingpong_nccl(rig: Rig, state: dict[str, Any], iters: int) -> Any:
 
 def _pingpong_ours(rig: Rig, state: dict[str, Any], iters: int) -> Any:
     # The echo sends views of the persistent tensors it just received: its peer
-    # copy runs on the current stream after the unpack, and the next unpack
-    # after that copy, so no step overwrites data still being read.
+    # copy runs on the current stream after that step landed (and, depth >= 1,
+    # was copied out of its slot), and the next step lands there only after
+    # that copy, so no step overwrites data still being read.
     fwd, bwd = state["fwd"], state["bwd"]
     if rig.sender:
         current = state["x"]

@@ -214,12 +214,13 @@ def notes(plan: Plan, outcome: Outcome) -> list[str]:
     out = []
     if not outcome.complete:
         out.append(f"INCOMPLETE RUN: {outcome.failure}. Values not measured show as n/a; their goals count as missed.")
-    for direction in ("fwd", "bwd"):
+    labels = {"fwd": "rank 0 -> 1", "bwd": "rank 1 -> 0 (echo)", "fwd0": "rank 0 -> 1, depth=0",
+              "bwd0": "rank 1 -> 0 (echo), depth=0"}
+    for direction, label in labels.items():
         transport = lookup(results, "setup", "rank0", f"transport_{direction}")
         if isinstance(transport, dict):
             reason = transport.get("fallback_reason")
             text = f"; fallback reason: {reason}" if reason else ""
-            label = "rank 0 -> 1" if direction == "fwd" else "rank 1 -> 0 (echo)"
             out.append(f"transport under test ({label}): backend {transport.get('backend')}{text}")
     setup = lookup(results, "setup", "rank0")
     if isinstance(setup, dict):

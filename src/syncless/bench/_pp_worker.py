@@ -94,7 +94,7 @@ def _describe(rig: Rig) -> dict[str, Any]:
         "gate_cycles_per_ms": rig.gate.cycles_per_ms,
         "raw_peer_buffers": rig.raw is not None,
     }
-    for name, transport in (("fwd", rig.fwd), ("bwd", rig.bwd)):
+    for name, transport in (("fwd", rig.fwd), ("bwd", rig.bwd), ("fwd0", rig.fwd0), ("bwd0", rig.bwd0)):
         if transport is not None:
             info[f"transport_{name}"] = {
                 "backend": getattr(transport, "backend", None),
@@ -167,7 +167,8 @@ def _make_transports(rig: Rig) -> None:
     for name, order, receiver, rows, depth in specs:
         tensors = persistent(rows) if rig.rank == receiver else None
         transport = error = None
-        extra = {} if depth is None else {"depth": depth}
+        # depth=0 is measured only on copy engines: without them there is nothing of it to measure.
+        extra = {} if depth is None else {"depth": depth, "backend": "copy_engine"}
         try:
             transport = make_transport(
                 None, tensors, stage_ranks=order, timeout_s=plan.transport_timeout_s, **extra

@@ -55,9 +55,12 @@ by an event on each side (after the caller's earlier work, before its later
 work): peer copies issued on the legacy default stream cost 5-10 us more each
 (measured on H200s, about 3x the copy itself at 64 KiB).
 
-Up to D steps are in flight per link: the sender's stream waits only when
-the receiver's stream is D steps behind. While the receiver copies step N-1
-out of its slot, step N lands in the next slot.
+With D >= 1, up to D steps are in flight per link: the sender's stream
+waits only when the receiver's stream is D steps behind. While the receiver
+copies step N-1 out of its slot, step N lands in the next slot. (Depth 0,
+above, is a rendezvous on the GPU: two stages that each send before they
+receive on one stream wait for each other until the timeout, as unbatched
+NCCL sends do; with D >= 1 they do not.)
 
 Why each ordering is safe:
 - The peer copies read the caller's tensors after the work the caller queued
@@ -78,9 +81,11 @@ Why each ordering is safe:
   call runs on: a call on another stream than the previous call first waits
   for the event recorded after the previous step's flag write (``sent`` on
   the sender, ``received`` on the receiver), so both flags only grow.
-- The persistent tensors are rewritten on the receiver's current stream,
-  after whatever the caller queued there before recv() (readers of the last
-  step included), and the caller's later work sees the new rows.
+- The persistent tensors are rewritten on the receiver's current stream
+  (depth 0: by the sender's copies, between the receiver's ``empty`` write
+  and its ``full`` wait on that stream), after whatever the caller queued
+  there before recv() (readers of the last step included), and the caller's
+  later work sees the new rows.
 
 Host cost per step: a handful of driver calls, no host sync and no GPU
 allocation. The driver calls are bound once (``_driver.Hot``: results
@@ -297,7 +302,7 @@ def _share_persistent(
     Returns, per tensor in layout order, ``(index into the handle list, byte
     offset in that allocation)`` (``(-1, 0)`` for a tensor of no bytes), and
     one legacy IPC handle per distinct allocation (tensors that share one
-    allocation share its handle: a process may map an allocation only once).
+    allocation share its handle, so the sender maps each allocation once).
 
     Raises:
         CopyEngineUnavailable: an allocation cannot be shared over CUDA IPC.
@@ -319,8 +324,8 @@ def _share_persistent(
             except CudaError as err:
                 raise CopyEngineUnavailable(
                     f"depth=0 copies straight into the persistent tensors, but persistent[{name!r}] is in memory "
-                    f"CUDA IPC cannot share ({err}); allocate it with plain cudaMalloc (torch's allocator without "
-                    "expandable_segments) or use depth >= 1"
+                    f"legacy CUDA IPC cannot share ({err}); allocate it with plain cudaMalloc (torch's default "
+                    "allocator: not expandable_segments, not cudaMallocAsync, not a custom pool) or use depth >= 1"
                 ) from err
             targets.append((seen[base], tensor.data_ptr() - base))
     return targets, handles
@@ -381,7 +386,8 @@ class CopyEngineTransport(Transport):
     """Pipeline transport over copy engines; built by ``make_transport``. See the module docstring.
 
     Attributes:
-        depth: steps that may be in flight on each link (slots per buffer).
+        depth: steps that may be in flight on each link (slots per buffer; 0: none, straight into
+            the persistent tensors).
     """
 
     backend = "copy_engine"
@@ -417,6 +423,7 @@ class CopyEngineTransport(Transport):
         self._send_step = 0
         self._recv_step = 0
         self._failure: BaseException | None = None
+        self._released = False  # the watchdog released our flags at least once
         self._closed = False
         self._full = parts.buffer + FULL_OFFSET
         self._empty = parts.buffer + EMPTY_OFFSET
@@ -453,7 +460,9 @@ class CopyEngineTransport(Transport):
 
         Enqueues on the caller's current stream of this stage's GPU: wait
         until the next stage freed the step's slot (only when ``depth`` steps
-        are in flight), copy each tensor's rows into it (copy engine, no SM),
+        are in flight; with depth 0, until the next stage's stream reached
+        ``recv()`` for this step), copy each tensor's rows into it (copy
+        engine, no SM),
         and raise the next stage's ``full`` flag. That stream is held until
         the data has crossed, so the caller may overwrite ``tensors`` (on that
         stream) as soon as this returns. Blocks the host for none of it, only
@@ -554,7 +563,10 @@ class CopyEngineTransport(Transport):
         timeout), then enqueues on the caller's current stream of this
         stage's GPU: wait for the data, copy it into the persistent tensors,
         tell the sender the region is free. Earlier work on that stream
-        overlaps the transfer; later work sees the data.
+        overlaps the transfer; later work sees the data. With depth 0:
+        tell the sender the persistent tensors are free (everything queued
+        before is done), then wait for its copies into them; the transfer
+        starts only then.
 
         Raises:
             PeerTimeoutError: the previous stage sent nothing within the timeout, or an earlier step timed out.
@@ -633,7 +645,7 @@ class CopyEngineTransport(Transport):
             raise self._failure
 
     def _on_timeout(self, what: str, waited_s: float) -> None:
-        """Watchdog thread: record the error and release every wait on our flags (runs once)."""
+        """Watchdog thread: record the error and release every wait on our flags (once per stuck wait)."""
         undefined = "bytes 0xFF" if self.depth else "whatever had landed"
         err = PeerTimeoutError(
             f"{what}: the GPU waited {waited_s:.1f} s for the peer's flag (timeout {self._timeout_s:g} s); the peer "
@@ -642,7 +654,11 @@ class CopyEngineTransport(Transport):
         )
         if self._failure is None:
             self._failure = err
-        logger.error("%s", err)
+        if not self._released:
+            logger.error("%s", err)
+        else:  # a late peer wrote its flag over the release value; release again, quietly
+            logger.debug("%s (released again)", err)
+        self._released = True
         parts = self._parts
         stream = parts.private_stream
         if self._stages.prev_rank is not None and self._recv_ring.nbytes:
@@ -654,9 +670,11 @@ class CopyEngineTransport(Transport):
         """Wait for this stage's queued transfers, then unmap and free everything; every stage calls it.
 
         Blocks the host: until the GPU finished every enqueued step (stuck
-        waits are released by the watchdog after the timeout), and for two
-        barriers with the other stages (so no buffer is freed while a peer
-        still maps it; a dead peer only costs a logged warning).
+        waits are released by the watchdog after the timeout, so a send the
+        next stage never received costs up to one timeout here: with depth 0
+        a single one does, with depth D more than D), and for two barriers
+        with the other stages (so no buffer is freed while a peer still maps
+        it; a dead peer only costs a logged warning).
         """
         if self._closed:
             return

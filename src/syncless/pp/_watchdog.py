@@ -17,7 +17,11 @@ one has been past ``pre`` for longer than the timeout without reaching
 ``post``, the thread calls ``on_timeout``: the transport records the error
 that its next call raises, and releases the waits from the host side (a write
 of a large value into its own flags on a private stream, which no wait
-blocks). Released steps deliver undefined data; the next call raises.
+blocks). Released steps deliver undefined data; the next call raises. It
+fires once per stuck bracket, not once per transport: a peer that is alive
+but late may write its flag after the release, over the release value, and a
+later wait that blocks again is released in its turn after its own timeout
+(so ``close()`` always ends).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class Bracket:
     post: Event
     what: str
     reached_at: float | None = None
+    released: bool = False
 
 
 class Watchdog:
@@ -50,7 +55,7 @@ class Watchdog:
 
     Args:
         timeout_s: how long the GPU may sit in one wait.
-        on_timeout: called once, on the watchdog thread, with a description of the stuck wait.
+        on_timeout: called on the watchdog thread, once per stuck bracket, with a description of it.
         recycle: called with each finished bracket's events (from the watchdog thread).
         bind_context: called first on the watchdog thread (makes the transport's CUDA context current).
     """
@@ -70,7 +75,6 @@ class Watchdog:
         self._lanes: dict[int, deque[Bracket]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._fired = False
         self._thread = threading.Thread(target=self._run, name="syncless-pp-watchdog", daemon=True)
         self._thread.start()
 
@@ -129,7 +133,7 @@ class Watchdog:
                 if head.reached_at is None:
                     if head.pre.query():
                         head.reached_at = now
-                elif now - head.reached_at > self.timeout_s and not self._fired:
-                    self._fired = True
+                elif now - head.reached_at > self.timeout_s and not head.released:
+                    head.released = True
                     self._on_timeout(head.what, now - head.reached_at)
                 break

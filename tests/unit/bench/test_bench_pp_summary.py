@@ -159,8 +159,10 @@ def test_notes_carry_transport_choice_and_worker_notes():
     plan = make_plan(quick=True)
     results = fake_results(plan)
     results["setup"]["rank0"]["transport_fwd"] = {"backend": "torch_distributed", "fallback_reason": "no NVLink"}
+    results["setup"]["rank0"]["transport_bwd0"] = {"backend": "copy_engine", "fallback_reason": None}
     output = build_output(plan, Outcome(results=results, notes=["rank 1: something odd"], complete=True))
     assert any("backend torch_distributed; fallback reason: no NVLink" in n for n in output.notes)
+    assert "transport under test (rank 1 -> 0 (echo), depth=0): backend copy_engine" in output.notes
     assert output.notes[-1] == "rank 1: something odd"
     assert "quick run" in output.title
 
