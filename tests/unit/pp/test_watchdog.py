@@ -28,6 +28,21 @@ def _watchdog(timeout_s, fired):
     return Watchdog(timeout_s, on_timeout, recycle=lambda event: None, bind_context=lambda: None)
 
 
+def _watching(fired, *brackets):
+    dog = _watchdog(0.1, fired)
+    for bracket in brackets:
+        dog.watch(bracket)
+    return dog
+
+
+def _finish(dog, *brackets):
+    """Let ``brackets`` complete, then the watchdog must go idle and stop."""
+    for bracket in brackets:
+        bracket.pre.done = bracket.post.done = True
+    dog.wait_idle()
+    dog.stop()
+
+
 def _wait_until(condition, limit_s=5.0):
     deadline = time.monotonic() + limit_s
     while not condition():
@@ -38,45 +53,33 @@ def _wait_until(condition, limit_s=5.0):
 
 def test_a_wait_past_its_timeout_fires_once_and_a_finished_one_never():
     fired = []
-    dog = _watchdog(0.1, fired)
-    done = Bracket(1, FakeEvent(True), FakeEvent(True), "step 1")
     stuck = Bracket(1, FakeEvent(True), FakeEvent(False), "step 2")
-    dog.watch(done)
-    dog.watch(stuck)
+    dog = _watching(fired, Bracket(1, FakeEvent(True), FakeEvent(True), "step 1"), stuck)
     _wait_until(lambda: fired)
     time.sleep(0.3)  # several more polls past the timeout: still one call for this bracket
     assert [what for what, _ in fired] == ["step 2"] and fired[0][1] > 0.1
-    stuck.post.done = True
-    dog.wait_idle()
-    dog.stop()
+    _finish(dog, stuck)
 
 
 def test_a_later_wait_that_blocks_again_is_released_in_its_turn():
     # A late peer overwrote the release value: the next step's wait blocks again and must fire too,
     # or close() (wait_idle) would never return.
     fired = []
-    dog = _watchdog(0.1, fired)
     first = Bracket(7, FakeEvent(True), FakeEvent(False), "step 5")
     second = Bracket(7, FakeEvent(False), FakeEvent(False), "step 6")
-    dog.watch(first)
-    dog.watch(second)
+    dog = _watching(fired, first, second)
     _wait_until(lambda: len(fired) == 1)
     first.post.done = True  # the release let step 5 through ...
     second.pre.done = True  # ... and step 6 reached its wait, which blocks again
     _wait_until(lambda: len(fired) == 2)
     assert [what for what, _ in fired] == ["step 5", "step 6"]
-    second.post.done = True
-    dog.wait_idle()
-    dog.stop()
+    _finish(dog, second)
 
 
 def test_time_before_the_wait_is_reached_does_not_count():
     fired = []
-    dog = _watchdog(0.1, fired)
     busy = Bracket(3, FakeEvent(False), FakeEvent(False), "step 1")  # a long kernel ahead of the wait
-    dog.watch(busy)
+    dog = _watching(fired, busy)
     time.sleep(0.3)
     assert fired == []
-    busy.pre.done = busy.post.done = True
-    dog.wait_idle()
-    dog.stop()
+    _finish(dog, busy)
