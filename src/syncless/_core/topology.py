@@ -118,14 +118,44 @@ def _bus_id_of(device: Any) -> str:
     return str(raw).rstrip("\0")
 
 
+def _nvml_bus(pci: Any) -> tuple[int, int, int, int]:
+    raw = pci.busId
+    return normalize_bus_id(raw.decode() if isinstance(raw, bytes) else str(raw))
+
+
+def nvlink_p2p(nvml: Any, handle_a: Any, handle_b: Any) -> bool:
+    """Return whether NVML reports GPU A reaching GPU B over NVLink (the one NVLink answer of syncless).
+
+    Asks ``nvmlDeviceGetP2PStatus`` for the NVLink capability; where that is
+    not supported, looks for GPU B's PCI bus id behind one of GPU A's active
+    links (``nvmlDeviceGetNvLinkRemotePciInfo``). The doctor's link matrix
+    and the copy-engine transport's eligibility both use it, so they agree.
+    """
+    try:
+        status = nvml.nvmlDeviceGetP2PStatus(handle_a, handle_b, nvml.NVML_P2P_CAPS_INDEX_NVLINK)
+        return status == nvml.NVML_P2P_STATUS_OK
+    except nvml.NVMLError_NotSupported:
+        pass
+    bus_b = _nvml_bus(nvml.nvmlDeviceGetPciInfo(handle_b))
+    for link in range(nvml.NVML_NVLINK_MAX_LINKS):
+        try:
+            if not nvml.nvmlDeviceGetNvLinkState(handle_a, link):
+                continue
+            remote = nvml.nvmlDeviceGetNvLinkRemotePciInfo(handle_a, link)
+        except (nvml.NVMLError_NotSupported, nvml.NVMLError_InvalidArgument):
+            continue
+        if _nvml_bus(remote) == bus_b:
+            return True
+    return False
+
+
 def _nvml_handles(gpus: list[GpuInfo]) -> dict[int, Any]:
     """Map CUDA ordinals to NVML handles by PCI bus id."""
     nvml = cuda.ensure_nvml()
     by_bus: dict[tuple[int, int, int, int], Any] = {}
     for index in range(nvml.nvmlDeviceGetCount()):
         handle = nvml.nvmlDeviceGetHandleByIndex(index)
-        bus = nvml.nvmlDeviceGetPciInfo(handle).busId
-        by_bus[normalize_bus_id(bus.decode() if isinstance(bus, bytes) else bus)] = handle
+        by_bus[_nvml_bus(nvml.nvmlDeviceGetPciInfo(handle))] = handle
     return {g.ordinal: by_bus[normalize_bus_id(g.pci_bus_id)] for g in gpus if normalize_bus_id(g.pci_bus_id) in by_bus}
 
 
@@ -143,8 +173,7 @@ def _active_nvlinks(nvml: Any, handle: Any) -> int:
 def link_matrix(gpus: list[GpuInfo] | None = None) -> dict[tuple[int, int], LinkInfo]:
     """Return how every ordered pair of GPUs is connected.
 
-    Peer access comes from the driver; NVLink from NVML's P2P status for the
-    NVLink capability. Without NVML, links with peer access are reported as
+    Peer access comes from the driver; NVLink from NVML (:func:`nvlink_p2p`). Without NVML, links with peer access are reported as
     PCIe-or-unknown (``kind="pcie"``), which the copy-engine transport refuses.
     """
     gpus = list_gpus() if gpus is None else gpus
@@ -160,7 +189,6 @@ def link_matrix(gpus: list[GpuInfo] | None = None) -> dict[tuple[int, int], Link
             peer = a.ordinal == b.ordinal or cuda.can_access_peer(a.ordinal, b.ordinal)
             nvlink_ok = False
             if nvml is not None and a.ordinal != b.ordinal and a.ordinal in handles and b.ordinal in handles:
-                status = nvml.nvmlDeviceGetP2PStatus(handles[a.ordinal], handles[b.ordinal], nvml.NVML_P2P_CAPS_INDEX_NVLINK)
-                nvlink_ok = status == nvml.NVML_P2P_STATUS_OK
+                nvlink_ok = nvlink_p2p(nvml, handles[a.ordinal], handles[b.ordinal])
             links[(a.ordinal, b.ordinal)] = classify_link(a.ordinal, b.ordinal, peer, nvlink_ok, nvlink_count)
     return links

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from syncless._core import config, cuda
+from syncless._core import config, cuda, topology
 from syncless._core.errors import CudaError, MissingDependencyError
 
 logger = logging.getLogger(__name__)
@@ -82,11 +82,7 @@ def local_stage_device(ordinal: int) -> StageDevice:
 
 
 def query_nvlink(uuid_a: str, uuid_b: str) -> bool:
-    """Ask NVML whether two GPUs are connected by NVLink.
-
-    Uses ``nvmlDeviceGetP2PStatus(..., NVML_P2P_CAPS_INDEX_NVLINK)``; where
-    that is not supported, scans GPU A's active links for GPU B's PCI bus id
-    (``nvmlDeviceGetNvLinkRemotePciInfo``).
+    """Ask NVML whether two GPUs, named by UUID, are connected by NVLink (:func:`syncless._core.topology.nvlink_p2p`).
 
     Raises:
         MissingDependencyError: NVML is not there.
@@ -94,28 +90,7 @@ def query_nvlink(uuid_a: str, uuid_b: str) -> bool:
     nvml = cuda.ensure_nvml()
     handle_a = nvml.nvmlDeviceGetHandleByUUID(uuid_a.encode())
     handle_b = nvml.nvmlDeviceGetHandleByUUID(uuid_b.encode())
-    try:
-        status = nvml.nvmlDeviceGetP2PStatus(handle_a, handle_b, nvml.NVML_P2P_CAPS_INDEX_NVLINK)
-        return status == nvml.NVML_P2P_STATUS_OK
-    except nvml.NVMLError_NotSupported:
-        pass
-    bus_b = _bus_id(nvml.nvmlDeviceGetPciInfo(handle_b))
-    for link in range(nvml.NVML_NVLINK_MAX_LINKS):
-        try:
-            if not nvml.nvmlDeviceGetNvLinkState(handle_a, link):
-                continue
-            remote = nvml.nvmlDeviceGetNvLinkRemotePciInfo(handle_a, link)
-        except (nvml.NVMLError_NotSupported, nvml.NVMLError_InvalidArgument):
-            continue
-        if _bus_id(remote) == bus_b:
-            return True
-    return False
-
-
-def _bus_id(pci: Any) -> str:
-    raw = pci.busId
-    text = raw.decode() if isinstance(raw, bytes) else str(raw)
-    return text.lower().lstrip("0")
+    return topology.nvlink_p2p(nvml, handle_a, handle_b)
 
 
 def mem_ops_problem(ordinal: int) -> str | None:
