@@ -112,8 +112,8 @@ import contextlib
 import logging
 import threading
 from collections import deque
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
@@ -185,7 +185,7 @@ def open_copy_engine(
 
         # Step 2: topology (every pair of GPUs on NVLink), then allocate and export (with the name of
         # the socket the previous stage will send metadata to).
-        def local_allocate() -> tuple[bytes, str | None, bytes | None, list[tuple[int, int]] | None, list[bytes]]:
+        def local_allocate() -> _Export:
             try:
                 problem = topology_problem(devices, query_nvlink)
             except cuda_core.nvml_errors() as err:
@@ -210,20 +210,18 @@ def open_copy_engine(
                 # The flags must read 0 before any peer can see the handle.
                 drv.stream_synchronize(parts.private_stream)
                 handle = drv.ipc_handle(parts.buffer)
-            targets, target_handles = (None, []) if depth or stages.prev_rank is None else _share_persistent(
-                ctx, persistent, recv_ring.layout
-            )
             if stages.prev_rank is None:
-                return handle, None, None, targets, target_handles
+                return _Export(handle)
+            targets, target_handles = _share_persistent(ctx, persistent, recv_ring.layout) if depth == 0 else ([], [])
             try:
                 parts.listener = meta_channel.Listener()
             except OSError as err:
                 raise CopyEngineUnavailable(f"could not create a local socket for the step metadata: {err}") from err
             stack.callback(parts.listener.close)
-            return handle, parts.listener.name, parts.listener.token, targets, target_handles
+            return _Export(handle, parts.listener.name, parts.listener.token, targets, target_handles)
 
-        exported = agree(side_group, stages, "copy-engine set-up", local_allocate)
-        handles = [handle for handle, *_ in exported]
+        exported: list[_Export] = agree(side_group, stages, "copy-engine set-up", local_allocate)
+        handles = [export.buffer_handle for export in exported]
         # From here peers may map our buffer: nobody frees before everybody unmapped.
         stack.callback(barrier, side_group, timeout_s, "copy-engine tear-down")
 
@@ -238,16 +236,18 @@ def open_copy_engine(
                         stack.callback(_in(ctx, drv.ipc_close), base)
                         parts.peer_base[neighbour] = base
                 if next_ring is not None and not depth:
-                    _, _, _, targets, target_handles = exported[stages.index + 1]
+                    nxt = exported[stages.index + 1]
                     bases = []
-                    for target_handle in target_handles:
+                    for target_handle in nxt.target_handles:
                         bases.append(drv.ipc_open(target_handle))
                         stack.callback(_in(ctx, drv.ipc_close), bases[-1])
-                    parts.next_targets = [bases[which] + offset if which >= 0 else 0 for which, offset in targets]
+                    parts.next_targets = [bases[which] + offset if which >= 0 else 0 for which, offset in nxt.targets]
             if next_ring is not None:
-                _, name, token, _, _ = exported[stages.index + 1]
+                nxt = exported[stages.index + 1]
                 try:
-                    parts.meta_out = meta_channel.connect(name, token, 1 + len(next_ring.layout.specs), timeout_s, what)
+                    parts.meta_out = meta_channel.connect(
+                        nxt.socket_name, nxt.token, 1 + len(next_ring.layout.specs), timeout_s, what
+                    )
                 except PeerTimeoutError as err:
                     raise CopyEngineUnavailable(str(err)) from err
                 stack.callback(parts.meta_out.close)
@@ -292,6 +292,16 @@ def _current_stream(index: int) -> int:
     if _raw_stream is not None:
         return _raw_stream(index)
     return torch.cuda.current_stream(index).cuda_stream
+
+
+class _Export(NamedTuple):
+    """What a stage shares with the others in set-up step 2."""
+
+    buffer_handle: bytes  # IPC handle of its flags + receive slots
+    socket_name: str | None = None  # where the previous stage sends metadata (None on the first stage)
+    token: bytes | None = None  # what that connection must present first
+    targets: Sequence[tuple[int, int]] = ()  # depth 0: (handle index, offset) per persistent tensor
+    target_handles: Sequence[bytes] = ()  # depth 0: one IPC handle per allocation holding persistent tensors
 
 
 def _share_persistent(

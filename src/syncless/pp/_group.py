@@ -226,21 +226,17 @@ def barrier(side_group: Any, timeout_s: float, what: str) -> bool:
     return True
 
 
-def recv_meta(
-    side_group: Any, src: int, tag: int, length: int, timeout_s: float, what: str, out: torch.Tensor | None = None
-) -> torch.Tensor:
+def recv_meta(side_group: Any, src: int, tag: int, length: int, timeout_s: float, what: str) -> torch.Tensor:
     """Receive one step's metadata (int64 ``[step, rows...]``) from global rank ``src``.
 
-    Blocks the host until it arrives, at most ``timeout_s``. ``out`` (a CPU
-    int64 tensor of ``length`` elements, not in use by any other receive)
-    is filled and returned instead of a new tensor.
+    Blocks the host until it arrives, at most ``timeout_s``.
 
     Raises:
         PeerTimeoutError: nothing came within ``timeout_s`` or the peer's connection broke.
     """
     import torch.distributed as dist
 
-    buffer = torch.empty(length, dtype=torch.int64) if out is None else out
+    buffer = torch.empty(length, dtype=torch.int64)
     try:
         work = dist.irecv(buffer, src=src, group=side_group, tag=tag)
         work.wait(timeout=timedelta(seconds=timeout_s))

@@ -153,6 +153,18 @@ def bit_exact(
     return {"backend": transport.backend, "mismatches": int(bad), "steps": steps}
 
 
+def _recv_must_raise(transport, failure):
+    """Call ``recv()``, which must raise PeerTimeoutError (else AssertionError(failure)); return (seconds, message)."""
+    start = time.monotonic()
+    try:
+        transport.recv()
+    except PeerTimeoutError as err:
+        waited = time.monotonic() - start
+        say(f"recv raised after {waited:.1f} s: {err}")
+        return waited, str(err)
+    raise AssertionError(failure)
+
+
 def stream_switching(rank, world, steps, depth=2, seed=4321, timeout_s=60):
     """Every send() and recv() runs on a stream picked at random, some held first by a long kernel.
 
@@ -358,20 +370,8 @@ def peer_death(rank, world, kind, backend, timeout_s, steps_before=20):
         say("killing myself (the sender)")
         os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)
-    start = time.monotonic()
-    try:
-        transport.recv()
-    except PeerTimeoutError as err:
-        waited = time.monotonic() - start
-        say(f"recv raised after {waited:.1f} s: {err}")
-    else:
-        raise AssertionError("recv() returned although the sender is dead")
-    try:
-        transport.recv()
-    except PeerTimeoutError:
-        pass
-    else:
-        raise AssertionError("the transport kept working after its peer died")
+    waited, _ = _recv_must_raise(transport, "recv() returned although the sender is dead")
+    _recv_must_raise(transport, "the transport kept working after its peer died")
     start_close = time.monotonic()
     transport.close()
     say(f"close() took {time.monotonic() - start_close:.1f} s")
@@ -390,14 +390,7 @@ def stopped_sending(rank, world, kind, backend, timeout_s):
         transport.send(expected(3, 1, max_rows, device))
     else:
         transport.recv()
-        start = time.monotonic()
-        try:
-            transport.recv()
-        except PeerTimeoutError as err:
-            waited = time.monotonic() - start
-            say(f"recv raised after {waited:.1f} s: {err}")
-        else:
-            raise AssertionError("recv() returned although nothing was sent")
+        waited, _ = _recv_must_raise(transport, "recv() returned although nothing was sent")
     dist.barrier()
     transport.close()
     return waited
@@ -423,12 +416,7 @@ def gpu_stall(rank, world, timeout_s):
         torch.cuda.synchronize()  # must come back once the watchdog releases the wait
         result["synchronize_s"] = time.monotonic() - start
         result["ids_poisoned"] = bool((out["ids"] == -1).all())
-        try:
-            transport.recv()
-        except PeerTimeoutError as err:
-            result["error"] = str(err)
-        else:
-            raise AssertionError("recv() after a released wait did not raise")
+        _, result["error"] = _recv_must_raise(transport, "recv() after a released wait did not raise")
     torch.cuda.synchronize()
     dist.barrier()
     transport.close()
