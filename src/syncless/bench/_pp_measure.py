@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from syncless.bench._pp_cuda import memcpy_async, wait_flag, write_flag
-from syncless.bench._pp_plan import rows_for, size_label
+from syncless.bench._pp_plan import OWN_STREAM, rows_for, size_label
 from syncless.bench._pp_rig import (
     GateTuner,
     Rig,
@@ -278,15 +278,20 @@ def bandwidth_ours(rig: Rig, nbytes: int, seed: int) -> float:
 
 
 def run_latency(rig: Rig, methods: tuple[str, ...] = ("nccl", "ours")) -> None:
-    """Ping-pong one-way latency for ``methods`` at every latency payload."""
+    """Ping-pong one-way latency for ``methods`` at every latency payload.
+
+    A method name may end in ``@own`` (see :data:`OWN_STREAM`): then both
+    ranks run it on a stream of their own instead of the default stream.
+    """
     for index, nbytes in enumerate(rig.plan.latency_payloads):
         row = {}
         for method in methods:
-            if method == "ours" and (rig.fwd is None or rig.bwd is None):
+            base = method.removesuffix(OWN_STREAM)
+            if base == "ours" and (rig.fwd is None or rig.bwd is None):
                 continue
-            if method == "ours_depth0" and (rig.fwd0 is None or rig.bwd0 is None):
+            if base == "ours_depth0" and (rig.fwd0 is None or rig.bwd0 is None):
                 continue
-            if method == "raw_flags" and rig.raw is None:
+            if base == "raw_flags" and rig.raw is None:
                 continue
             row[method] = latency(rig, nbytes, 500 + 10 * index, method)
         if rig.sender:
@@ -300,22 +305,37 @@ def latency(rig: Rig, nbytes: int, seed: int, method: str) -> float:
     Rank 0 holds its stream with a gate, enqueues every round trip, and
     times them with events; rank 1 echoes what it receives (its GPU work
     waits on rank 0's data, so it needs no gate). A repeat counts only if
-    rank 0's host finished enqueuing before the gate opened.
+    rank 0's host finished enqueuing before the gate opened. With the
+    ``@own`` suffix everything (gate, events, transfers) runs on a created
+    stream of each rank instead of the legacy default stream.
     """
+    import torch
+
+    own = method.endswith(OWN_STREAM)
+    base = method.removesuffix(OWN_STREAM)
+    if own:
+        if rig.own_stream is None:
+            rig.own_stream = torch.cuda.Stream(rig.device)
+        with torch.cuda.stream(rig.own_stream):
+            return _latency_on_current_stream(rig, nbytes, seed, method, base)
+    return _latency_on_current_stream(rig, nbytes, seed, method, base)
+
+
+def _latency_on_current_stream(rig: Rig, nbytes: int, seed: int, method: str, base: str) -> float:
     import torch
 
     plan = rig.plan
     rows = rows_for(nbytes)
     iters = plan.latency_iters
-    if method == "nccl":
+    if base == "nccl":
         state: dict[str, Any] = {"x": make_payload(rows, seed, rig.device) if rig.sender else None,
                                  "bufs": [empty_payload(rows, rig.device), empty_payload(rows, rig.device)]}
         loop, initial_ms = _pingpong_nccl, 5.0 + 0.1 * iters
-    elif method in ("ours", "ours_depth0"):
-        fwd, bwd = (rig.fwd, rig.bwd) if method == "ours" else (rig.fwd0, rig.bwd0)
+    elif base in ("ours", "ours_depth0"):
+        fwd, bwd = (rig.fwd, rig.bwd) if base == "ours" else (rig.fwd0, rig.bwd0)
         state = {"x": make_payload(rows, seed, rig.device) if rig.sender else None, "fwd": fwd, "bwd": bwd}
         loop, initial_ms = _pingpong_ours, 10.0 + 0.5 * iters
-    elif method == "raw_flags":
+    elif base == "raw_flags":
         state = {"x": pattern(nbytes // 2, seed, rig.device) if rig.sender else None, "nbytes": nbytes}
         loop, initial_ms = _pingpong_raw, 2.0 + 0.05 * iters
     else:
@@ -350,7 +370,7 @@ def latency(rig: Rig, nbytes: int, seed: int, method: str) -> float:
             break
     if not rig.sender:
         return NAN
-    if method == "raw_flags":
+    if base == "raw_flags":
         landed = torch.empty(nbytes // 2, dtype=torch.int16, device=rig.device)
         memcpy_async(landed.data_ptr(), rig.raw.local_data, nbytes, torch.cuda.current_stream())
         rig.sync("raw ping-pong: check")

@@ -33,6 +33,8 @@ BANDWIDTH_VS_NCCL_TARGET = 1.1
 LATENCY_GOAL_NBYTES = 8 * MIB
 LATENCY_VS_NCCL_TARGET = 0.85
 PENDING_KERNEL_TARGET = 1.05
+#: latency method suffix: run the ping-pong on a created stream of each rank, not the legacy default stream
+OWN_STREAM = "@own"
 
 
 def rows_for(nbytes: int) -> int:

@@ -74,6 +74,8 @@ class Rig:
     persistent: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: last value written to the raw ping-pong flags (the same count on both ranks)
     flag_seq: int = 0
+    #: a created stream for the ``@own`` latency runs (made on first use)
+    own_stream: Any = None
 
     @property
     def peer(self) -> int:

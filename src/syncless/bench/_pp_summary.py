@@ -19,6 +19,7 @@ from syncless.bench._pp_plan import (
     HIDDEN,
     LATENCY_GOAL_NBYTES,
     LATENCY_VS_NCCL_TARGET,
+    OWN_STREAM,
     PENDING_KERNEL_TARGET,
     Plan,
     payload_label,
@@ -34,6 +35,10 @@ METHOD_NAMES = {
     "ours_depth0": "ours, depth=0",
     "raw_flags": "raw copy + flags",
 }
+METHOD_NAMES.update({m + OWN_STREAM: f"{name}, own stream" for m, name in list(METHOD_NAMES.items())})
+LATENCY_METHODS = ("nccl", "ours", "ours_depth0", "raw_flags")
+#: the latency runs: (suffix of the method names, what the table calls the callers' stream)
+LATENCY_STREAMS = (("", "default"), (OWN_STREAM, "own"))
 
 
 def lookup(tree: Any, *path: Any) -> Any:
@@ -64,7 +69,7 @@ def ratio(numerator: float, denominator: float) -> float:
 # Tables ----------------------------------------------------------------------------
 
 BANDWIDTH_COLUMNS = ["payload", "raw peer copy GB/s", "NCCL GB/s", "ours GB/s", "ours / raw", "ours / NCCL"]
-LATENCY_COLUMNS = ["payload", "NCCL us", "ours us", "ours depth=0 us", "raw copy + flags us", "ours / NCCL",
+LATENCY_COLUMNS = ["callers' stream", "payload", "NCCL us", "ours us", "ours depth=0 us", "raw copy + flags us", "ours / NCCL",
                    "ours depth=0 / NCCL"]
 INTERFERENCE_COLUMNS = ["what", "alone", "with NCCL", "with ours", "NCCL / alone", "ours / alone"]
 HOST_CPU_COLUMNS = ["payload", "ours send() us", "NCCL send us", "ours recv() us", "NCCL recv us"]
@@ -80,11 +85,13 @@ def bandwidth_rows(plan: Plan, results: dict[Any, Any]) -> list[list[Any]]:
 
 def latency_rows(plan: Plan, results: dict[Any, Any]) -> list[list[Any]]:
     rows = []
-    for nbytes in plan.latency_payloads:
-        nccl, ours, direct, raw = (
-            number(results, "latency", m, nbytes, "one_way_us") for m in ("nccl", "ours", "ours_depth0", "raw_flags")
-        )
-        rows.append([payload_label(nbytes), nccl, ours, direct, raw, ratio(ours, nccl), ratio(direct, nccl)])
+    for suffix, stream in LATENCY_STREAMS:
+        for nbytes in plan.latency_payloads:
+            nccl, ours, direct, raw = (
+                number(results, "latency", m + suffix, nbytes, "one_way_us") for m in LATENCY_METHODS
+            )
+            rows.append([stream, payload_label(nbytes), nccl, ours, direct, raw, ratio(ours, nccl),
+                         ratio(direct, nccl)])  # fmt: skip
     return rows
 
 
@@ -130,13 +137,14 @@ def goals(plan: Plan, results: dict[Any, Any]) -> list[Goal]:
                         BANDWIDTH_VS_RAW_TARGET, "x", higher_is_better=True))
         out.append(Goal(f"sustained bandwidth at {size}: ours / NCCL", ratio(ours, nccl),
                         BANDWIDTH_VS_NCCL_TARGET, "x", higher_is_better=True))  # fmt: skip
-    nccl_lat = number(results, "latency", "nccl", LATENCY_GOAL_NBYTES, "one_way_us")
-    ours_lat = number(results, "latency", "ours", LATENCY_GOAL_NBYTES, "one_way_us")
-    out.append(Goal(f"one-way GPU latency at {size_label(LATENCY_GOAL_NBYTES)}: ours / NCCL", ratio(ours_lat, nccl_lat),
-                    LATENCY_VS_NCCL_TARGET, "x"))  # fmt: skip
-    direct_lat = number(results, "latency", "ours_depth0", LATENCY_GOAL_NBYTES, "one_way_us")
-    out.append(Goal(f"one-way GPU latency at {size_label(LATENCY_GOAL_NBYTES)}: ours with depth=0 / NCCL",
-                    ratio(direct_lat, nccl_lat), LATENCY_VS_NCCL_TARGET, "x"))  # fmt: skip
+    size = size_label(LATENCY_GOAL_NBYTES)
+    for suffix, stream in LATENCY_STREAMS:
+        where = "" if not suffix else ", each rank on its own stream"
+        nccl_lat = number(results, "latency", "nccl" + suffix, LATENCY_GOAL_NBYTES, "one_way_us")
+        for method, name in (("ours", "ours"), ("ours_depth0", "ours with depth=0")):
+            lat = number(results, "latency", method + suffix, LATENCY_GOAL_NBYTES, "one_way_us")
+            out.append(Goal(f"one-way GPU latency at {size}{where}: {name} / NCCL", ratio(lat, nccl_lat),
+                            LATENCY_VS_NCCL_TARGET, "x"))  # fmt: skip
     out.append(
         Goal(
             "GEMM slowdown on the sending GPU while streaming: ours (target: NCCL's slowdown)",
@@ -187,7 +195,7 @@ def quality_flags(plan: Plan, results: dict[Any, Any]) -> list[str]:
                     f"{where}: in {ahead.count(False)} of {len(ahead)} repeats the loop was not fully queued "
                     "before the GPU started (host-paced, or the launch queue was full)"
                 )
-    for method in ("nccl", "ours", "ours_depth0", "raw_flags"):
+    for method in (m + suffix for suffix, _ in LATENCY_STREAMS for m in LATENCY_METHODS):
         for nbytes in plan.latency_payloads:
             record = lookup(results, "latency", method, nbytes)
             if not isinstance(record, dict):
@@ -239,6 +247,9 @@ def notes(plan: Plan, outcome: Outcome) -> list[str]:
         "gated by a GPU sleep; one-way = round trip / 2 from CUDA events on rank 0; median of the repeats whose "
         "whole loop was queued before the gate opened. 'raw copy + flags' is the physical floor "
         "(cuMemcpyAsync then cuStreamWriteValue64 on the peer, cuStreamWaitValue64 on one's own flag).",
+        "Latency runs twice: with the callers on torch's default stream (the legacy default stream, where a step of "
+        "ours goes through a relay stream, because a peer copy there costs 5-10 us more), and with each rank on a "
+        "created stream of its own ('own stream', no relay); NCCL and the raw floor run both ways too.",
         "Host CPU: time.thread_time() around each call, mean over every timed step; NCCL send = one "
         "batch_isend_irecv of two isend, NCCL recv = one batch of two irecv plus work.wait().",
         "Reference (HARDWARE.md, same machine type): raw peer copy 384 / 392 GB/s at 64 / 256 MiB, NCCL 327 / 345; "
@@ -277,7 +288,7 @@ def draw(path: Path, plan: Plan, results: dict[Any, Any]) -> None:
         lat_axes,
         [size_label(n) for n in plan.latency_payloads],
         {METHOD_NAMES[m]: [number(results, "latency", m, n, "one_way_us") for n in plan.latency_payloads]
-         for m in ("nccl", "ours", "ours_depth0", "raw_flags")},
+         for m in (*LATENCY_METHODS, *(m + OWN_STREAM for m in LATENCY_METHODS))},
     )  # fmt: skip
     lat_axes.set_ylabel("one-way GPU latency, us (lower is better)")
     lat_axes.set_title("Ping-pong latency")

@@ -22,7 +22,7 @@ from syncless._core.errors import CudaError, MissingDependencyError
 from syncless.bench._pp_cuda import Gate, PeerBuffer, SpinKernel, bind_primary_context, release_primary_context
 from syncless.bench._pp_interfere import run_gemm, run_pending
 from syncless.bench._pp_measure import run_bandwidth, run_latency
-from syncless.bench._pp_plan import HIDDEN, TENSOR_NAMES, Plan
+from syncless.bench._pp_plan import HIDDEN, OWN_STREAM, TENSOR_NAMES, Plan
 from syncless.bench._pp_rig import Reporter, Rig, nccl_warmup, poison
 
 
@@ -207,13 +207,15 @@ def _run_sections(rig: Rig) -> None:
     bandwidth = run_bandwidth(rig)
     progress("measuring one-way latency (ping-pong)")
     run_latency(rig, ("nccl", "ours", "ours_depth0"))
+    progress("measuring one-way latency again, each rank on a stream of its own")
+    run_latency(rig, tuple(method + OWN_STREAM for method in ("nccl", "ours", "ours_depth0")))
     progress("measuring GEMM interference on the sender")
     run_gemm(rig, bandwidth)
     progress("measuring the full-SM kernel with a pending receive")
     run_pending(rig)
     if rig.raw is not None:
         progress("measuring the raw peer copy + flag ping-pong (reference floor)")
-        run_latency(rig, ("raw_flags",))
+        run_latency(rig, ("raw_flags", "raw_flags" + OWN_STREAM))
 
 
 def _tear_down(rig: Rig) -> None:

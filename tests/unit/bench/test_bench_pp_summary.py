@@ -32,11 +32,13 @@ def fake_results(plan, *, ours_bw=380.0, raw_bw=390.0, nccl_bw=330.0, ours_lat=3
                                          "data_ok": True}
         host_cpu["ours"][nbytes] = {"send": {"thread_us": cpu[0]}, "recv": {"thread_us": cpu[2]}}
         host_cpu["nccl"][nbytes] = {"send": {"thread_us": cpu[1]}, "recv": {"thread_us": cpu[3]}}
-    latency = {"nccl": {}, "ours": {}, "ours_depth0": {}, "raw_flags": {}}
-    for nbytes in plan.latency_payloads:
+    latency = {}
+    for suffix, saved_us in (("", 0.0), ("@own", 2.0)):  # a created stream saves 2 us everywhere
         for method, value in (("nccl", nccl_lat), ("ours", ours_lat), ("ours_depth0", direct_lat),
                               ("raw_flags", ours_lat * 0.9)):
-            latency[method][nbytes] = {"one_way_us": value, "all_ahead": True, "data_ok": True}
+            for nbytes in plan.latency_payloads:
+                latency.setdefault(method + suffix, {})[nbytes] = {"one_way_us": value - saved_us, "all_ahead": True,
+                                                                   "data_ok": True}
     alone, with_nccl, with_ours = gemm
     return {
         "setup": {"rank0": {"torch": "2.11.0", "nccl": "2.28.9", "cuda_bindings": "13.3.1", "nccl_nvls_enable": "0",
@@ -85,8 +87,10 @@ def test_tables_hold_every_payload_and_the_ratios():
     last = bw_rows[-1]
     assert last[1:4] == [390.0, 330.0, 380.0]
     assert last[4] == pytest.approx(380 / 390) and last[5] == pytest.approx(380 / 330)
-    assert len(lat_rows) == 3 and lat_rows[2][1:5] == [45.0, 30.0, 28.0, 27.0]
-    assert lat_rows[2][5] == pytest.approx(30 / 45) and lat_rows[2][6] == pytest.approx(28 / 45)
+    assert len(lat_rows) == 6 and [row[0] for row in lat_rows] == ["default"] * 3 + ["own"] * 3
+    assert lat_rows[2][2:6] == [45.0, 30.0, 28.0, 27.0]
+    assert lat_rows[2][6] == pytest.approx(30 / 45) and lat_rows[2][7] == pytest.approx(28 / 45)
+    assert lat_rows[5][2:6] == [43.0, 28.0, 26.0, 25.0] and lat_rows[5][6] == pytest.approx(28 / 43)
     gemm_row, spin_row = int_rows
     assert gemm_row[1:4] == [1.50, 1.62, 1.56] and gemm_row[4] == pytest.approx(1.62 / 1.5)
     assert spin_row[5] == pytest.approx(2.03 / 2.0)
@@ -100,11 +104,13 @@ def test_goals_met_with_good_numbers():
     by_name = goal_map(got)
     # bandwidth goals at 64 MiB and 256 MiB only, two each; then latency, GEMM, pending, send CPU, recv CPU
     assert len([d for d in by_name if d.startswith("sustained bandwidth")]) == 4
-    assert len(got) == 4 + 6
+    assert len(got) == 4 + 8
     latency = by_name["one-way GPU latency at 8 MiB: ours / NCCL"]
     assert latency.measured == pytest.approx(30 / 45) and latency.target == 0.85 and not latency.higher_is_better
     direct = by_name["one-way GPU latency at 8 MiB: ours with depth=0 / NCCL"]
     assert direct.measured == pytest.approx(28 / 45) and direct.target == 0.85
+    own = by_name["one-way GPU latency at 8 MiB, each rank on its own stream: ours with depth=0 / NCCL"]
+    assert own.measured == pytest.approx(26 / 43) and own.target == 0.85
     gemm = next(g for g in got if g.description.startswith("GEMM slowdown"))
     assert gemm.measured == pytest.approx(4.0) and gemm.target == pytest.approx(8.0) and gemm.unit == "%"
 
@@ -176,7 +182,7 @@ def test_written_report_has_json_markdown_and_png(tmp_path):
     document = json.loads(paths["json"].read_text())
     assert document["data"]["complete"] is True
     assert document["data"]["results"]["bandwidth"]["ours"][str(256 * MIB)]["gbps"] == pytest.approx(380.0)
-    assert len(document["goals"]) == 10 and all(g["met"] for g in document["goals"])
+    assert len(document["goals"]) == 12 and all(g["met"] for g in document["goals"])
     png = paths["png"].read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     markdown = paths["md"].read_text()
