@@ -229,6 +229,8 @@ def notes(plan: Plan, outcome: Outcome) -> list[str]:
         if isinstance(transport, dict):
             reason = transport.get("fallback_reason")
             text = f"; fallback reason: {reason}" if reason else ""
+            if direction in ("fwd", "fwd0") and transport.get("batched_copies") is not None:  # rank 0 sends these
+                text += f"; one batched copy per step: {'yes' if transport['batched_copies'] else 'no'}"
             out.append(f"transport under test ({label}): backend {transport.get('backend')}{text}")
     setup = lookup(results, "setup", "rank0")
     if isinstance(setup, dict):

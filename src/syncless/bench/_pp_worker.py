@@ -99,6 +99,7 @@ def _describe(rig: Rig) -> dict[str, Any]:
             info[f"transport_{name}"] = {
                 "backend": getattr(transport, "backend", None),
                 "fallback_reason": getattr(transport, "fallback_reason", None),
+                "batched_copies": getattr(transport, "batched_copies", None),
             }
     if rig.spin is not None:
         info["spin_kernel"] = {

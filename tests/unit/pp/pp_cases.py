@@ -150,7 +150,10 @@ def bit_exact(
     if kind == "cuda":
         torch.cuda.synchronize()
     transport.close()
-    return {"backend": transport.backend, "mismatches": int(bad), "steps": steps}
+    result = {"backend": transport.backend, "mismatches": int(bad), "steps": steps}
+    if first:  # whether its steps went out as one batched copy (copy engines, CUDA 12.8+ drivers)
+        result["batched_copies"] = getattr(transport, "batched_copies", None)
+    return result
 
 
 def _recv_must_raise(transport, failure):

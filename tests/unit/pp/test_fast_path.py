@@ -346,3 +346,88 @@ def test_share_persistent_refuses_memory_ipc_cannot_share_and_says_what_to_do(mo
     specs = {"hidden": TensorSpec(torch.bfloat16, (8,), 2)}
     with pytest.raises(CopyEngineUnavailable, match=r"persistent\['hidden'\].*expandable_segments.*depth >= 1"):
         _share_persistent(_NoContext(), {"hidden": _FakeTensor(0x10000)}, Layout.from_specs(specs))
+
+
+# -- batched copies ------------------------------------------------------------------------------
+
+
+def _batch_fake(monkeypatch, real, codes):
+    """A fake driver module that records every copy call; ``codes`` maps a call name to its result code."""
+    seen = []
+
+    def recorder(name):
+        def fn(*args):
+            seen.append((name, args))
+            return (codes.get(name, real.CUresult.CUDA_SUCCESS),)
+
+        return fn
+
+    fake = types.SimpleNamespace(
+        CUresult=real.CUresult,
+        CUstreamWaitValue_flags=real.CUstreamWaitValue_flags,
+        CUstreamWriteValue_flags=real.CUstreamWriteValue_flags,
+        CUmemcpyAttributes=real.CUmemcpyAttributes,
+        CUmemcpySrcAccessOrder=real.CUmemcpySrcAccessOrder,
+        CUmemcpyFlags=real.CUmemcpyFlags,
+        CUdeviceptr=int,
+        **{name: recorder(name) for name in ("cuMemcpyAsync", "cuMemcpyBatchAsync", "cuStreamSynchronize",
+                                             "cuEventRecord", "cuStreamWaitEvent", "cuStreamWaitValue64",
+                                             "cuStreamWriteValue64")},
+    )
+    monkeypatch.setattr(cuda, "ensure_driver", lambda: fake)
+    return fake, seen
+
+
+def test_memcpy_all_batches_several_copies_and_copies_one_alone(monkeypatch):
+    real = pytest.importorskip("cuda.bindings.driver")
+    _, seen = _batch_fake(monkeypatch, real, {})
+    hot = drv.Hot(batch=True)
+    hot.memcpy_all([(10, 20, 30), (40, 50, 60)], 7)
+    hot.memcpy_all([(1, 2, 3)], 7)
+    hot.memcpy_all([], 7)
+    (name, args), single = seen
+    assert name == "cuMemcpyBatchAsync"
+    dsts, srcs, sizes, count, attrs, attr_indices, n_attrs, stream = args
+    assert (dsts, srcs, sizes, count, attr_indices, n_attrs, stream) == ([10, 40], [20, 50], [30, 60], 2, [0], 1, 7)
+    (attr,) = attrs
+    assert attr.srcAccessOrder == real.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+    assert attr.flags == real.CUmemcpyFlags.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE  # keep copies off the SMs
+    assert single == ("cuMemcpyAsync", (1, 2, 3, 7))
+
+
+def test_memcpy_all_without_batching_copies_one_by_one_and_raises_driver_errors(monkeypatch):
+    real = pytest.importorskip("cuda.bindings.driver")
+    _, seen = _batch_fake(monkeypatch, real, {"cuMemcpyBatchAsync": real.CUresult.CUDA_ERROR_INVALID_VALUE})
+    drv.Hot(batch=False).memcpy_all([(10, 20, 30), (40, 50, 60)], 7)
+    assert seen == [("cuMemcpyAsync", (10, 20, 30, 7)), ("cuMemcpyAsync", (40, 50, 60, 7))]
+    with pytest.raises(CudaError) as info:
+        drv.Hot(batch=True).memcpy_all([(10, 20, 30), (40, 50, 60)], 7)
+    assert info.value.call == "cuMemcpyBatchAsync" and info.value.name == "CUDA_ERROR_INVALID_VALUE"
+
+
+@pytest.mark.parametrize(
+    ("driver_version", "batch_code", "expect"),
+    [(13000, "ok", None), (12080, "ok", None), (12060, "ok", "need 12.8"),
+     (13000, "CUDA_ERROR_NOT_SUPPORTED", "cuMemcpyBatchAsync failed here")],
+)  # fmt: skip
+def test_batch_copy_problem_tries_a_harmless_batch(monkeypatch, driver_version, batch_code, expect):
+    real = pytest.importorskip("cuda.bindings.driver")
+    codes = {} if batch_code == "ok" else {"cuMemcpyBatchAsync": getattr(real.CUresult, batch_code)}
+    fake, seen = _batch_fake(monkeypatch, real, codes)
+    fake.cuDriverGetVersion = lambda: (real.CUresult.CUDA_SUCCESS, driver_version)
+    problem = drv.batch_copy_problem(1000, 5)
+    if expect is None:
+        assert problem is None
+        (batch, sync) = seen
+        assert batch[1][:3] == ([1016, 1024], [1000, 1008], [8, 8]) and batch[1][-1] == 5  # zeros over zeros
+        assert sync == ("cuStreamSynchronize", (5,))
+    else:
+        assert expect in problem
+        assert [name for name, _ in seen] == ([] if driver_version < 12080 else ["cuMemcpyBatchAsync"])
+
+
+def test_batch_copy_problem_names_old_bindings(monkeypatch):
+    real = pytest.importorskip("cuda.bindings.driver")
+    fake, _ = _batch_fake(monkeypatch, real, {})
+    del fake.cuMemcpyBatchAsync
+    assert "cuda-bindings 12.8" in drv.batch_copy_problem(1000, 5)
