@@ -217,6 +217,26 @@ def quality_flags(plan: Plan, results: dict[Any, Any]) -> list[str]:
     return flags
 
 
+def ceiling_notes(plan: Plan, results: dict[Any, Any]) -> list[str]:
+    """Return a line for each goal payload where even the raw peer copy is short of the NCCL target.
+
+    Ours is a peer copy plus flags, so raw / NCCL bounds ours / NCCL.
+    """
+    out = []
+    for nbytes in plan.payloads:
+        if nbytes < BANDWIDTH_GOAL_MIN_NBYTES:
+            continue
+        raw, nccl = (number(results, "bandwidth", m, nbytes, "gbps") for m in ("raw", "nccl"))
+        ceiling = ratio(raw, nccl)
+        if math.isfinite(ceiling) and ceiling < BANDWIDTH_VS_NCCL_TARGET:
+            out.append(
+                f"At {size_label(nbytes)} the raw peer copy itself is only {ceiling:.3f}x NCCL ({raw:.0f} / {nccl:.0f} "
+                f"GB/s), so ours / NCCL cannot reach {BANDWIDTH_VS_NCCL_TARGET}x on this machine: a copy engine's "
+                "peer copy is the ceiling of this transport."
+            )
+    return out
+
+
 def notes(plan: Plan, outcome: Outcome) -> list[str]:
     results = outcome.results
     out = []
@@ -258,6 +278,7 @@ def notes(plan: Plan, outcome: Outcome) -> list[str]:
         "one-way at 8 MiB NCCL 45.4 us, raw copy + flags 31.7 us; GEMM slowdown 6.0% copy engines vs 8.4% NCCL; "
         "full-SM kernel 2.0x with a pending NCCL receive.",
     ]
+    out += ceiling_notes(plan, results)
     out += quality_flags(plan, results)
     out += outcome.notes
     return out

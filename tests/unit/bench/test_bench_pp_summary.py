@@ -13,6 +13,7 @@ from syncless.bench._pp_summary import (
     INTERFERENCE_COLUMNS,
     LATENCY_COLUMNS,
     build_output,
+    ceiling_notes,
     goals,
     number,
     quality_flags,
@@ -198,3 +199,12 @@ def test_plot_survives_missing_values(tmp_path):
     output.plot(target)
     assert target.read_bytes()[:4] == b"\x89PNG"
     assert all(not g.met for g in output.goals)
+
+
+def test_ceiling_note_appears_only_where_the_raw_copy_is_short_of_the_nccl_target():
+    plan = make_plan(quick=False)
+    assert ceiling_notes(plan, fake_results(plan)) == []  # raw 390 / NCCL 330 = 1.18x at 256 MiB
+    tight = fake_results(plan, raw_bw=392.0, nccl_bw=360.0)
+    lines = ceiling_notes(plan, tight)  # the fake scales both methods alike: same ratio at every payload
+    assert len(lines) == 2 and "64 MiB" in lines[0] and "256 MiB" in lines[1]  # the goal payloads only
+    assert all("1.089x NCCL" in line for line in lines)
