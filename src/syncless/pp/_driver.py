@@ -257,6 +257,17 @@ def _copy_engine_attributes(drv: Any) -> Any:
 BATCH_MIN_DRIVER = 12080
 
 
+def batch_api_problem() -> str | None:
+    """Return why cuda-bindings or the driver here cannot batch copies, or None if they can; no GPU work."""
+    drv = _drv()
+    if not hasattr(drv, "cuMemcpyBatchAsync") or not hasattr(drv, "CUmemcpyAttributes"):
+        return "cuda-bindings has no cuMemcpyBatchAsync (it needs cuda-bindings 12.8 or newer)"
+    version = int(cuda.call("cuDriverGetVersion"))
+    if version < BATCH_MIN_DRIVER:
+        return f"the driver supports CUDA {version // 1000}.{version % 1000 // 10}; batched copies need 12.8"
+    return None
+
+
 def batch_copy_problem(scratch: int, stream: int) -> str | None:
     """Try one batched copy inside ``scratch`` (32 zeroed bytes of device memory) on ``stream``; blocks the host.
 
@@ -265,12 +276,9 @@ def batch_copy_problem(scratch: int, stream: int) -> str | None:
     here, else why not (old driver or cuda-bindings, or the call failed):
     the transport then issues one copy per tensor.
     """
-    drv = _drv()
-    if not hasattr(drv, "cuMemcpyBatchAsync") or not hasattr(drv, "CUmemcpyAttributes"):
-        return "cuda-bindings has no cuMemcpyBatchAsync (it needs cuda-bindings 12.8 or newer)"
-    version = int(cuda.call("cuDriverGetVersion"))
-    if version < BATCH_MIN_DRIVER:
-        return f"the driver supports CUDA {version // 1000}.{version % 1000 // 10}; batched copies need 12.8"
+    problem = batch_api_problem()
+    if problem:
+        return problem
     try:
         Hot(batch=True).memcpy_all([(scratch + 16, scratch, 8), (scratch + 24, scratch + 8, 8)], stream)
         stream_synchronize(stream)

@@ -18,6 +18,7 @@ from typing import Any
 
 from syncless._core import config, cuda, topology
 from syncless._core.errors import CudaError, MissingDependencyError
+from syncless.pp import _driver
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +116,8 @@ class LocalFacts:
     mem_ops_64: list[bool] = field(default_factory=list)
     nvlink: dict[tuple[int, int], bool | None] = field(default_factory=dict)
     peer_access: dict[tuple[int, int], bool | None] = field(default_factory=dict)
+    #: why a step's tensors would not go out as one batched copy (None: they would)
+    batch_problem: str | None = "unknown"
     notes: list[str] = field(default_factory=list)
 
 
@@ -129,6 +132,7 @@ def gather_local_facts() -> LocalFacts:
     try:
         facts.mem_ops_64 = [cuda.supports_64bit_stream_mem_ops(i) for i in range(count)]
         uuids = [device_uuid(i) for i in range(count)]
+        facts.batch_problem = _driver.batch_api_problem()
     except (CudaError, MissingDependencyError) as err:
         facts.notes.append(f"the CUDA driver could not be queried: {err}")
         return facts
@@ -156,7 +160,8 @@ def decide(facts: LocalFacts, setting: str = "auto") -> dict[str, Any]:
         setting: ``SYNCLESS_PP_TRANSPORT`` (``auto``, ``copy_engine`` or ``torch_distributed``).
 
     Returns:
-        ``{"transport", "reason", "checks": [{"name", "ok", "detail"}], "notes", "setting"}``;
+        ``{"transport", "reason", "checks": [{"name", "ok", "detail"}], "notes", "setting"}``, plus
+        ``"batched_copies"`` (yes, or no and why) when ``transport`` is ``copy_engine``;
         ``transport`` is ``"error"`` when ``copy_engine`` is forced on a machine that cannot run it.
     """
     checks: list[dict[str, Any]] = []
@@ -199,7 +204,11 @@ def decide(facts: LocalFacts, setting: str = "auto") -> dict[str, Any]:
         transport, reason = "error", f"SYNCLESS_PP_TRANSPORT=copy_engine but make_transport would raise: {why_not}"
     else:
         transport, reason = "torch_distributed", f"copy engines not usable: {why_not}"
-    return {"transport": transport, "reason": reason, "checks": checks, "notes": list(facts.notes), "setting": setting}
+    result = {"transport": transport, "reason": reason, "checks": checks}
+    if transport == "copy_engine":
+        batch = facts.batch_problem
+        result["batched_copies"] = "yes: a step's tensors go out as one copy" if batch is None else f"no: {batch}"
+    return {**result, "notes": list(facts.notes), "setting": setting}
 
 
 def describe_local_choice(facts: LocalFacts | None = None) -> dict[str, Any]:

@@ -89,3 +89,4 @@ def test_doctor_choice_is_copy_engine_over_nvlink():
     result = describe_local_choice()
     assert result["transport"] == "copy_engine", result
     assert any(c["name"] == "NVLink 0<->1" and c["ok"] for c in result["checks"]), result
+    assert result["batched_copies"].startswith("yes"), result  # the reference GPUs' drivers are CUDA 12.8+

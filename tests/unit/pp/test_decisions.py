@@ -44,9 +44,16 @@ def _facts(**kw):
 
 
 def test_decide_copy_engine_when_everything_is_there():
-    result = decide(_facts())
+    result = decide(_facts(batch_problem=None))
     assert result["transport"] == "copy_engine"
     assert all(c["ok"] for c in result["checks"])
+    assert result["batched_copies"].startswith("yes")
+
+
+def test_decide_says_why_copies_are_not_batched_and_only_for_copy_engines():
+    old_driver = "the driver supports CUDA 12.4; batched copies need 12.8"
+    assert decide(_facts(batch_problem=old_driver))["batched_copies"] == f"no: {old_driver}"
+    assert "batched_copies" not in decide(_facts(nvlink={(0, 1): False}))  # torch.distributed: not applicable
 
 
 @pytest.mark.parametrize(
