@@ -14,6 +14,7 @@ from collections import Counter
 from typing import Any
 
 from syncless._core import cuda
+from syncless._core.errors import CudaError
 
 #: Written into a flag from the host side to release every wait on it (cyclic
 #: ``>=`` with any step number below 2**62 holds).
@@ -170,7 +171,7 @@ class Hot:
                  "_batch", "_batch_attrs", "_pointer")
 
     def __init__(self, batch: bool = False) -> None:
-        """``batch``: issue several copies as one ``cuMemcpyBatchAsync`` (only where :func:`batch_copy_problem` said yes)."""
+        """``batch``: issue several copies as one ``cuMemcpyBatchAsync`` (where :func:`batch_copy_problem` agreed)."""
         drv = cuda.ensure_driver()
         self._ok = drv.CUresult.CUDA_SUCCESS
         self._memcpy = drv.cuMemcpyAsync
@@ -194,14 +195,14 @@ class Hot:
         """Enqueue every ``(dst, src, nbytes)`` copy on ``stream``, as one batched operation where enabled.
 
         The copies must not overlap one another: inside a batch they run in
-        any order; the batch as a whole runs in stream order. ``stream`` must
-        not be the legacy default stream when batching (the driver refuses it).
-        One batch costs the stream about what one copy does (measured on
-        H200s: two 4 MiB peer copies 26.7 us one after the other, 24.3 us
-        batched), so a step of several tensors pays the copy engine's start-up
-        once.
+        any order; the batch as a whole runs in stream order. On the legacy
+        default stream (handle 0), which the driver refuses for batches, the
+        copies go one by one. A batch saves each copy after the first its
+        start-up on the copy engine (measured on H200s: two 4 MiB peer copies
+        26.7 us one after the other, 24.3 us batched; two 32 KiB ones 5.0 and
+        2.6 us).
         """
-        if self._batch is None or len(copies) < 2:
+        if self._batch is None or len(copies) < 2 or stream == 0:
             for dst, src, nbytes in copies:
                 self.memcpy(dst, src, nbytes, stream)
             return
@@ -246,44 +247,62 @@ class Hot:
 
 
 def _copy_engine_attributes(drv: Any) -> Any:
-    """Attributes for every copy of a batch: read the source in stream order; keep SMs free for compute."""
+    """Attributes for every copy of a batch: read the source in stream order, leave the SMs to compute.
+
+    ``PREFER_OVERLAP_WITH_COMPUTE`` is a hint the driver may ignore; the GPU
+    benchmark's interference rows measure what it does.
+    """
     attrs = drv.CUmemcpyAttributes()
     attrs.srcAccessOrder = drv.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
     attrs.flags = drv.CUmemcpyFlags.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
     return attrs
 
 
-#: Batched copies need a CUDA 12.8 driver (cuDriverGetVersion's encoding: 1000 * major + 10 * minor).
-BATCH_MIN_DRIVER = 12080
+def _bindings_major() -> int:
+    """Return the major version of the installed cuda-bindings (0 if it cannot tell)."""
+    try:
+        from cuda import bindings
+
+        return int(str(bindings.__version__).split(".")[0])
+    except (ImportError, AttributeError, ValueError):
+        return 0
 
 
 def batch_api_problem() -> str | None:
-    """Return why cuda-bindings or the driver here cannot batch copies, or None if they can; no GPU work."""
+    """Return why cuda-bindings or the driver here cannot batch copies, or None if they can; no GPU work.
+
+    cuda-bindings 13 calls the CUDA 13.0 form of ``cuMemcpyBatchAsync`` (no
+    ``failIdx``), which a 12.8 or 12.9 driver lacks: it needs a 13.0 driver.
+    cuda-bindings 12.8+ calls the 12.8 form, which needs a 12.8 driver.
+    """
     drv = _drv()
     if not hasattr(drv, "cuMemcpyBatchAsync") or not hasattr(drv, "CUmemcpyAttributes"):
         return "cuda-bindings has no cuMemcpyBatchAsync (it needs cuda-bindings 12.8 or newer)"
-    version = int(cuda.call("cuDriverGetVersion"))
-    if version < BATCH_MIN_DRIVER:
-        return f"the driver supports CUDA {version // 1000}.{version % 1000 // 10}; batched copies need 12.8"
+    needed = (13, 0) if _bindings_major() >= 13 else (12, 8)
+    have = cuda.driver_version()
+    if have < needed:
+        return (f"the driver supports CUDA {have[0]}.{have[1]}; batched copies through this cuda-bindings "
+                f"need {needed[0]}.{needed[1]}")  # fmt: skip
     return None
 
 
-def batch_copy_problem(scratch: int, stream: int) -> str | None:
-    """Try one batched copy inside ``scratch`` (32 zeroed bytes of device memory) on ``stream``; blocks the host.
+def batch_copy_problem(source: int, target: int, stream: int) -> str | None:
+    """Try one batched copy of 16 bytes from ``source`` to ``target`` (as two 8-byte pieces) on ``stream``.
 
-    Copies bytes 0-15 over bytes 16-31 (zeros over zeros, so nothing
-    changes), then synchronizes ``stream``. Returns None if batching works
-    here, else why not (old driver or cuda-bindings, or the call failed):
-    the transport then issues one copy per tensor.
+    Blocks the host until ``stream`` is idle. Returns None if batching works
+    here, else why not (old driver or cuda-bindings, or the call was refused):
+    the transport then issues one copy per tensor. The caller picks bytes
+    nobody reads. An error that shows up only at the synchronize (the
+    context is broken) is raised, not returned.
     """
     problem = batch_api_problem()
     if problem:
         return problem
     try:
-        Hot(batch=True).memcpy_all([(scratch + 16, scratch, 8), (scratch + 24, scratch + 8, 8)], stream)
-        stream_synchronize(stream)
-    except Exception as err:  # noqa: BLE001 - any failure means: copy one tensor at a time
-        return f"cuMemcpyBatchAsync failed here: {err}"
+        Hot(batch=True).memcpy_all([(target, source, 8), (target + 8, source + 8, 8)], stream)
+    except (CudaError, TypeError, RuntimeError) as err:  # refused when enqueued: nothing ran
+        return f"cuMemcpyBatchAsync was refused here: {err}"
+    stream_synchronize(stream)
     return None
 
 

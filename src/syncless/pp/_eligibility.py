@@ -207,7 +207,10 @@ def decide(facts: LocalFacts, setting: str = "auto") -> dict[str, Any]:
     result = {"transport": transport, "reason": reason, "checks": checks}
     if transport == "copy_engine":
         batch = facts.batch_problem
-        result["batched_copies"] = "yes: a step's tensors go out as one copy" if batch is None else f"no: {batch}"
+        result["batched_copies"] = (
+            "yes: the driver and cuda-bindings can send a step of several tensors as one copy"
+            if batch is None else f"no: {batch}"
+        )  # fmt: skip
     return {**result, "notes": list(facts.notes), "setting": setting}
 
 

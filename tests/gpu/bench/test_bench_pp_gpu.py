@@ -114,9 +114,10 @@ def test_tiny_benchmark_run_measures_everything_with_correct_data(tmp_path):
     for method in ("nccl", "ours"):
         for direction in ("send", "recv"):
             assert _finite(results["host_cpu"][method][8 * MIB][direction]["thread_us"])
-    for method in ("nccl", "ours", "raw_flags"):
-        record = results["latency"][method][64 * KIB]
-        assert _finite(record["one_way_us"]) and record["data_ok"] is True, (method, record)
+    for base in ("nccl", "ours", "ours_depth0", "raw_flags"):
+        for method in (base, base + "@own"):  # on the default stream, and on a stream of each rank's own
+            record = results["latency"][method][64 * KIB]
+            assert _finite(record["one_way_us"]) and record["data_ok"] is True, (method, record)
     for mode in ("alone", "nccl", "ours"):
         assert _finite(results["gemm"][mode]["ms_per_gemm"]), results["gemm"]
     pending = results["pending"]

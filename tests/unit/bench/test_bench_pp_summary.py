@@ -166,10 +166,15 @@ def test_notes_carry_transport_choice_and_worker_notes():
     plan = make_plan(quick=True)
     results = fake_results(plan)
     results["setup"]["rank0"]["transport_fwd"] = {"backend": "torch_distributed", "fallback_reason": "no NVLink"}
-    results["setup"]["rank0"]["transport_bwd0"] = {"backend": "copy_engine", "fallback_reason": None}
+    results["setup"]["rank0"]["transport_bwd0"] = {"backend": "copy_engine", "fallback_reason": None,
+                                                    "batched_copies": False}  # rank 0 receives: not its to say
+    results["setup"]["rank0"]["transport_fwd0"] = {"backend": "copy_engine", "fallback_reason": None,
+                                                   "batched_copies": True}
     output = build_output(plan, Outcome(results=results, notes=["rank 1: something odd"], complete=True))
     assert any("backend torch_distributed; fallback reason: no NVLink" in n for n in output.notes)
     assert "transport under test (rank 1 -> 0 (echo), depth=0): backend copy_engine" in output.notes
+    assert ("transport under test (rank 0 -> 1, depth=0): backend copy_engine; one batched copy per step: yes"
+            in output.notes)  # fmt: skip
     assert output.notes[-1] == "rank 1: something odd"
     assert "quick run" in output.title
 
@@ -206,5 +211,6 @@ def test_ceiling_note_appears_only_where_the_raw_copy_is_short_of_the_nccl_targe
     assert ceiling_notes(plan, fake_results(plan)) == []  # raw 390 / NCCL 330 = 1.18x at 256 MiB
     tight = fake_results(plan, raw_bw=392.0, nccl_bw=360.0)
     lines = ceiling_notes(plan, tight)  # the fake scales both methods alike: same ratio at every payload
+    assert lines == [n for n in build_output(plan, Outcome(results=tight, complete=True)).notes if "ceiling" in n]
     assert len(lines) == 2 and "64 MiB" in lines[0] and "256 MiB" in lines[1]  # the goal payloads only
     assert all("1.089x NCCL" in line for line in lines)

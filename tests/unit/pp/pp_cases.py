@@ -151,8 +151,11 @@ def bit_exact(
         torch.cuda.synchronize()
     transport.close()
     result = {"backend": transport.backend, "mismatches": int(bad), "steps": steps}
-    if first:  # whether its steps went out as one batched copy (copy engines, CUDA 12.8+ drivers)
-        result["batched_copies"] = getattr(transport, "batched_copies", None)
+    if first and transport.backend == "copy_engine":  # did its steps go out as one batched copy, as they should here?
+        from syncless.pp import _driver
+
+        result["batched_copies"] = transport.batched_copies
+        result["batching_expected"] = _driver.batch_api_problem() is None
     return result
 
 

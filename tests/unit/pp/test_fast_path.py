@@ -351,14 +351,19 @@ def test_share_persistent_refuses_memory_ipc_cannot_share_and_says_what_to_do(mo
 # -- batched copies ------------------------------------------------------------------------------
 
 
-def _batch_fake(monkeypatch, real, codes):
-    """A fake driver module that records every copy call; ``codes`` maps a call name to its result code."""
+def _batch_fake(monkeypatch, real, codes, shape=lambda code: (code,)):
+    """A fake driver module that records every call; ``codes`` maps a call name to its result code.
+
+    ``shape`` turns a result code into what the call returns (cuda-bindings 12.x returns
+    ``(code, failIdx)`` from cuMemcpyBatchAsync).
+    """
     seen = []
 
     def recorder(name):
         def fn(*args):
             seen.append((name, args))
-            return (codes.get(name, real.CUresult.CUDA_SUCCESS),)
+            code = codes.get(name, real.CUresult.CUDA_SUCCESS)
+            return shape(code) if name == "cuMemcpyBatchAsync" else (code,)
 
         return fn
 
@@ -369,18 +374,24 @@ def _batch_fake(monkeypatch, real, codes):
         CUmemcpyAttributes=real.CUmemcpyAttributes,
         CUmemcpySrcAccessOrder=real.CUmemcpySrcAccessOrder,
         CUmemcpyFlags=real.CUmemcpyFlags,
-        CUdeviceptr=int,
+        CUdeviceptr=real.CUdeviceptr,  # the real type: cuda-bindings 13 refuses plain ints in the batch lists
         **{name: recorder(name) for name in ("cuMemcpyAsync", "cuMemcpyBatchAsync", "cuStreamSynchronize",
                                              "cuEventRecord", "cuStreamWaitEvent", "cuStreamWaitValue64",
                                              "cuStreamWriteValue64")},
-    )
+    )  # fmt: skip
     monkeypatch.setattr(cuda, "ensure_driver", lambda: fake)
     return fake, seen
 
 
-def test_memcpy_all_batches_several_copies_and_copies_one_alone(monkeypatch):
+def _ints(pointers):
+    return [int(p) for p in pointers]
+
+
+@pytest.mark.parametrize("shape", [lambda code: (code,), lambda code: (code, 0), lambda code: code],
+                         ids=["bindings-13", "bindings-12-with-failIdx", "bare-result"])  # fmt: skip
+def test_memcpy_all_batches_several_copies_and_copies_one_alone(monkeypatch, shape):
     real = pytest.importorskip("cuda.bindings.driver")
-    _, seen = _batch_fake(monkeypatch, real, {})
+    _, seen = _batch_fake(monkeypatch, real, {}, shape)
     hot = drv.Hot(batch=True)
     hot.memcpy_all([(10, 20, 30), (40, 50, 60)], 7)
     hot.memcpy_all([(1, 2, 3)], 7)
@@ -388,46 +399,77 @@ def test_memcpy_all_batches_several_copies_and_copies_one_alone(monkeypatch):
     (name, args), single = seen
     assert name == "cuMemcpyBatchAsync"
     dsts, srcs, sizes, count, attrs, attr_indices, n_attrs, stream = args
-    assert (dsts, srcs, sizes, count, attr_indices, n_attrs, stream) == ([10, 40], [20, 50], [30, 60], 2, [0], 1, 7)
+    assert all(isinstance(p, real.CUdeviceptr) for p in dsts + srcs)
+    assert (_ints(dsts), _ints(srcs), sizes, count, attr_indices, n_attrs, stream) == (
+        [10, 40], [20, 50], [30, 60], 2, [0], 1, 7)  # fmt: skip
     (attr,) = attrs
     assert attr.srcAccessOrder == real.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
-    assert attr.flags == real.CUmemcpyFlags.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE  # keep copies off the SMs
+    assert attr.flags == real.CUmemcpyFlags.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE  # asks to leave SMs to compute
     assert single == ("cuMemcpyAsync", (1, 2, 3, 7))
 
 
-def test_memcpy_all_without_batching_copies_one_by_one_and_raises_driver_errors(monkeypatch):
+def test_memcpy_all_copies_one_by_one_without_batching_or_on_the_legacy_stream(monkeypatch):
     real = pytest.importorskip("cuda.bindings.driver")
-    _, seen = _batch_fake(monkeypatch, real, {"cuMemcpyBatchAsync": real.CUresult.CUDA_ERROR_INVALID_VALUE})
+    _, seen = _batch_fake(monkeypatch, real, {})
     drv.Hot(batch=False).memcpy_all([(10, 20, 30), (40, 50, 60)], 7)
-    assert seen == [("cuMemcpyAsync", (10, 20, 30, 7)), ("cuMemcpyAsync", (40, 50, 60, 7))]
+    drv.Hot(batch=True).memcpy_all([(10, 20, 30), (40, 50, 60)], 0)  # the driver refuses batches on stream 0
+    assert seen == [("cuMemcpyAsync", (10, 20, 30, 7)), ("cuMemcpyAsync", (40, 50, 60, 7)),
+                    ("cuMemcpyAsync", (10, 20, 30, 0)), ("cuMemcpyAsync", (40, 50, 60, 0))]  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", [lambda code: (code,), lambda code: (code, 1)])
+def test_memcpy_all_raises_a_refused_batch(monkeypatch, shape):
+    real = pytest.importorskip("cuda.bindings.driver")
+    _batch_fake(monkeypatch, real, {"cuMemcpyBatchAsync": real.CUresult.CUDA_ERROR_INVALID_VALUE}, shape)
     with pytest.raises(CudaError) as info:
         drv.Hot(batch=True).memcpy_all([(10, 20, 30), (40, 50, 60)], 7)
     assert info.value.call == "cuMemcpyBatchAsync" and info.value.name == "CUDA_ERROR_INVALID_VALUE"
 
 
 @pytest.mark.parametrize(
-    ("driver_version", "batch_code", "expect"),
-    [(13000, "ok", None), (12080, "ok", None), (12060, "ok", "need 12.8"),
-     (13000, "CUDA_ERROR_NOT_SUPPORTED", "cuMemcpyBatchAsync failed here")],
+    ("bindings_major", "driver_version", "expect"),
+    [(13, 13000, None), (12, 12080, None), (12, 12060, "need 12.8"),
+     (13, 12090, "need 13.0"),  # cuda-bindings 13 calls the 13.0 form, which a 12.9 driver lacks
+     (0, 12080, None)],  # version unknown: judged as 12.x bindings
 )  # fmt: skip
-def test_batch_copy_problem_tries_a_harmless_batch(monkeypatch, driver_version, batch_code, expect):
+def test_batch_api_problem_matches_bindings_to_driver(monkeypatch, bindings_major, driver_version, expect):
     real = pytest.importorskip("cuda.bindings.driver")
-    codes = {} if batch_code == "ok" else {"cuMemcpyBatchAsync": getattr(real.CUresult, batch_code)}
-    fake, seen = _batch_fake(monkeypatch, real, codes)
+    fake, seen = _batch_fake(monkeypatch, real, {})
     fake.cuDriverGetVersion = lambda: (real.CUresult.CUDA_SUCCESS, driver_version)
-    problem = drv.batch_copy_problem(1000, 5)
-    if expect is None:
-        assert problem is None
-        (batch, sync) = seen
-        assert batch[1][:3] == ([1016, 1024], [1000, 1008], [8, 8]) and batch[1][-1] == 5  # zeros over zeros
-        assert sync == ("cuStreamSynchronize", (5,))
-    else:
-        assert expect in problem
-        assert [name for name, _ in seen] == ([] if driver_version < 12080 else ["cuMemcpyBatchAsync"])
+    monkeypatch.setattr(drv, "_bindings_major", lambda: bindings_major)
+    problem = drv.batch_api_problem()
+    assert problem is None if expect is None else expect in problem
+    assert seen == []  # no GPU work
+
+
+def test_batch_copy_problem_tries_one_harmless_batch_then_synchronizes(monkeypatch):
+    real = pytest.importorskip("cuda.bindings.driver")
+    fake, seen = _batch_fake(monkeypatch, real, {})
+    fake.cuDriverGetVersion = lambda: (real.CUresult.CUDA_SUCCESS, 13000)
+    monkeypatch.setattr(drv, "_bindings_major", lambda: 13)
+    assert drv.batch_copy_problem(1000, 2000, 5) is None
+    (batch, sync) = seen
+    assert (_ints(batch[1][0]), _ints(batch[1][1]), batch[1][2]) == ([2000, 2008], [1000, 1008], [8, 8])
+    assert batch[1][-1] == 5 and sync == ("cuStreamSynchronize", (5,))
+
+
+def test_batch_copy_problem_reports_a_refusal_and_raises_a_failed_synchronize(monkeypatch):
+    real = pytest.importorskip("cuda.bindings.driver")
+    fake, seen = _batch_fake(monkeypatch, real, {"cuMemcpyBatchAsync": real.CUresult.CUDA_ERROR_NOT_SUPPORTED})
+    fake.cuDriverGetVersion = lambda: (real.CUresult.CUDA_SUCCESS, 13000)
+    monkeypatch.setattr(drv, "_bindings_major", lambda: 13)
+    assert "refused" in drv.batch_copy_problem(1000, 2000, 5)
+    assert [name for name, _ in seen] == ["cuMemcpyBatchAsync"]  # refused when enqueued: no synchronize
+
+    fake2, _ = _batch_fake(monkeypatch, real, {"cuStreamSynchronize": real.CUresult.CUDA_ERROR_ILLEGAL_ADDRESS})
+    fake2.cuDriverGetVersion = fake.cuDriverGetVersion
+    with pytest.raises(CudaError) as info:  # a broken context is not a reason to copy one by one: it is fatal
+        drv.batch_copy_problem(1000, 2000, 5)
+    assert info.value.name == "CUDA_ERROR_ILLEGAL_ADDRESS"
 
 
 def test_batch_copy_problem_names_old_bindings(monkeypatch):
     real = pytest.importorskip("cuda.bindings.driver")
     fake, _ = _batch_fake(monkeypatch, real, {})
     del fake.cuMemcpyBatchAsync
-    assert "cuda-bindings 12.8" in drv.batch_copy_problem(1000, 5)
+    assert "cuda-bindings 12.8" in drv.batch_copy_problem(1000, 2000, 5)
