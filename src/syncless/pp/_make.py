@@ -12,7 +12,7 @@ from syncless._core import config
 from syncless._core.errors import CopyEngineUnavailable
 from syncless._core.logs import log_once
 from syncless.pp._base import Transport
-from syncless.pp._copy_engine import INJECTABLE_FAILURES, open_copy_engine
+from syncless.pp._copy_engine_setup import INJECTABLE_FAILURES, open_copy_engine
 from syncless.pp._group import agree, cpu_group, next_tag, resolve_stages
 from syncless.pp._layout import TensorSpec, check_depth, persistent_device, specs_from_persistent
 from syncless.pp._torch_dist import TorchDistTransport

@@ -293,7 +293,7 @@ class _NoContext:
 
 def _fake_allocations(monkeypatch, allocations, failing=()):
     """Pretend ``data_ptr()`` values fall in ``allocations`` (base -> size); IPC export fails for ``failing``."""
-    from syncless.pp import _copy_engine
+    from syncless.pp import _copy_engine_setup
 
     exported = []
 
@@ -309,8 +309,8 @@ def _fake_allocations(monkeypatch, allocations, failing=()):
         exported.append(base)
         return base.to_bytes(8, "little") * 8
 
-    monkeypatch.setattr(_copy_engine.drv, "allocation_of", allocation_of)
-    monkeypatch.setattr(_copy_engine.drv, "ipc_handle", ipc_handle)
+    monkeypatch.setattr(_copy_engine_setup.drv, "allocation_of", allocation_of)
+    monkeypatch.setattr(_copy_engine_setup.drv, "ipc_handle", ipc_handle)
     return exported
 
 
@@ -326,7 +326,7 @@ class _FakeTensor:
 
 
 def test_share_persistent_gives_one_handle_per_allocation_and_each_tensor_its_offset(monkeypatch):
-    from syncless.pp._copy_engine import _share_persistent
+    from syncless.pp._copy_engine_setup import _share_persistent
 
     exported = _fake_allocations(monkeypatch, {0x10000: 0x10000, 0x40000: 0x1000})
     specs = {name: TensorSpec(torch.float32, (4,), 2) for name in ("a", "b", "c", "empty")}
@@ -340,7 +340,7 @@ def test_share_persistent_gives_one_handle_per_allocation_and_each_tensor_its_of
 
 def test_share_persistent_refuses_memory_ipc_cannot_share_and_says_what_to_do(monkeypatch):
     from syncless._core.errors import CopyEngineUnavailable
-    from syncless.pp._copy_engine import _share_persistent
+    from syncless.pp._copy_engine_setup import _share_persistent
 
     _fake_allocations(monkeypatch, {0x10000: 0x10000}, failing={0x10000})
     specs = {"hidden": TensorSpec(torch.bfloat16, (8,), 2)}

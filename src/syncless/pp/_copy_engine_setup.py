@@ -1,0 +1,300 @@
+"""Setting up the copy-engine transport: four collective steps, every rank failing alike.
+
+1. What each rank can tell alone: CUDA, 64-bit stream memory operations.
+2. Topology (one node, NVLink between every pair of stage GPUs), then each
+   rank allocates and zeroes its buffer (``_copy_engine`` describes its
+   layout) and shares the IPC handle, with the name and token of the socket
+   the previous stage will send metadata to (and, at depth 0, handles of
+   its persistent tensors).
+3. Each rank maps its neighbours' buffers, tries a batched copy into the
+   next stage's scratch bytes, and connects to the next stage's socket.
+4. Each rank accepts the previous stage's connection.
+
+Each step runs through :func:`~syncless.pp._group.agree`: any rank's failure
+makes every rank raise the same :class:`CopyEngineUnavailable`, after every
+rank has unmapped and freed what it made.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from syncless._core import cuda as cuda_core
+from syncless._core.errors import CopyEngineUnavailable, CudaError, PeerTimeoutError
+from syncless.pp import _driver as drv
+from syncless.pp import _meta_channel as meta_channel
+from syncless.pp._copy_engine import REGION_OFFSET, SCRATCH_NBYTES, SCRATCH_OFFSET, CopyEngineTransport
+from syncless.pp._eligibility import StageDevice, local_stage_device, mem_ops_problem, query_nvlink, topology_problem
+from syncless.pp._group import StageMap, agree, barrier
+from syncless.pp._layout import Layout, Ring, TensorSpec
+
+logger = logging.getLogger(__name__)
+
+INJECTABLE_FAILURES = ("mem_ops", "peer_open")
+
+
+def open_copy_engine(
+    *,
+    side_group: Any,
+    stages: StageMap,
+    specs: list[dict[str, TensorSpec]],
+    persistent: Mapping[str, torch.Tensor],
+    device: torch.device,
+    timeout_s: float,
+    depth: int,
+    inject_failure: str | None,
+) -> CopyEngineTransport:
+    """Set up the copy-engine transport; collective over the stages.
+
+    Every stage passes the same ``depth`` (``make_transport`` checked it):
+    each stage's receive buffer holds ``depth`` slots. Blocks the host
+    for four exchanges over the CPU group. Any failure on
+    any rank raises the same exception on every rank, after every rank has
+    unmapped and freed what it made.
+
+    Raises:
+        CopyEngineUnavailable: some stage cannot use copy engines (the message names the first).
+    """
+    what = f"{stages.name()} copy-engine set-up"
+    stack = contextlib.ExitStack()
+    with stack:
+        # Step 1: what each rank can tell alone (CUDA, memory ops).
+        def local_checks() -> StageDevice:
+            if inject_failure == "mem_ops":
+                raise CopyEngineUnavailable("64-bit stream memory operations refused (injected failure for tests)")
+            if device.type != "cuda":
+                raise CopyEngineUnavailable(f"this stage's tensors are on {device}, not a CUDA GPU")
+            problem = mem_ops_problem(device.index)
+            if problem:
+                raise CopyEngineUnavailable(problem)
+            return local_stage_device(device.index)
+
+        devices = agree(side_group, stages, "copy-engine set-up", local_checks)
+
+        ctx = drv.PrimaryContext(device.index)
+        stack.callback(ctx.release)
+        parts = Parts(ctx)
+        recv_ring = Ring(Layout.from_specs(specs[stages.index]), depth)
+        next_ring = Ring(Layout.from_specs(specs[stages.index + 1]), depth) if stages.next_rank is not None else None
+
+        # Step 2: topology (every pair of GPUs on NVLink), then allocate and export (with the name of
+        # the socket the previous stage will send metadata to).
+        def local_allocate() -> _Export:
+            try:
+                problem = topology_problem(devices, query_nvlink)
+            except cuda_core.nvml_errors() as err:
+                raise CopyEngineUnavailable(f"NVML could not tell whether the GPUs are NVLink-connected: {err}") from err
+            if problem:
+                raise CopyEngineUnavailable(problem)
+            with ctx:
+                parts.private_stream = drv.stream_create()
+                stack.callback(_in(ctx, drv.stream_destroy), parts.private_stream)
+                if next_ring is not None:
+                    parts.relay_stream = drv.stream_create()
+                    stack.callback(_in(ctx, drv.stream_destroy), parts.relay_stream)
+                stack.callback(_in(ctx, parts.destroy_events))
+                if next_ring is not None:
+                    parts.relay_in, parts.relay_out = parts.acquire_event(), parts.acquire_event()
+                    parts.sent = parts.acquire_event()
+                if stages.prev_rank is not None:
+                    parts.received = parts.acquire_event()
+                parts.buffer = drv.mem_alloc(REGION_OFFSET + recv_ring.nbytes)
+                stack.callback(_in(ctx, drv.mem_free), parts.buffer)
+                drv.mem_zero(parts.buffer, REGION_OFFSET + recv_ring.nbytes, parts.private_stream)
+                # The flags must read 0 before any peer can see the handle.
+                drv.stream_synchronize(parts.private_stream)
+                handle = drv.ipc_handle(parts.buffer)
+            if stages.prev_rank is None:
+                return _Export(handle)
+            targets, target_handles = _share_persistent(ctx, persistent, recv_ring.layout) if depth == 0 else ([], [])
+            try:
+                parts.listener = meta_channel.Listener()
+            except OSError as err:
+                raise CopyEngineUnavailable(f"could not create a local socket for the step metadata: {err}") from err
+            stack.callback(parts.listener.close)
+            return _Export(handle, parts.listener.name, parts.listener.token, targets, target_handles)
+
+        exported: list[_Export] = agree(side_group, stages, "copy-engine set-up", local_allocate)
+        handles = [export.buffer_handle for export in exported]
+        # From here peers may map our buffer: nobody frees before everybody unmapped.
+        stack.callback(barrier, side_group, timeout_s, "copy-engine tear-down")
+
+        # Step 3: map the neighbours' buffers.
+        def local_open() -> None:
+            if inject_failure == "peer_open":
+                raise CopyEngineUnavailable("opening the peer's CUDA IPC handle failed (injected failure for tests)")
+            with ctx:
+                for neighbour in (stages.index - 1, stages.index + 1):
+                    if 0 <= neighbour < len(stages.ranks):
+                        base = drv.ipc_open(handles[neighbour])
+                        stack.callback(_in(ctx, drv.ipc_close), base)
+                        parts.peer_base[neighbour] = base
+                if _sends_several_tensors(next_ring):
+                    # Try a batch on the path send() takes, into the next stage's mapped buffer: the first
+                    # half of our scratch (zeros) over the second half of its scratch (zeros nobody reads).
+                    parts.batch_problem = drv.batch_copy_problem(
+                        parts.buffer + SCRATCH_OFFSET,
+                        parts.peer_base[stages.index + 1] + SCRATCH_OFFSET + SCRATCH_NBYTES // 2,
+                        parts.private_stream,
+                    )
+                    if parts.batch_problem is not None:
+                        logger.debug("%s sends one copy per tensor: %s", stages.name(), parts.batch_problem)
+                if next_ring is not None and not depth:
+                    nxt = exported[stages.index + 1]
+                    bases = []
+                    for target_handle in nxt.target_handles:
+                        bases.append(drv.ipc_open(target_handle))
+                        stack.callback(_in(ctx, drv.ipc_close), bases[-1])
+                    parts.next_targets = [bases[which] + offset if which >= 0 else 0 for which, offset in nxt.targets]
+            if next_ring is not None:
+                nxt = exported[stages.index + 1]
+                try:
+                    parts.meta_out = meta_channel.connect(
+                        nxt.socket_name, nxt.token, 1 + len(next_ring.layout.specs), timeout_s, what
+                    )
+                except PeerTimeoutError as err:
+                    raise CopyEngineUnavailable(str(err)) from err
+                stack.callback(parts.meta_out.close)
+
+        agree(side_group, stages, "copy-engine set-up", local_open)
+
+        # Step 4: take the previous stage's metadata connection (made in step 3, so it is waiting).
+        def local_accept() -> None:
+            if parts.listener is None:
+                return
+            try:
+                parts.meta_in = parts.listener.accept(1 + len(recv_ring.layout.specs), timeout_s, what)
+            except PeerTimeoutError as err:
+                raise CopyEngineUnavailable(str(err)) from err
+            stack.callback(parts.meta_in.close)
+            parts.listener.close()  # nobody else may connect later (closing twice is harmless)
+
+        agree(side_group, stages, "copy-engine set-up", local_accept)
+        owned = stack.pop_all()
+    try:
+        return CopyEngineTransport(
+            stack=owned,
+            parts=parts,
+            side_group=side_group,
+            stages=stages,
+            recv_ring=recv_ring,
+            next_ring=next_ring,
+            persistent=dict(persistent),
+            device=device,
+            timeout_s=timeout_s,
+        )
+    except BaseException:
+        owned.close()  # nothing stays allocated or mapped if the object itself cannot be built
+        raise
+
+
+def _sends_several_tensors(next_ring: Ring | None) -> bool:
+    """Whether this stage sends steps of two or more tensors (only those can gain from a batched copy)."""
+    return next_ring is not None and len(next_ring.layout.specs) > 1
+
+
+class _Export(NamedTuple):
+    """What a stage shares with the others in set-up step 2."""
+
+    buffer_handle: bytes  # IPC handle of its flags + receive slots
+    socket_name: str | None = None  # where the previous stage sends metadata (None on the first stage)
+    token: bytes | None = None  # what that connection must present first
+    targets: Sequence[tuple[int, int]] = ()  # depth 0: (handle index, offset) per persistent tensor
+    target_handles: Sequence[bytes] = ()  # depth 0: one IPC handle per allocation holding persistent tensors
+
+
+def _share_persistent(
+    ctx: drv.PrimaryContext, persistent: Mapping[str, torch.Tensor], layout: Layout
+) -> tuple[list[tuple[int, int]], list[bytes]]:
+    """Depth 0: export the persistent tensors so the previous stage can copy straight into them.
+
+    Returns, per tensor in layout order, ``(index into the handle list, byte
+    offset in that allocation)`` (``(-1, 0)`` for a tensor of no bytes), and
+    one legacy IPC handle per distinct allocation (tensors that share one
+    allocation share its handle, so the sender maps each allocation once).
+
+    Raises:
+        CopyEngineUnavailable: an allocation cannot be shared over CUDA IPC.
+    """
+    targets: list[tuple[int, int]] = []
+    handles: list[bytes] = []
+    seen: dict[int, int] = {}
+    with ctx:
+        for name in layout.specs:
+            tensor = persistent[name]
+            if tensor.numel() == 0:
+                targets.append((-1, 0))
+                continue
+            try:
+                base, _ = drv.allocation_of(tensor.data_ptr())
+                if base not in seen:
+                    seen[base] = len(handles)
+                    handles.append(drv.ipc_handle(base))
+            except CudaError as err:
+                raise CopyEngineUnavailable(
+                    f"depth=0 copies straight into the persistent tensors, but persistent[{name!r}] is in memory "
+                    f"legacy CUDA IPC cannot share ({err}); allocate it with plain cudaMalloc (torch's default "
+                    "allocator: not expandable_segments, not cudaMallocAsync, not a custom pool) or use depth >= 1"
+                ) from err
+            targets.append((seen[base], tensor.data_ptr() - base))
+    return targets, handles
+
+
+def _in(ctx: drv.PrimaryContext, fn: Any) -> Any:
+    def run(*args: Any) -> None:
+        with ctx:
+            fn(*args)
+
+    return run
+
+
+class Parts:
+    """What set-up made, handed to the transport."""
+
+    def __init__(self, ctx: drv.PrimaryContext):
+        self.ctx = ctx
+        self.private_stream = 0
+        self.relay_stream = 0  # a sender's stand-in for the legacy default stream (see send())
+        self.relay_in: drv.Event | None = None
+        self.relay_out: drv.Event | None = None
+        self.sent: drv.Event | None = None  # recorded after each step's `full` write
+        self.received: drv.Event | None = None  # recorded after each step's `empty` write
+        #: why send() issues one copy per tensor instead of one batch (None: it batches)
+        self.batch_problem: str | None = "this stage sends fewer than two tensors per step"
+        self.buffer = 0
+        self.peer_base: dict[int, int] = {}
+        self.next_targets: list[int] = []  # depth 0: the next stage's persistent tensors, mapped here
+        self.listener: meta_channel.Listener | None = None
+        self.meta_in: meta_channel.Receiver | None = None  # from the previous stage
+        self.meta_out: meta_channel.Sender | None = None  # to the next stage
+        self.events: list[drv.Event] = []  # every event ever created, destroyed at the end
+        self.free_events: deque[drv.Event] = deque()
+        self.lock = threading.Lock()
+
+    def acquire_event(self) -> drv.Event:
+        """Return a free event (the context must be current)."""
+        try:
+            return self.free_events.popleft()  # deque operations are atomic: no lock on the hot path
+        except IndexError:
+            pass
+        event = drv.Event()
+        with self.lock:
+            self.events.append(event)
+        return event
+
+    def recycle_event(self, event: drv.Event) -> None:
+        self.free_events.append(event)
+
+    def destroy_events(self) -> None:
+        with self.lock:
+            events, self.events = self.events, []
+            self.free_events.clear()
+        for event in events:
+            event.destroy()
