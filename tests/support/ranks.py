@@ -28,13 +28,14 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-import socket
 import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
+
+from syncless._core.launch import SAFE_ENV, free_port
 
 _START = time.monotonic()
 _RANK: int | None = None
@@ -52,13 +53,6 @@ def say(message: str) -> None:
     """Print one progress line prefixed with this rank and the seconds since it started; flush at once."""
     who = "parent" if _RANK is None else f"rank {_RANK}"
     print(f"[{who} +{time.monotonic() - _START:.1f}s] {message}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _load(file: str, qualname: str) -> Callable[..., Any]:
@@ -164,7 +158,7 @@ def run_ranks(
     for rank in range(world_size):
         proc = ctx.Process(
             target=_child,
-            args=(file, qualname, rank, world_size, backend, init_method, devices, dict(env or {}), tuple(args),
+            args=(file, qualname, rank, world_size, backend, init_method, devices, {**SAFE_ENV, **(env or {})}, tuple(args),
                   results, max(timeout_s, 30.0)),
             daemon=True,
         )

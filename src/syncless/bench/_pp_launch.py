@@ -10,12 +10,12 @@ are kept, so a run that breaks late still reports what it measured.
 from __future__ import annotations
 
 import queue as queue_module
-import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from syncless._core.launch import free_port
 from syncless.bench._pp_plan import Plan
 
 FINISHED = "finished"
@@ -124,13 +124,6 @@ class Collector:
         self.outcome.complete = verdict == FINISHED
         self.outcome.failure = None if self.outcome.complete else verdict
         return self.outcome
-
-
-def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that was free a moment ago (for the torch.distributed store)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _drain(source: Any, collector: Collector, wait_s: float) -> None:

@@ -19,6 +19,7 @@ from datetime import timedelta
 from typing import Any
 
 from syncless._core.errors import CudaError, MissingDependencyError
+from syncless._core.launch import SAFE_ENV
 from syncless.bench._pp_cuda import Gate, PeerBuffer, SpinKernel, bind_primary_context, release_primary_context
 from syncless.bench._pp_interfere import run_gemm, run_pending
 from syncless.bench._pp_measure import run_bandwidth, run_latency
@@ -47,7 +48,8 @@ def child_main(rank: int, port: int, plan: Plan, queue: Any) -> None:
 
 
 def _set_up(rank: int, port: int, plan: Plan, report: Reporter) -> tuple[Rig, Any]:
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink SHARP / multicast objects
+    for name, value in SAFE_ENV.items():  # never NVLink SHARP / multicast objects
+        os.environ.setdefault(name, value)
     import torch
     import torch.distributed as dist
 
