@@ -6,11 +6,13 @@ run (see :mod:`._pp_measure` and :mod:`._pp_interfere` for how):
 1. sustained bandwidth from 64 KiB to 256 MiB per step: ours
    (``transport.send``/``recv``), torch.distributed NCCL send/recv, and a raw
    peer ``cuMemcpyAsync`` into a CUDA-IPC-opened buffer;
-2. one-way GPU latency by ping-pong at 64 KiB, 1 MiB and 8 MiB (ours, NCCL,
-   and the raw copy + flag floor);
+2. one-way GPU latency by ping-pong at 64 KiB, 1 MiB and 8 MiB (ours, ours
+   with ``depth=0``, NCCL, and the raw copy + flag floor), on the default
+   stream and again with each rank on a stream of its own;
 3. interference: a bf16 GEMM on the sending GPU while the link streams, and a
    kernel that needs every SM on the receiving GPU while a receive is pending;
-4. host CPU time per ``send()`` / ``recv()`` against NCCL's calls.
+4. host CPU time per ``send()`` / ``recv()`` against NCCL's calls (timed
+   inside the bandwidth loops).
 
 Needs two CUDA GPUs of one node. The parent process only starts the
 workers, relays their progress and writes the report; it blocks until they

@@ -14,9 +14,10 @@
   instead of hanging when a stream waits on a flag that never comes.
 
 Every driver call goes through :mod:`syncless._core.cuda`; torch and
-cuda-bindings are imported on first use only. All enqueueing calls here take
-the stream explicitly (a torch stream's ``cuda_stream`` handle) and never
-block the host.
+cuda-bindings are imported on first use only. The enqueueing helpers take
+the stream explicitly (a torch stream) and never block the host;
+:meth:`Gate.hold` enqueues on the current stream, and :class:`PeerBuffer`'s
+set-up synchronizes its context.
 """
 
 from __future__ import annotations

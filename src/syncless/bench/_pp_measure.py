@@ -3,7 +3,8 @@
 Every timed loop follows one recipe so the three methods are comparable:
 
 * the sending rank first holds its stream with a :class:`Gate` (a GPU sleep),
-  then enqueues the whole loop, so many steps are in flight and the GPU, not
+  then enqueues the whole loop, so the whole loop is queued ahead of the GPU
+  (ours keeps at most ``depth`` steps in flight on the link) and the GPU, not
   the host, sets the pace;
 * the time comes from CUDA events on the GPU that sees the data land (the
   receiver for bandwidth, rank 0 for the ping-pong), never from the host;
@@ -13,8 +14,9 @@ Every timed loop follows one recipe so the three methods are comparable:
 
 Stream ordering, bandwidth loop (ours; NCCL is the same with its own stream)::
 
-    rank 0  current: [gate sleep][copy 1 -> full=1][copy 2 -> full=2]...
-    rank 1  current: [wait full>=1][unpack 1]^first [wait full>=2][unpack 2] ... [unpack K]^last
+    rank 0  current: [gate sleep][copy 1 -> full=1][copy 2 -> full=2][wait empty>=1][copy 3 -> full=3]...
+    rank 1  current: [wait full>=1][slot -> persistent 1]^first [wait full>=2][slot -> persistent 2] ...
+                     [slot -> persistent K]^last
 
 ``first`` and ``last`` fire when step 1 and step K have landed on rank 1:
 ``(K - 1) * payload / (last - first)`` is the steady-state rate.

@@ -263,9 +263,10 @@ def notes(plan: Plan, outcome: Outcome) -> list[str]:
     out += [
         f"Each step moves two bf16 tensors (hidden and residual, {HIDDEN} wide): 8 MiB = a 256-token decode step, "
         "256 MiB = an 8k-token prefill. Data are fresh pseudo-random values, checked bit for bit on arrival.",
-        "Bandwidth: the sender's stream is held by a GPU sleep while its host enqueues the whole loop, so many steps "
-        "are in flight; GB/s = (K - 1) steps / time between the arrival of step 1 and step K, from CUDA events on the "
-        "receiver (raw: back-to-back cuMemcpyAsync into a CUDA-IPC-opened buffer, events on the sender); median of "
+        "Bandwidth: the sender's stream is held by a GPU sleep while its host enqueues the whole loop, so the loop "
+        "is queued ahead of the GPU (ours keeps at most depth = 2 steps in flight on the link); GB/s = (K - 1) "
+        "steps / time between the arrival of step 1 and step K, from CUDA events on the receiver (raw: "
+        "back-to-back cuMemcpyAsync into a CUDA-IPC-opened buffer, events on the sender); median of "
         f"{plan.bandwidth_reps} repeats.",
         "Latency: ping-pong between two transports (rank 0 -> 1 and back), both hosts enqueued ahead with rank 0 "
         "gated by a GPU sleep; one-way = round trip / 2 from CUDA events on rank 0; median of the repeats whose "

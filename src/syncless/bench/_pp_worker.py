@@ -6,9 +6,11 @@ for the baseline), the transports under test, the raw IPC buffers and the
 full-SM kernel, then runs the sections in a fixed order, identical on both
 ranks, posting results to the parent as each one finishes (so a later
 failure loses only what had not run yet). Sections, in order of risk:
-bandwidth, latency (NCCL, ours), GEMM interference, pending receive, and last
-the raw flag ping-pong (a stream waiting on a flag is the one thing here that
-could hang; :func:`~._pp_cuda.sync_device` turns that into an error).
+bandwidth (with host CPU per call), latency (NCCL, ours, ours with depth=0)
+on the default stream and again on a stream of each rank's own, GEMM
+interference, pending receive, and last the raw flag ping-pong on both kinds
+of stream (a stream waiting on a flag is the one thing here that could hang;
+:func:`~._pp_cuda.sync_device` turns that into an error).
 """
 
 from __future__ import annotations
@@ -146,7 +148,8 @@ def _open_raw(rig: Rig) -> None:
 
 
 def _make_transports(rig: Rig) -> None:
-    """Build the forward (0 -> 1) and reverse (1 -> 0) transports; record a failure instead of stopping."""
+    """Build the forward (0 -> 1) and reverse (1 -> 0) transports, and the same pair with depth=0 on copy
+    engines only; record a failure instead of stopping."""
     import torch
 
     try:

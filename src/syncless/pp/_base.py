@@ -29,15 +29,29 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def send(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Send this step's tensors (any row count up to the next stage's maximum) to the next stage."""
+        """Send this step's tensors (any row count up to the next stage's maximum) to the next stage.
+
+        Enqueues on the caller's current stream and returns without waiting
+        for the GPU; the caller may overwrite the tensors at once (on that
+        stream). Each implementation says when the host may wait.
+        """
 
     @abc.abstractmethod
     def recv(self) -> dict[str, torch.Tensor]:
-        """Receive the previous stage's next step into the persistent tensors; return views of them."""
+        """Receive the previous stage's next step into the persistent tensors; return views of them.
+
+        Blocks the host until the step's metadata arrives (at most the
+        timeout); the data lands in stream order on the caller's current
+        stream, so work queued there afterwards sees it.
+        """
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Release everything; every stage calls it (it may wait for the others)."""
+        """Release everything; every stage calls it.
+
+        Enqueues nothing on the caller's streams; blocks the host (each
+        implementation says for what: its queued transfers, the other stages).
+        """
 
     def __enter__(self) -> Transport:
         return self

@@ -18,7 +18,7 @@ N = 1, 2, ... uses slot s = (N - 1) % D on both sides (D = depth)::
     sender current:   ...caller's work... (pre) [wait empty >= N-D if N > D],
                       copy each tensor's rows -> peer slot s (copy engine), write peer.full = N (post)
     receiver current: ...earlier work... (pre) wait full >= N,
-                      copy peer slot s -> persistent, write sender.empty = N (post)
+                      copy own slot s -> persistent, write sender.empty = N (post)
 
 Within a slot a step is placed densely: tensor after tensor in layout
 order, each starting on the next 256-byte boundary after the previous one's
@@ -92,13 +92,14 @@ Why each ordering is safe:
   later work sees the new rows.
 
 A step's tensors go out as one ``cuMemcpyBatchAsync`` where the driver and
-cuda-bindings have it (tried once at set-up, into the next stage's buffer),
+cuda-bindings have it (a CUDA 13.0 driver with cuda-bindings 13, 12.8 with
+cuda-bindings 12.8+; tried once at set-up, into the next stage's buffer),
 which saves every tensor after the first its copy-engine start-up (about
 2.4 us on H200s); otherwise one ``cuMemcpyAsync`` each. Inside a batch the
 copies run in any order, which is fine: they write disjoint bytes.
 
 Host cost per step: a handful of driver calls, no host sync and no GPU
-allocation. The driver calls are bound once (``_driver.Hot``: results
+allocation (unless an input is non-contiguous: see send()). The driver calls are bound once (``_driver.Hot``: results
 checked inline, a failure raises the same ``CudaError`` as ``cuda.call``),
 and the primary context is pushed only when the calling thread does not
 already have it current (``_driver.ThreadBinding``: checked with the driver
@@ -165,8 +166,8 @@ class CopyEngineTransport(Transport):
         depth: steps that may be in flight on each link (slots per buffer; 0: none, straight into
             the persistent tensors).
         batched_copies: whether send() issues a step's tensors as one batched copy (False where this
-            stage sends fewer than two tensors, or the driver or cuda-bindings cannot; the debug log
-            says why).
+            stage sends fewer than two tensors, or the driver or cuda-bindings cannot, which the debug
+            log says).
     """
 
     backend = "copy_engine"
@@ -238,23 +239,28 @@ class CopyEngineTransport(Transport):
     def send(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Send one step to the next stage.
 
-        Enqueues on the caller's current stream of this stage's GPU: wait
-        until the next stage freed the step's slot (only when ``depth`` steps
-        are in flight; with depth 0, until the next stage's stream reached
-        ``recv()`` for this step), copy each tensor's rows into it (copy
-        engine, no SM),
-        and raise the next stage's ``full`` flag. That stream is held until
-        the data has crossed, so the caller may overwrite ``tensors`` (on that
-        stream) as soon as this returns. Blocks the host for none of it, only
-        to write the step's metadata to the next stage's socket (it waits
-        there only if that stage's host left a few hundred steps unread, at
-        most the timeout). Successive sends may run on different streams:
-        each step goes out after the previous one.
+        Enqueues on the caller's current stream of this stage's GPU (when
+        that is the legacy default stream, on a private relay stream fenced
+        to it by events before and after, with the same ordering for the
+        caller): wait until the next stage freed the step's slot (only when
+        ``depth`` steps are in flight; with depth 0, until the next stage's
+        stream reached ``recv()`` for this step), copy each tensor's rows
+        into it (copy engine, no SM; a non-contiguous input is first made
+        contiguous by a copy kernel on the current stream), and raise the
+        next stage's ``full`` flag. That stream is held until the data has
+        crossed, so the caller may overwrite ``tensors`` (on that stream) as
+        soon as this returns. Blocks the host for none of it, only to write
+        the step's metadata to the next stage's socket (it waits there only
+        if that stage's host left a few hundred steps unread, at most the
+        timeout). Successive sends may run on different streams: each step
+        goes out after the previous one.
 
         Raises:
             ValueError, TypeError: the step does not fit the next stage's layout (nothing was enqueued).
             PeerTimeoutError: an earlier step timed out, or the next stage took no metadata within the
                 timeout; the transport is unusable.
+            RuntimeError: this is the last stage, the transport is closed, or an earlier step failed
+                part-way (the transport is unusable).
         """
         if self._closed or self._failure is not None:
             self._check_usable()
@@ -344,7 +350,7 @@ class CopyEngineTransport(Transport):
         Blocks the host until the step's metadata arrives (at most the
         timeout), then enqueues on the caller's current stream of this
         stage's GPU: wait for the data, copy it into the persistent tensors,
-        tell the sender the region is free. Earlier work on that stream
+        tell the sender the slot is free. Earlier work on that stream
         overlaps the transfer; later work sees the data. With depth 0:
         tell the sender the persistent tensors are free (everything queued
         before is done), then wait for its copies into them; the transfer
@@ -352,6 +358,8 @@ class CopyEngineTransport(Transport):
 
         Raises:
             PeerTimeoutError: the previous stage sent nothing within the timeout, or an earlier step timed out.
+            RuntimeError: this is the first stage, the transport is closed, the peer's metadata does not
+                match (protocol error), or an earlier step failed part-way (the transport is unusable).
         """
         if self._closed or self._failure is not None:
             self._check_usable()

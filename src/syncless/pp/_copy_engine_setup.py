@@ -6,13 +6,16 @@
    layout) and shares the IPC handle, with the name and token of the socket
    the previous stage will send metadata to (and, at depth 0, handles of
    its persistent tensors).
-3. Each rank maps its neighbours' buffers, tries a batched copy into the
-   next stage's scratch bytes, and connects to the next stage's socket.
+3. Each rank maps its neighbours' buffers (and, at depth 0, the next
+   stage's persistent tensors), tries a batched copy into the next stage's
+   scratch bytes, and connects to the next stage's socket.
 4. Each rank accepts the previous stage's connection.
 
 Each step runs through :func:`~syncless.pp._group.agree`: any rank's failure
-makes every rank raise the same :class:`CopyEngineUnavailable`, after every
-rank has unmapped and freed what it made.
+makes every rank raise the same exception (:class:`CopyEngineUnavailable`
+when copy engines cannot be used, which ``make_transport`` may fall back
+from; any other error as itself, naming the stage), after every rank has
+unmapped and freed what it made.
 """
 
 from __future__ import annotations
@@ -55,12 +58,15 @@ def open_copy_engine(
 
     Every stage passes the same ``depth`` (``make_transport`` checked it):
     each stage's receive buffer holds ``depth`` slots. Blocks the host
-    for four exchanges over the CPU group. Any failure on
-    any rank raises the same exception on every rank, after every rank has
-    unmapped and freed what it made.
+    for four exchanges over the CPU group, and twice for a private stream
+    (zeroing the buffer; the trial of batched copies). Enqueues nothing on
+    the caller's streams. Any failure on any rank raises the same exception
+    on every rank, after every rank has unmapped and freed what it made.
 
     Raises:
         CopyEngineUnavailable: some stage cannot use copy engines (the message names the first).
+        PeerTimeoutError: a set-up exchange timed out.
+        RuntimeError, ValueError, TypeError: another failure on some stage, raised alike everywhere.
     """
     what = f"{stages.name()} copy-engine set-up"
     stack = contextlib.ExitStack()
@@ -90,7 +96,9 @@ def open_copy_engine(
             try:
                 problem = topology_problem(devices, query_nvlink)
             except cuda_core.nvml_errors() as err:
-                raise CopyEngineUnavailable(f"NVML could not tell whether the GPUs are NVLink-connected: {err}") from err
+                raise CopyEngineUnavailable(
+                    f"NVML could not tell whether the GPUs are NVLink-connected: {err}"
+                ) from err
             if problem:
                 raise CopyEngineUnavailable(problem)
             with ctx:

@@ -332,11 +332,6 @@ def mem_fill_bytes(ptr: int, value: int, nbytes: int, stream: int) -> None:
     cuda.call("cuMemsetD8Async", ptr, value, nbytes, stream)
 
 
-def memcpy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
-    """Enqueue a copy of ``nbytes`` (peer or local, inferred from the addresses) on ``stream``; does not block."""
-    cuda.call("cuMemcpyAsync", dst, src, nbytes, stream)
-
-
 def allocation_of(ptr: int) -> tuple[int, int]:
     """Return ``(base, nbytes)`` of the device allocation that contains address ``ptr``."""
     base, nbytes = cuda.call("cuMemGetAddressRange", ptr)
@@ -399,14 +394,6 @@ class Event:
         self.handle = cuda.call("cuEventCreate", int(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING))
         _count("event", 1)
 
-    def record(self, stream: int) -> None:
-        """Enqueue the event on ``stream``; does not block."""
-        cuda.call("cuEventRecord", self.handle, stream)
-
-    def wait_on(self, stream: int) -> None:
-        """Make ``stream`` wait for the latest record of this event; does not block the host."""
-        cuda.call("cuStreamWaitEvent", stream, self.handle, 0)
-
     def query(self) -> bool:
         """Return whether the latest record has completed; never blocks."""
         drv = _drv()
@@ -421,15 +408,6 @@ class Event:
         """Release the event (a pending record still completes)."""
         cuda.call("cuEventDestroy", self.handle)
         _count("event", -1)
-
-
-def wait_value_geq(stream: int, addr: int, value: int) -> None:
-    """Enqueue on ``stream``: hold later work until the 64-bit flag at ``addr`` is >= ``value`` (cyclic).
-
-    Does not block the host and holds no SM while waiting.
-    """
-    drv = _drv()
-    cuda.call("cuStreamWaitValue64", stream, addr, value, int(drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ))
 
 
 def write_value(stream: int, addr: int, value: int) -> None:

@@ -4,8 +4,9 @@ The rules (DESIGN.md section 3): CUDA; one node; every pair of pipeline GPUs
 connected by NVLink (PCIe peers are refused: the receiver's wait relies on
 NVLink delivering the data before the flag write that follows it; stages on
 one GPU count as connected); 64-bit stream memory operations. The functions
-that decide take the facts as arguments, so tests feed them fakes; only the
-``*_facts``/``query_*`` functions touch NVML or the driver.
+that decide take the facts as arguments, so tests feed them fakes; only
+``gather_local_facts``, ``query_nvlink``, ``device_uuid``,
+``local_stage_device`` and ``mem_ops_problem`` touch NVML or the driver.
 """
 
 from __future__ import annotations
@@ -187,7 +188,8 @@ def decide(facts: LocalFacts, setting: str = "auto") -> dict[str, Any]:
         )
     for (a, b), linked in sorted(facts.nvlink.items()):
         ok = linked is True
-        eligible = check(f"NVLink {a}<->{b}", ok, {True: "yes", False: "no (PCIe only)", None: "unknown"}[linked]) and eligible
+        detail = {True: "yes", False: "no (PCIe only)", None: "unknown"}[linked]
+        eligible = check(f"NVLink {a}<->{b}", ok, detail) and eligible
     for (a, b), peer in sorted(facts.peer_access.items()):
         ok = peer is True
         eligible = check(f"peer access {a}<->{b}", ok, {True: "yes", False: "no", None: "unknown"}[peer]) and eligible

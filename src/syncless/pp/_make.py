@@ -54,10 +54,11 @@ def make_transport(
     """Build the transport between this stage and its neighbours; collective over ``group``.
 
     Every stage calls it with the same ``group``, ``stage_ranks``,
-    ``backend`` and ``depth``. Blocks the host for a few exchanges over the group's CPU
-    side (a gloo group over the same ranks is created and cached when
-    ``group`` has no CPU backend); enqueues no GPU work except zeroing the
-    copy-engine buffers.
+    ``backend`` and ``depth``. Blocks the host for a few exchanges over a
+    private gloo group over the stages' ranks (made on first use, then
+    cached), and on the copy-engine path until a private stream has zeroed
+    this stage's buffer and run a 16-byte trial of batched copies into the
+    next stage's scratch bytes. Enqueues nothing on the caller's streams.
 
     Args:
         group: a torch.distributed process group, or None for the world.

@@ -10,10 +10,10 @@ socket rather than the gloo group:
 * a peer that dies closes its end, so a waiting receiver learns it at once
   instead of at the timeout.
 
-Set-up, collective over the stages (driven by ``_copy_engine``): the receiving
-stage creates a :class:`Listener` (an abstract-namespace name, nothing on the
-file system, and a random token), name and token travel in the set-up
-exchange over the process group, the sending stage calls :func:`connect`
+Set-up, collective over the stages (driven by ``_copy_engine_setup``): the
+receiving stage creates a :class:`Listener` (an abstract-namespace name,
+nothing on the file system, and a random token), name and token travel in the
+set-up exchange over the private gloo group (set-up step 2), the sending stage calls :func:`connect`
 (which sends the token first), and the receiving stage
 :meth:`Listener.accept`\\ s the connection that presents the token; any
 other local process that connects to the name is turned away. Abstract

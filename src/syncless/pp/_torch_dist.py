@@ -1,10 +1,11 @@
 """The torch.distributed transport: the same interface over ``isend``/``irecv`` on any backend.
 
 Metadata (step and row counts) goes first over the CPU group with a host
-timeout; the data follows on the pipeline group itself (NCCL for CUDA
-tensors, gloo for CPU tensors). Over a gloo-only group, CUDA tensors are
+timeout; the data follows on the pipeline group itself for NCCL (CUDA
+tensors), and over the private CPU group for gloo, so that a gloo timeout
+never breaks the caller's group. Over a gloo-only group, CUDA tensors are
 staged through host memory (the host then waits for each copy): a last resort
-that keeps CPU-less set-ups working, not a fast path.
+that keeps NCCL-less set-ups working, not a fast path.
 
 Ordering: the sender clones each tensor's rows on its current stream before
 handing them to the backend, so the caller may overwrite its tensors as soon
