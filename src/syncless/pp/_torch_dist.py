@@ -107,10 +107,15 @@ class TorchDistTransport(Transport):
         Clones the rows on the caller's current stream (staging them to host
         memory over a gloo-only group, which blocks the host), then posts the
         sends; NCCL runs them on its own stream after the clones. The caller
-        may overwrite ``tensors`` as soon as this returns.
+        may overwrite ``tensors`` as soon as this returns. With
+        ``MAX_SENDS_IN_FLIGHT`` steps still pending, the host first waits for
+        the oldest one (its metadata send, and with gloo its data), at most
+        the timeout.
 
         Raises:
             ValueError, TypeError: the step does not fit the next stage's layout (nothing was sent).
+            PeerTimeoutError: the oldest pending step did not go out within the timeout.
+            RuntimeError: this is the last stage, or the transport is closed or failed.
         """
         import torch.distributed as dist
 
