@@ -20,6 +20,7 @@ import threading
 from typing import Any
 
 from syncless._core import patching
+from syncless._core.tensor_calls import maybe_non_blocking_to, parse_to
 from syncless.cc import _routing, _streams
 from syncless.cc._stats import COUNTERS
 
@@ -48,15 +49,11 @@ def _emulate_wait(cuda_device: Any) -> None:
 
 
 def _wrap_to(next_to):
-    import torch
-
-    parse = torch._C._nn._parse_to
-
     def to(self, *args, **kwargs):
-        if _is_compiling() or not _routing.maybe_non_blocking_to(args, kwargs):
+        if _is_compiling() or not maybe_non_blocking_to(args, kwargs):
             return next_to(self, *args, **kwargs)
         result = next_to(self, *args, **kwargs)
-        device, _, non_blocking, _ = parse(*args, **{k: v for k, v in kwargs.items() if k != "copy"})
+        device, _, non_blocking, _ = parse_to(args, kwargs)
         if device is not None and _routing.needs_emulated_wait(self.device.type, device.type, non_blocking, False, False):
             _emulate_wait(device if device.type == "cuda" else self.device)
         return result

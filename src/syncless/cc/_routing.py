@@ -103,18 +103,6 @@ def needs_emulated_wait(src_type: str, dst_type: str, non_blocking: bool, compil
     return (src_type == "cuda") != (dst_type == "cuda") and "cuda" in (src_type, dst_type)
 
 
-def maybe_non_blocking_to(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
-    """Cheap pre-check for ``Tensor.to``: can this call carry ``non_blocking=True`` at all?
-
-    ``non_blocking`` is either a keyword or the 2nd/3rd positional argument
-    (``to(dtype, non_blocking)``, ``to(other, non_blocking)``,
-    ``to(device, dtype, non_blocking)``); a single positional argument never is.
-    """
-    if kwargs.get("non_blocking"):
-        return True
-    return len(args) >= 2 and any(a is True for a in args[1:3])
-
-
 def cuda_call_args(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[Any, bool, Any]:
     """Parse ``Tensor.cuda(device=None, non_blocking=False, memory_format=preserve)`` arguments.
 

@@ -15,6 +15,7 @@ import threading
 from typing import Any
 
 from syncless._core import config, patching
+from syncless._core.tensor_calls import maybe_non_blocking_to, parse_to
 from syncless.cc import _d2h, _emulation, _routing, _staging, _streams, _sync_patches
 from syncless.cc._d2h import WORKER
 from syncless.cc._stats import COUNTERS
@@ -108,13 +109,11 @@ def _describe(verb: str, t: Any) -> str:
 def _wrap_to(next_to):
     import torch
 
-    parse = torch._C._nn._parse_to
-
     def to(self, *args, **kwargs):
-        if _is_compiling() or not _routing.maybe_non_blocking_to(args, kwargs):
+        if _is_compiling() or not maybe_non_blocking_to(args, kwargs):
             return next_to(self, *args, **kwargs)
         try:
-            device, dtype, non_blocking, memory_format = parse(*args, **{k: v for k, v in kwargs.items() if k != "copy"})
+            device, dtype, non_blocking, memory_format = parse_to(args, kwargs)
         except (TypeError, RuntimeError, ValueError):
             return next_to(self, *args, **kwargs)  # let torch raise its own error for a bad call
         if device is None or not non_blocking:

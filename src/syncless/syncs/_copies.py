@@ -35,6 +35,7 @@ from typing import Any
 
 from syncless._core import patching
 from syncless._core.layouts import is_dense_layout
+from syncless._core.tensor_calls import maybe_non_blocking_to, parse_to
 from syncless.syncs import _report
 from syncless.syncs._state import checked_depth, is_violation_context
 
@@ -234,9 +235,9 @@ def _report_copy(reason: str, api: str) -> None:
 
 
 def _check_to(self: Any, args: tuple, kwargs: dict) -> None:
-    import torch
-
-    device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+    if not maybe_non_blocking_to(args, kwargs):
+        return
+    device, dtype, non_blocking, memory_format = parse_to(args, kwargs)
     if not non_blocking or device is None or _stepping_aside(self):
         return
     if self.is_cpu and device.type == "cuda":

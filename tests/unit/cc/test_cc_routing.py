@@ -80,22 +80,6 @@ def test_needs_emulated_wait(args, expected):
     assert r.needs_emulated_wait(*args) is expected
 
 
-@pytest.mark.parametrize(
-    ("args", "kwargs", "maybe"),
-    [
-        (("cuda",), {}, False),
-        (("cuda",), {"non_blocking": True}, True),
-        (("cuda",), {"non_blocking": False}, False),
-        (("cuda", None, True), {}, True),
-        (("float16", True), {}, True),
-        (("cuda", None, False), {}, False),
-        ((), {"device": "cuda"}, False),
-    ],
-)
-def test_maybe_non_blocking_to(args, kwargs, maybe):
-    assert r.maybe_non_blocking_to(args, kwargs) is maybe
-
-
 def test_cuda_call_args():
     assert r.cuda_call_args((), {}) == (None, False, None)
     assert r.cuda_call_args((1, True), {}) == (1, True, None)

@@ -171,3 +171,10 @@ def test_layout_predicates_agree_with_torch():
         # empty_like keeps the strides exactly when the tensor is non-overlapping and dense
         kept = all(n == 1 or a == b for n, a, b in zip(shape, stride, torch.empty_like(t).stride()))
         assert _copies.is_dense_layout(shape, stride) == kept, (shape, stride)
+
+
+def test_check_to_accepts_copy_true_like_torch():
+    # Inside a checked region the wrapper parses Tensor.to's arguments; copy= is valid there too.
+    t = base(4, 4)
+    _copies._check_to(t, ("cpu",), {"non_blocking": True, "copy": True})  # CPU -> CPU: nothing to report
+    _copies._check_to(t, (torch.float16,), {"copy": True})  # cannot be non_blocking: not even parsed
