@@ -12,12 +12,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
+from typing import TYPE_CHECKING
 
 from syncless._core.hardware import cuda_device_count
 from syncless._core.launch import run_ranks
-from syncless.demo._model import PRESETS
-from syncless.demo._stage import DemoOptions, StageResult, run_stage
-from syncless.demo._summary import format_summary
+from syncless.demo._config import PRESETS
+
+if TYPE_CHECKING:  # the stage code imports torch: only when the demo runs, not when the CLI starts
+    from syncless.demo._stage import DemoOptions
 
 __all__ = ["add_arguments", "plan", "run"]
 
@@ -41,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def plan(args: argparse.Namespace, gpus: int) -> DemoOptions:
     """Turn arguments and the GPU count into the options every stage runs with."""
+    from syncless.demo._stage import DemoOptions
+
     on_gpu = gpus > 0
     stages = args.stages if args.stages is not None else (gpus if on_gpu else 2)
     if stages < 1:
@@ -62,6 +66,9 @@ def plan(args: argparse.Namespace, gpus: int) -> DemoOptions:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo and print its summary; return 0 if the hot loop had no unallowed sync."""
+    from syncless.demo._stage import run_stage
+    from syncless.demo._summary import format_summary
+
     gpus = 0 if args.cpu else cuda_device_count()
     options = plan(args, gpus)
     where = f"{gpus} GPU(s)" if gpus else "the CPU (no GPU found)"
@@ -69,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
           f"{options.steps} steps x {options.micro_batches} micro-batch(es) x {options.batch} sequences", flush=True)
     backend = "cpu:gloo,cuda:nccl" if gpus else "gloo"
     start_s = time.perf_counter()
-    results: list[StageResult] = run_ranks(run_stage, options.stages, args=(options,), backend=backend,
+    results = run_ranks(run_stage, options.stages, args=(options,), backend=backend,
                                            timeout_s=args.timeout_s)
     print(format_summary(options, results, time.perf_counter() - start_s))
     return 0 if not any(r.syncs for r in results) else 1

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from syncless.demo._model import ModelConfig, Stage, split_layers
+from syncless.demo._config import ModelConfig, split_layers
+from syncless.demo._model import Stage
 
 
 @dataclass

@@ -74,3 +74,11 @@ def test_log_once(caplog):
         assert log_once(logger, logging.INFO, "unit-test-key", "fallback: %s", "reason")
         assert not log_once(logger, logging.INFO, "unit-test-key", "fallback: %s", "reason")
     assert [r.getMessage() for r in caplog.records] == ["fallback: reason"]
+
+
+def test_building_the_command_line_imports_no_torch():
+    # `syncless --help` and argument errors answer at once: torch (seconds to import) loads only to run a command.
+    code = "import sys; from syncless.cli import build_parser; build_parser(); print('torch' in sys.modules)"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.stdout.strip() == "False", out.stderr

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from syncless.demo import add_arguments, plan
-from syncless.demo._model import PRESETS, Stage, split_layers
+from syncless.demo._config import PRESETS, split_layers
+from syncless.demo._model import Stage
 
 
 def _args(*argv):

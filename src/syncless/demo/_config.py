@@ -1,0 +1,48 @@
+"""The demo model's sizes and how its layers split over stages (plain Python: the CLI imports it without torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Sizes of the demo model."""
+
+    vocab: int = 8192
+    hidden: int = 1024
+    heads: int = 16
+    layers: int = 8
+    max_tokens: int = 512
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` on sizes that cannot form a model."""
+        for name in ("vocab", "hidden", "heads", "layers", "max_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model {name} must be positive, got {getattr(self, name)}")
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
+
+
+PRESETS = {
+    "tiny": ModelConfig(vocab=1024, hidden=256, heads=4, layers=4, max_tokens=256),
+    "small": ModelConfig(),
+    "medium": ModelConfig(vocab=32768, hidden=4096, heads=32, layers=16, max_tokens=1024),
+}
+
+
+def split_layers(layers: int, stages: int) -> list[range]:
+    """Give each stage a contiguous, near-equal range of layer indices."""
+    if stages <= 0 or stages > layers:
+        raise ValueError(f"stages must be between 1 and the layer count ({layers}), got {stages}")
+    base, extra = divmod(layers, stages)
+    ranges, start = [], 0
+    for stage in range(stages):
+        count = base + (1 if stage < extra else 0)
+        ranges.append(range(start, start + count))
+        start += count
+    return ranges
