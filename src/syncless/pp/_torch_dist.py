@@ -33,7 +33,7 @@ import torch
 from syncless._core.errors import PeerTimeoutError
 from syncless.pp._base import Transport
 from syncless.pp._group import StageMap, discard_cpu_group, recv_meta
-from syncless.pp._layout import TensorSpec, validate_step
+from syncless.pp._layout import StepCheck, TensorSpec
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +83,9 @@ class TorchDistTransport(Transport):
         self._data_tag = tag + 1
         self._recv_specs = recv_specs
         self._send_specs = send_specs
+        self._send_check = (
+            StepCheck(send_specs, device, stages.name(stages.index + 1)) if send_specs is not None else None
+        )
         self._persistent = dict(persistent)
         self._timeout_s = timeout_s
         self._send_step = 0
@@ -122,14 +125,14 @@ class TorchDistTransport(Transport):
         self._check_usable()
         if self._send_specs is None:
             raise RuntimeError(f"{self._stages.name()} is the last stage: it has no next stage to send to")
-        rows = validate_step(self._send_specs, tensors, self.device, self._stages.name(self._stages.index + 1))
+        rows = self._send_check.rows(tensors)  # in layout order
         self._reap()
         step = self._send_step + 1
-        meta = torch.tensor([step, *(rows[name] for name in self._send_specs)], dtype=torch.int64)
+        meta = torch.tensor([step, *rows], dtype=torch.int64)
         meta_work = dist.isend(meta, dst=self._stages.next_rank, group=self._side_group, tag=self._meta_tag)
         payloads = []
-        for name in self._send_specs:
-            if rows[name]:
+        for name, count in zip(self._send_specs, rows):
+            if count:
                 source = tensors[name]
                 if self._stage_via_host:
                     payloads.append(source.to("cpu", copy=True).contiguous())
