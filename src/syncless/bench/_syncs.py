@@ -42,13 +42,6 @@ def _ns_per_call(body: Callable[[int], None], loops: int, repeats: int) -> float
     return statistics.median(samples)
 
 
-def _with_nullcontext(n: int) -> None:
-    nullcontext = contextlib.nullcontext
-    for _ in range(n):
-        with nullcontext():
-            pass
-
-
 def _context_loop(factory: Callable[[], Any]) -> Callable[[int], None]:
     def body(n: int) -> None:
         for _ in range(n):
@@ -148,7 +141,7 @@ def run(args: Any, progress: Callable[[str], None]) -> BenchOutput:
         try:
             # 1. allowed() with the mode off against a bare nullcontext.
             syncs.set_mode("off")
-            bare = _ns_per_call(_with_nullcontext, loops, repeats)
+            bare = _ns_per_call(_context_loop(contextlib.nullcontext), loops, repeats)
             disabled = _ns_per_call(_context_loop(syncs.allowed), loops, repeats)
             rows_allowed.append(["with nullcontext()", bare, 1.0])
             rows_allowed.append(["with allowed()  (mode off)", disabled, disabled / bare])
@@ -182,8 +175,9 @@ def run(args: Any, progress: Callable[[str], None]) -> BenchOutput:
                 rows_copy.append([name, original, outside, (outside - original) / 1000, inside,
                                   (inside - original_in) / 1000])
                 progress(f"{name}: original {original:.0f} ns, wrapped {outside:.0f} ns, in region {inside:.0f} ns")
-            if syncs.report():
-                raise RuntimeError("the benchmark's own copies were reported:\n" + syncs.report().format())
+            report = syncs.report()
+            if report:
+                raise RuntimeError("the benchmark's own copies were reported:\n" + report.format())
         finally:
             syncs.disable()
             syncs.reset()

@@ -41,7 +41,7 @@ class TensorSpec:
         count = 1
         for extent in self.row_shape:
             count *= extent
-        return count * torch.empty((), dtype=self.dtype).element_size()
+        return count * self.dtype.itemsize
 
     @property
     def nbytes(self) -> int:
