@@ -1,8 +1,10 @@
 """Run a function on N local ranks, each a spawned process with torch.distributed set up.
 
-Used by the demo, the pipeline benchmark and the multi-process tests. Every
-run has a hard deadline: a rank that hangs or dies is reported with what it
-printed last, and all ranks are killed, instead of a run that never ends.
+Used by the demo (the pipeline benchmark has its own launcher, which streams
+progress and keeps partial results; the tests have ``tests/support/ranks.py``,
+which loads test functions by file). Every run has a hard deadline: a rank
+that hangs or dies is reported with what it printed last, and all ranks are
+killed, instead of a run that never ends.
 """
 
 from __future__ import annotations

@@ -22,7 +22,6 @@ _lock = threading.Lock()
 _worker_streams: dict[int, Any] = {}
 _staging: dict[int, Any] = {}
 _order_events = threading.local()  # per thread: {device index: event}
-_created_handles: set[int] = set()
 
 
 def device_index(device: Any) -> int:
@@ -71,10 +70,7 @@ def create_private_stream(index: int) -> Any:
         handle = _cuda.call("cuStreamCreate", int(drv.CUstream_flags.CU_STREAM_NON_BLOCKING))
     finally:
         _cuda.call("cuCtxPopCurrent")
-    ptr = int(handle)
-    with _lock:
-        _created_handles.add(ptr)
-    return torch.cuda.ExternalStream(ptr, device=torch.device("cuda", index))
+    return torch.cuda.ExternalStream(int(handle), device=torch.device("cuda", index))
 
 
 def _private_stream_of(table: dict[int, Any], index: int) -> Any:
@@ -155,13 +151,3 @@ def any_current_capture(index: int) -> bool:
     if index == torch.cuda.current_device():
         return False
     return is_capturing(torch.cuda.current_stream(index))
-
-
-def was_created_here(handle: int) -> bool:
-    """Return whether ``handle`` is a stream this module created."""
-    return handle in _created_handles
-
-
-def ensure_driver() -> None:
-    """Import cuda-bindings and initialize the driver (raises MissingDependencyError with the fix)."""
-    _cuda.ensure_driver()
