@@ -21,6 +21,7 @@ import sys
 import threading
 import warnings
 
+from syncless._core.compiling import is_compiling
 from syncless.syncs import _debugmode, _report, _state
 from syncless.syncs._state import is_violation_context
 
@@ -66,7 +67,7 @@ def decide(message: object, category: type, start=None) -> _report.Violation | N
         return None
     if not is_violation_context():
         return None
-    if _is_compiling():
+    if is_compiling():  # torch is loaded: the warning came from it
         return None
     frame = start if start is not None else sys._getframe(1)
     return _report.locate(_report.KIND_EXPLICIT, None, _report.FIX_EXPLICIT, frame)
@@ -90,13 +91,6 @@ def showwarning(message, category, filename, lineno, file=None, line=None) -> No
     if _debugmode.armer.saved_level != _debugmode.LEVEL_OFF and not is_violation_context():
         # The user had torch's debug mode on before we armed it: keep their warnings.
         _forward(message, category, filename, lineno, file, line)
-
-
-def _is_compiling() -> bool:
-    torch = sys.modules.get("torch")
-    compiler = getattr(torch, "compiler", None)
-    is_compiling = getattr(compiler, "is_compiling", None)
-    return bool(is_compiling()) if is_compiling is not None else False
 
 
 def reassert() -> None:

@@ -17,6 +17,7 @@ import functools
 import sys
 
 from syncless._core import patching
+from syncless._core.compiling import is_compiling
 from syncless.syncs import _report, _state
 
 LAYER_KEY = "syncs"
@@ -37,17 +38,12 @@ def _targets() -> list[tuple[object, str, str]]:
     return targets
 
 
-def _is_compiling() -> bool:
-    torch = sys.modules["torch"]
-    return bool(torch.compiler.is_compiling())
-
-
 def _make_wrapper(operation: str, beneath):
     @functools.wraps(beneath)
     def wrapper(*args, **kwargs):
         # is_compiling() first: dynamo folds it to a constant, so tracing this
         # wrapper never reaches the ContextVar read.
-        if _is_compiling() or not _state.checked_depth.get() or not _state.is_violation_context():
+        if is_compiling() or not _state.checked_depth.get() or not _state.is_violation_context():
             return beneath(*args, **kwargs)
         violation = _report.locate(_report.KIND_WAIT, f"{operation} blocks the host until the GPU catches up", _report.FIX_WAIT, sys._getframe(1))
         if violation is not None:
