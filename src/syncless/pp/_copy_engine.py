@@ -226,8 +226,8 @@ class CopyEngineTransport(Transport):
         self._index = device.index
         torch.cuda.current_stream(device)  # torch's CUDA state is initialised before the raw lookups below
         self._recv_row_nbytes = [spec.row_nbytes for spec in self._recv_layout.specs.values()]
-        self._recv_targets = [(name, persistent[name].data_ptr()) for name in self._recv_layout.specs]
-        self._recv_what = f"{stages.name()} receiving step"
+        self._recv_targets = [persistent[name].data_ptr() for name in self._recv_layout.specs]
+        self._recv_what = f"{stages.name()} receiving step {{}}"
         if self._send_layout is not None:
             self._send_check = StepCheck(self._send_layout.specs, device, stages.name(stages.index + 1))
             self._send_row_nbytes = [spec.row_nbytes for spec in self._send_layout.specs.values()]
@@ -278,7 +278,13 @@ class CopyEngineTransport(Transport):
         # Non-contiguous inputs become contiguous temporaries on the current stream. `dense` holds
         # them until every copy is enqueued; after that, freeing is safe: the caching allocator
         # reuses a block on the current stream only behind the copies already enqueued there.
-        dense = [tensors[name].contiguous() for name in self._send_names]
+        dense: list[torch.Tensor] = []
+        copies: list[tuple[int, int, int]] = []
+        for name, destination, (_, nbytes) in zip(self._send_names, destinations, spans):
+            if nbytes:
+                tensor = tensors[name].contiguous()
+                dense.append(tensor)
+                copies.append((destination, tensor.data_ptr(), nbytes))
         parts, hot = self._parts, self._hot
         pushed = self._binding.enter()
         current = stream = _current_stream(self._index)
@@ -303,15 +309,13 @@ class CopyEngineTransport(Transport):
                 hot.wait_geq(stream, self._empty, step - depth)
             # One batched copy-engine operation for all tensors where the driver offers it (the
             # stream is never the legacy default one here: that case runs on the relay).
-            hot.memcpy_all([(destination, tensor.data_ptr(), nbytes)
-                            for tensor, destination, (_, nbytes) in zip(dense, destinations, spans) if nbytes],
-                           stream)  # fmt: skip
+            hot.memcpy_all(copies, stream)
             hot.write(stream, self._next_full, step)
             hot.record(parts.sent, stream)
             hot.record(post, stream)
             if relayed:
-                hot.record(parts.relay_out, stream)
-                hot.wait_event(parts.relay_out, current)
+                # The caller's later work waits for the whole step; `post` was just recorded there.
+                hot.wait_event(post, current)
         except BaseException as err:
             self._fail_mid_step(f"sending step {step}", err)
             if relayed:
@@ -320,7 +324,7 @@ class CopyEngineTransport(Transport):
         finally:
             self._binding.exit(pushed)
         self._last_send_stream = stream
-        self._watchdog.watch(Bracket(stream, pre, post, self._send_what.format(step)))
+        self._watchdog.watch(Bracket(stream, pre, post, self._send_what, step))
         try:
             parts.meta_out.send(step, rows)
         except BaseException as err:  # an interrupt too: the GPU part of the step is already enqueued
@@ -368,17 +372,17 @@ class CopyEngineTransport(Transport):
         layout = self._recv_layout
         step = self._recv_step + 1
         try:
-            meta = self._parts.meta_in.recv(self._timeout_s, f"{self._recv_what} {step}")
+            meta = self._parts.meta_in.recv(self._timeout_s, self._recv_what.format(step))
         except BaseException as err:  # an interrupt too: part of a message may have been read
             self._failure = err if isinstance(err, PeerTimeoutError) else RuntimeError(
-                f"{self._recv_what} {step}: interrupted while reading its metadata ({err!r}); "
+                f"{self._recv_what.format(step)}: interrupted while reading its metadata ({err!r}); "
                 "this transport is unusable: close() it"
             )
             raise
         rows = meta[1:]
         if meta[0] != step or not all(0 <= r <= spec.max_rows for r, spec in zip(rows, layout.specs.values())):
             self._failure = RuntimeError(
-                f"{self._recv_what} {step}: the peer's metadata {meta} does not match (protocol error)"
+                f"{self._recv_what.format(step)}: the peer's metadata {meta} does not match (protocol error)"
             )
             raise self._failure
         spans, _ = dense_spans(self._recv_row_nbytes, rows)
@@ -395,7 +399,7 @@ class CopyEngineTransport(Transport):
             if self.depth:
                 hot.record(pre, current)
                 hot.wait_geq(current, self._full, step)
-                for (_name, target), (offset, nbytes) in zip(self._recv_targets, spans):
+                for target, (offset, nbytes) in zip(self._recv_targets, spans):
                     if nbytes:
                         hot.memcpy(target, slot_base + offset, nbytes, current)
                 hot.write(current, self._prev_empty, step)
@@ -413,7 +417,7 @@ class CopyEngineTransport(Transport):
         finally:
             self._binding.exit(pushed)
         self._last_recv_stream = current
-        self._watchdog.watch(Bracket(current, pre, post, f"{self._recv_what} {step}"))
+        self._watchdog.watch(Bracket(current, pre, post, self._recv_what, step))
         self._recv_step = step
         persistent = self._persistent
         return {name: persistent[name][:count] for name, count in zip(layout.specs, rows)}

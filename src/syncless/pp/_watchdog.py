@@ -38,16 +38,23 @@ from syncless.pp._driver import Event
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
 class Bracket:
-    """One watched wait: events before and after it on ``stream``; ``what`` names it in the error."""
+    """One watched wait: events before and after it on ``stream``.
+
+    ``label.format(step)`` names it in the error; it is formatted only then, not on every step.
+    """
 
     stream: int
     pre: Event
     post: Event
-    what: str
+    label: str
+    step: int = 0
     reached_at: float | None = None
     released: bool = False
+
+    def what(self) -> str:
+        return self.label.format(self.step)
 
 
 class Watchdog:
@@ -135,5 +142,5 @@ class Watchdog:
                         head.reached_at = now
                 elif now - head.reached_at > self.timeout_s and not head.released:
                     head.released = True
-                    self._on_timeout(head.what, now - head.reached_at)
+                    self._on_timeout(head.what(), now - head.reached_at)
                 break

@@ -53,8 +53,8 @@ def _wait_until(condition, limit_s=5.0):
 
 def test_a_wait_past_its_timeout_fires_once_and_a_finished_one_never():
     fired = []
-    stuck = Bracket(1, FakeEvent(True), FakeEvent(False), "step 2")
-    dog = _watching(fired, Bracket(1, FakeEvent(True), FakeEvent(True), "step 1"), stuck)
+    stuck = Bracket(1, FakeEvent(True), FakeEvent(False), "step {}", 2)
+    dog = _watching(fired, Bracket(1, FakeEvent(True), FakeEvent(True), "step {}", 1), stuck)
     _wait_until(lambda: fired)
     time.sleep(0.3)  # several more polls past the timeout: still one call for this bracket
     assert [what for what, _ in fired] == ["step 2"] and fired[0][1] > 0.1
@@ -65,8 +65,8 @@ def test_a_later_wait_that_blocks_again_is_released_in_its_turn():
     # A late peer overwrote the release value: the next step's wait blocks again and must fire too,
     # or close() (wait_idle) would never return.
     fired = []
-    first = Bracket(7, FakeEvent(True), FakeEvent(False), "step 5")
-    second = Bracket(7, FakeEvent(False), FakeEvent(False), "step 6")
+    first = Bracket(7, FakeEvent(True), FakeEvent(False), "step {}", 5)
+    second = Bracket(7, FakeEvent(False), FakeEvent(False), "step {}", 6)
     dog = _watching(fired, first, second)
     _wait_until(lambda: len(fired) == 1)
     first.post.done = True  # the release let step 5 through ...
@@ -78,7 +78,7 @@ def test_a_later_wait_that_blocks_again_is_released_in_its_turn():
 
 def test_time_before_the_wait_is_reached_does_not_count():
     fired = []
-    busy = Bracket(3, FakeEvent(False), FakeEvent(False), "step 1")  # a long kernel ahead of the wait
+    busy = Bracket(3, FakeEvent(False), FakeEvent(False), "step {}", 1)  # a long kernel ahead of the wait
     dog = _watching(fired, busy)
     time.sleep(0.3)
     assert fired == []
