@@ -1,21 +1,33 @@
 """Run a function on N local ranks, each a spawned process with torch.distributed set up.
 
-Used by the demo (the pipeline benchmark has its own launcher, which streams
-progress and keeps partial results; the tests have ``tests/support/ranks.py``,
-which loads test functions by file). Every run has a hard deadline: a rank
-that hangs or dies is reported with what it printed last, and all ranks are
-killed, instead of a run that never ends.
+Used by the demo and by the multi-process tests (``tests/support/ranks.py``
+only sets the tests' defaults); the pipeline benchmark has its own launcher,
+which streams progress and keeps partial results. Every run has a hard
+deadline: a rank that raises, hangs or dies is reported with its traceback or
+exit code, and all ranks are killed, instead of a run that never ends.
+
+How a rank ends, in this order, because a dead peer can make the last two
+steps hang: it puts its result on the queue and waits until the queue's
+feeder thread has handed it over; it tears down its process group (errors
+ignored); it exits with ``os._exit`` (interpreter shutdown runs CUDA and NCCL
+exit hooks, which can block after a peer died). The parent has the result by
+then, and it kills whatever is still alive when it is done.
 """
 
 from __future__ import annotations
 
 import datetime
+import importlib.util
+import inspect
 import os
 import queue
 import socket
+import sys
+import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from syncless._core.errors import SynclessError
@@ -23,9 +35,19 @@ from syncless._core.errors import SynclessError
 # NVLink multicast can take shared machines out of service; keep it off in every rank.
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
+#: How long the parent waits for a result that may still be in flight from a rank that just exited.
+RESULT_GRACE_S = 0.5
+
+_started_at = time.monotonic()
+_rank: int | None = None
+
 
 class RankFailed(SynclessError):
-    """A rank raised, died or outlived the deadline; the message holds each rank's story."""
+    """A rank raised, died without a result, or outlived the deadline; the message holds each rank's story."""
+
+
+class RanksTimedOut(RankFailed):
+    """The run passed its deadline; every rank still alive was killed."""
 
 
 def free_port() -> int:
@@ -35,87 +57,195 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, init_method: str, backend: str,
-               timeout_s: float, env: dict[str, str], args: Sequence[Any], results: Any) -> None:
-    os.environ.update(env)
+def say(message: str) -> None:
+    """Print one progress line to stderr, prefixed with this rank and the seconds since it started; flush."""
+    who = "parent" if _rank is None else f"rank {_rank}"
+    print(f"[{who} +{time.monotonic() - _started_at:.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class _ByFile:
+    """A function the child loads again from its source file (a test module has no importable name)."""
+
+    file: str
+    qualname: str
+
+    def load(self) -> Callable[..., Any]:
+        name = f"_syncless_ranks_{abs(hash(self.file))}"
+        module = sys.modules.get(name)
+        if module is None:
+            spec = importlib.util.spec_from_file_location(name, self.file)
+            if spec is None or spec.loader is None:
+                raise ImportError(f"cannot load {self.file} to find {self.qualname}")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+        target: Any = module
+        for part in self.qualname.split("."):
+            target = getattr(target, part)
+        return target
+
+
+@dataclass(frozen=True)
+class _RankPlan:
+    """What every rank needs besides its number (pickled once per rank)."""
+
+    target: Callable[..., Any] | _ByFile
+    world_size: int
+    backend: str
+    init_method: str
+    devices: tuple[int, ...] | None
+    env: dict[str, str]
+    args: tuple[Any, ...]
+    group_timeout_s: float
+    progress: bool
+
+
+def _rank_main(plan: _RankPlan, rank: int, results: Any) -> None:
+    global _rank, _started_at
+    _rank, _started_at = rank, time.monotonic()
+    os.environ.update(plan.env)
     try:
+        import torch
         import torch.distributed as dist
 
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
-        try:
-            value = fn(rank, world_size, *args)
-        finally:
-            dist.destroy_process_group()
+        if plan.devices is not None:
+            torch.cuda.set_device(plan.devices[rank])
+        dist.init_process_group(plan.backend, init_method=plan.init_method, rank=rank, world_size=plan.world_size,
+                                timeout=datetime.timedelta(seconds=plan.group_timeout_s))
+        if plan.progress:
+            say(f"process group up ({plan.backend})")
+        fn = plan.target.load() if isinstance(plan.target, _ByFile) else plan.target
+        value = fn(rank, plan.world_size, *plan.args)
+        if plan.progress:
+            say("done")
         results.put((rank, "ok", value))
-    except BaseException:  # report every failure of a rank, whatever it was, to the parent
-        results.put((rank, "error", traceback.format_exc()))
+    except BaseException as err:  # noqa: BLE001 - every failure goes back to the parent with its traceback
+        results.put((rank, "error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
+    finally:
+        results.close()
+        results.join_thread()  # the result is with the parent before anything below can hang
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except BaseException:  # noqa: BLE001 - the result is reported; teardown must not replace it
+            pass
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(0)
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *, args: Sequence[Any] = (), backend: str = "gloo",
-              timeout_s: float = 300.0, env: dict[str, str] | None = None) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes.
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    args: Iterable[Any] = (),
+    backend: str = "gloo",
+    init: str = "tcp",
+    devices: Sequence[int] | None = None,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 300.0,
+    may_die: Iterable[int] = (),
+    load_by_file: bool = False,
+    progress: bool = False,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes; blocks until all report.
 
-    ``fn`` must be importable by name (a module-level function). Each rank
-    joins one torch.distributed group (``backend``: ``gloo``, ``nccl`` or
-    ``cpu:gloo,cuda:nccl``) over a fresh TCP port on 127.0.0.1.
+    Args:
+        fn: a module-level function. Pickled by name, unless ``load_by_file``: then each rank loads
+            it again from its source file (for test modules, which have no importable name).
+        backend: ``gloo``, ``nccl`` or ``cpu:gloo,cuda:nccl``.
+        init: where the ranks meet: ``tcp`` (127.0.0.1, a free port) or ``file`` (a fresh temporary file).
+        devices: each rank's CUDA device, set before its process group is created (NCCL needs it).
+        env: environment variables for the ranks, on top of :data:`SAFE_ENV`.
+        timeout_s: deadline for the whole run (the process group's own timeout is at least 30 s).
+        may_die: ranks allowed to end without a result (a test that kills one); their result is None.
+        progress: each rank prints a line when its group is up and when it is done (see :func:`say`).
 
     Returns:
         Each rank's return value, in rank order.
 
     Raises:
-        RankFailed: a rank raised (its traceback is in the message), exited
-            without a result, or the deadline ``timeout_s`` passed; all ranks
-            are killed first.
+        RankFailed: a rank raised (its traceback is in the message) or exited without a result and
+            was not in ``may_die``; every rank is killed first.
+        RanksTimedOut: the deadline passed; every rank still alive is killed first.
+        ValueError: ``init`` is neither ``tcp`` nor ``file``.
     """
     import torch.multiprocessing as mp
 
+    if init == "tcp":
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+    elif init == "file":
+        init_method = f"file://{os.path.join(tempfile.mkdtemp(prefix='syncless-ranks-'), 'rendezvous')}"
+    else:
+        raise ValueError(f"init must be 'tcp' or 'file'; got {init!r}")
+    name = getattr(fn, "__qualname__", repr(fn))
+    target = _ByFile(inspect.getsourcefile(fn) or "", name) if load_by_file else fn
+    plan = _RankPlan(target, world_size, backend, init_method, tuple(devices) if devices is not None else None,
+                     {**SAFE_ENV, **(env or {})}, tuple(args), max(timeout_s, 30.0), progress)
+    allowed_deaths = set(may_die)
     context = mp.get_context("spawn")
     results = context.Queue()
-    init_method = f"tcp://127.0.0.1:{free_port()}"
-    rank_env = {**SAFE_ENV, **(env or {})}
-    processes = [
-        context.Process(target=_rank_main, args=(fn, rank, world_size, init_method, backend, timeout_s, rank_env, args, results),
-                        name=f"syncless-rank{rank}", daemon=True)
-        for rank in range(world_size)
-    ]
+    processes = [context.Process(target=_rank_main, args=(plan, rank, results), name=f"syncless-rank{rank}", daemon=True)
+                 for rank in range(world_size)]
     for process in processes:
         process.start()
+    if progress:
+        say(f"started {world_size} ranks of {name} (timeout {timeout_s:g} s)")
     outcomes: dict[int, tuple[str, Any]] = {}
     deadline = time.monotonic() + timeout_s
-    timed_out = False
     try:
-        while len(outcomes) < world_size:
-            try:
-                rank, status, value = results.get(timeout=0.2)
-                outcomes[rank] = (status, value)
-                if status == "error":
-                    break
-            except queue.Empty:
-                pass
-            dead = [r for r, p in enumerate(processes) if r not in outcomes and p.exitcode is not None]
-            if dead and results.empty():
-                time.sleep(0.5)  # a result may still be in flight
-                if results.empty():
-                    for r in dead:
-                        outcomes[r] = ("error", f"rank {r} exited with code {processes[r].exitcode} without a result")
-                    break
-            if time.monotonic() > deadline:
-                timed_out = True
-                break
+        _collect(processes, results, outcomes, allowed_deaths, deadline)
     finally:
         for process in processes:
             if process.is_alive():
                 process.kill()
         for process in processes:
             process.join(timeout=10)
-    failures = {r: v for r, (s, v) in outcomes.items() if s == "error"}
+    failures = {r: text for r, (status, text) in outcomes.items() if status == "error"}
     missing = [r for r in range(world_size) if r not in outcomes]
     if failures or missing:
-        parts = [f"--- rank {r} failed:\n{text}" for r, text in sorted(failures.items())]
-        if missing and timed_out:
-            parts.append(f"--- ranks {missing} gave no result within {timeout_s:.0f} s (killed)")
-        elif missing:
-            parts.append(f"--- ranks {missing} were stopped after the failure above")
-        raise RankFailed("a rank failed:\n" + "\n".join(parts))
-    return [outcomes[r][1] for r in range(world_size)]
+        stories = [f"--- rank {r} failed:\n{text}" for r, text in sorted(failures.items())]
+        if missing and not failures:
+            alive_at_deadline = ", ".join(str(r) for r in missing)
+            raise RanksTimedOut(f"{name}: ranks [{alive_at_deadline}] gave no result within {timeout_s:g} s (killed)")
+        if missing:
+            stories.append(f"--- ranks {missing} were stopped after the failure above")
+        raise RankFailed(f"{name}: a rank failed:\n" + "\n".join(stories))
+    return [outcomes[r][1] if outcomes[r][0] == "ok" else None for r in range(world_size)]
+
+
+def _collect(processes: list[Any], results: Any, outcomes: dict[int, tuple[str, Any]], allowed_deaths: set[int],
+             deadline: float) -> None:
+    """Fill ``outcomes`` until every rank reported, one failed, or the deadline passed."""
+    while len(outcomes) < len(processes):
+        try:
+            rank, status, value = results.get(timeout=0.2)
+            outcomes[rank] = (status, value)
+            if status == "error":
+                return
+            continue
+        except queue.Empty:
+            pass
+        dead = [r for r, p in enumerate(processes) if r not in outcomes and p.exitcode is not None]
+        if dead:
+            time.sleep(RESULT_GRACE_S)  # a result may still be in flight
+            while True:
+                try:
+                    rank, status, value = results.get_nowait()
+                except queue.Empty:
+                    break
+                outcomes[rank] = (status, value)
+            for r in dead:
+                if r in outcomes:
+                    continue
+                if r in allowed_deaths:
+                    outcomes[r] = ("died", None)
+                else:
+                    outcomes[r] = ("error", f"exited with code {processes[r].exitcode} without a result")
+            if any(status == "error" for status, _ in outcomes.values()):
+                return
+        if time.monotonic() > deadline:
+            return

@@ -76,7 +76,6 @@ def run(args: argparse.Namespace) -> int:
           f"{options.steps} steps x {options.micro_batches} micro-batch(es) x {options.batch} sequences", flush=True)
     backend = "cpu:gloo,cuda:nccl" if gpus else "gloo"
     start_s = time.perf_counter()
-    results = run_ranks(run_stage, options.stages, args=(options,), backend=backend,
-                                           timeout_s=args.timeout_s)
+    results = run_ranks(run_stage, options.stages, args=(options,), backend=backend, timeout_s=args.timeout_s)
     print(format_summary(options, results, time.perf_counter() - start_s))
     return 0 if not any(r.syncs for r in results) else 1

@@ -1,12 +1,13 @@
 """run_ranks: results in rank order, a failing rank's traceback, a hung rank killed at the deadline."""
 
+import os
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from syncless._core.launch import RankFailed, run_ranks
+from syncless._core.launch import RankFailed, RanksTimedOut, run_ranks
 
 
 def _sum_ranks(rank, world_size, offset):
@@ -41,3 +42,33 @@ def test_hung_rank_is_killed_at_the_deadline():
     with pytest.raises(RankFailed, match=r"ranks \[0\] gave no result within 8 s"):
         run_ranks(_hang_on_rank_zero, 2, timeout_s=8)
     assert time.monotonic() - start < 40
+
+
+def _exit_on_rank_one(rank, world_size, code):
+    if rank == 1:
+        os._exit(code)
+    return rank
+
+
+def test_rank_that_dies_is_reported_with_its_exit_code():
+    with pytest.raises(RankFailed, match=r"(?s)rank 1 failed:\nexited with code 3 without a result"):
+        run_ranks(_exit_on_rank_one, 2, args=(3,), timeout_s=60)
+
+
+def test_rank_allowed_to_die_gives_none():
+    assert run_ranks(_exit_on_rank_one, 2, args=(0,), timeout_s=60, may_die={1}) == [0, None]
+
+
+def test_hung_rank_raises_ranks_timed_out():
+    with pytest.raises(RanksTimedOut):
+        run_ranks(_hang_on_rank_zero, 2, timeout_s=5)
+
+
+def test_load_by_file_and_file_rendezvous():
+    # This module is loaded again in each rank from its file (as for test modules without an importable name).
+    assert run_ranks(_sum_ranks, 2, args=(1,), init="file", load_by_file=True, timeout_s=60) == [(0, 3.0), (1, 3.0)]
+
+
+def test_unknown_rendezvous_is_refused():
+    with pytest.raises(ValueError, match="init must be 'tcp' or 'file'"):
+        run_ranks(_sum_ranks, 2, init="udp")
