@@ -95,7 +95,8 @@ class Violation:
         operation: what synchronized, in words.
         filename, lineno, function: the user's own frame that made the call.
         fix: what to do about it.
-        stack: the user's stack, outermost first, formatted.
+        stack: the user's stack, outermost first, formatted (empty for a repeat of a call site already
+            in the record, except in ``error`` mode, where the violation goes out with the exception).
         thread: name of the thread it happened on.
     """
 
@@ -158,8 +159,11 @@ def locate(kind: str, operation: str | None, fix: str, start: FrameType | None) 
     if operation is None:
         source = linecache.getline(filename, lineno).strip()
         operation = f"`{source}` called a synchronizing CUDA operation" if source else "a synchronizing CUDA operation"
-    frames = [entry for entry in traceback.extract_stack(frame, limit=24) if not entry.filename.startswith(_SYNCLESS_DIR)]
-    stack = "".join(traceback.format_list(frames[-16:]))
+    if settings.mode != "error" and recorder.knows(filename, lineno, operation):
+        stack = ""  # a repeat: the record keeps the first one's stack, and only error mode hands this one out
+    else:
+        frames = [e for e in traceback.extract_stack(frame, limit=24) if not e.filename.startswith(_SYNCLESS_DIR)]
+        stack = "".join(traceback.format_list(frames[-16:]))
     return Violation(kind, operation, filename, lineno, frame.f_code.co_name, fix, stack, threading.current_thread().name)
 
 
@@ -221,6 +225,10 @@ class _Recorder:
         self._lock = threading.Lock()
         self._sites: dict[tuple[str, int, str], SyncSite] = {}
         self._atexit_registered = False
+
+    def knows(self, filename: str, lineno: int, operation: str) -> bool:
+        """Whether this call site and operation are already in the record (no lock: a dict lookup)."""
+        return (filename, lineno, operation) in self._sites
 
     def add(self, violation: Violation) -> None:
         key = (violation.filename, violation.lineno, violation.operation)

@@ -120,3 +120,25 @@ def test_hook_drops_torchs_prototype_notice_and_forwards_other_warnings(monkeypa
     _hook.showwarning(UserWarning(_hook.TORCH_PROTOTYPE_TEXT + " and does not yet detect all"), UserWarning, "f.py", 1)
     _hook.showwarning(UserWarning("something else"), UserWarning, "f.py", 2)
     assert seen == ["something else"]
+
+
+def _locate_here(operation):
+    from syncless.syncs import _report
+
+    return _report.locate(_report.KIND_WAIT, operation, _report.FIX_WAIT, sys._getframe())  # one call site
+
+
+def test_a_repeated_site_skips_formatting_its_stack_except_in_error_mode(fake_mode, monkeypatch):
+    from syncless.syncs import _report, _state
+
+    syncs.reset()
+    first = _locate_here("a wait")
+    _report.recorder.add(first)
+    again = _locate_here("a wait")
+    assert "_locate_here" in first.stack and again.stack == ""
+    assert _locate_here("another wait").stack  # another operation at the same line is another site
+    monkeypatch.setattr(_state.settings, "mode", "error")
+    assert _locate_here("a wait").stack  # error mode raises it with the violation
+    _report.recorder.add(again)
+    assert syncs.report().sites[0].first.stack == first.stack and syncs.report().total == 2
+    syncs.reset()
