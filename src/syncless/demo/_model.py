@@ -31,11 +31,13 @@ class DecoderLayer(nn.Module):
         shape = (batch, cfg.heads, cfg.max_tokens, cfg.head_dim)
         self.register_buffer("k_cache", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
-        self.register_buffer("positions", torch.arange(cfg.max_tokens, device=device), persistent=False)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
 
-    def forward(self, x: torch.Tensor, position: int, first_row: int) -> torch.Tensor:
-        """Run one decode step for ``x`` (rows, hidden) at ``position``, cache rows from ``first_row``."""
+    def forward(self, x: torch.Tensor, later: torch.Tensor, position: int, first_row: int) -> torch.Tensor:
+        """Run one decode step for ``x`` (rows, hidden) at ``position``, cache rows from ``first_row``.
+
+        ``later`` marks the cache positions after ``position`` (bool, (max_tokens,)), which attention skips.
+        """
         batch = x.shape[0]
         rows = slice(first_row, first_row + batch)
         q, k, v = self.qkv(self.norm1(x)).view(batch, 3, self.cfg.heads, self.cfg.head_dim).unbind(1)
@@ -44,7 +46,7 @@ class DecoderLayer(nn.Module):
         # Attend over the whole cache with later positions masked: the shapes stay the same every
         # step, so no per-shape set-up (cuDNN attention builds a plan per new length) and no sync.
         scores = torch.matmul(q.unsqueeze(2), self.k_cache[rows].transpose(-1, -2)).squeeze(2)
-        scores = scores.masked_fill(self.positions > position, float("-inf")) * self.scale
+        scores = scores.masked_fill(later, float("-inf")) * self.scale
         weights = torch.softmax(scores.float(), dim=-1).to(x.dtype)
         attended = torch.matmul(weights.unsqueeze(2), self.v_cache[rows]).reshape(batch, self.cfg.hidden)
         x = x + self.proj(attended)
@@ -64,6 +66,7 @@ class Stage(nn.Module):
             torch.manual_seed(seed)
             self.embed = nn.Embedding(cfg.vocab, cfg.hidden, device=device, dtype=dtype)
             self.position_embed = nn.Embedding(cfg.max_tokens, cfg.hidden, device=device, dtype=dtype)
+        self.register_buffer("cache_positions", torch.arange(cfg.max_tokens, device=device), persistent=False)
         self.layers = nn.ModuleList()
         for index in layer_ids:
             torch.manual_seed(seed + 1 + index)
@@ -90,8 +93,9 @@ class Stage(nn.Module):
         """
         if self.embed is not None:
             x = self.embed(x) + self.position_embed(positions)
+        later = self.cache_positions > position  # one mask for every layer
         for layer in self.layers:
-            x = layer(x, position, first_row)
+            x = layer(x, later, position, first_row)
         if self.head is not None:
             x = self.head(self.norm(x)).argmax(dim=-1)
         return x

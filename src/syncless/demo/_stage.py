@@ -17,6 +17,8 @@ it would make are recorded by the detector.
 from __future__ import annotations
 
 import time
+from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,7 +113,7 @@ def run_stage(rank: int, world_size: int, options: DemoOptions) -> StageResult:
     generator = torch.Generator().manual_seed(options.seed + 17)
     prompts = [torch.randint(0, cfg.vocab, (rows,), generator=generator) for _ in range(micro)]
     local_tokens: list[torch.Tensor | None] = [None] * micro
-    readbacks: list[tuple[torch.Tensor, Any]] = []
+    readbacks: deque[tuple[torch.Tensor, Any]] = deque(maxlen=4)  # the summary shows the last few
     total_steps = options.warmup_steps + options.steps
 
     def upload(host: torch.Tensor) -> torch.Tensor:
@@ -122,10 +124,10 @@ def run_stage(rank: int, world_size: int, options: DemoOptions) -> StageResult:
 
     def one_step(step: int) -> None:
         position = step % cfg.max_tokens
+        # Every row of a step decodes at the same position: one upload serves all micro-batches.
+        positions = upload(torch.full((rows,), position, dtype=torch.int64)) if first else None
         for slot in range(micro):
-            positions = None
             if first:
-                positions = upload(torch.full((rows,), position, dtype=torch.int64))
                 if step == 0:
                     x = upload(prompts[slot])
                 elif world_size == 1:
@@ -189,10 +191,10 @@ def _read_back(tokens: torch.Tensor, d2h_stream: Any) -> tuple[torch.Tensor, Any
     return host, done
 
 
-def _collect_tokens(readbacks: list[tuple[torch.Tensor, Any]]) -> list[list[int]]:
-    """After the loop: wait for the last read-backs and return a few for the summary."""
+def _collect_tokens(readbacks: Iterable[tuple[torch.Tensor, Any]]) -> list[list[int]]:
+    """After the loop: wait for the last read-backs and return them for the summary."""
     sample = []
-    for host, done in readbacks[-4:]:
+    for host, done in readbacks:
         if done is not None:
             done.synchronize()
         sample.append(host[:8].tolist())
