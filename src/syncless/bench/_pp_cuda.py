@@ -13,51 +13,65 @@
 * :func:`sync_device`: ``torch.cuda.synchronize`` that gives up with an error
   instead of hanging when a stream waits on a flag that never comes.
 
-Every driver call goes through :mod:`syncless._core.cuda`; torch and
-cuda-bindings are imported on first use only. The enqueueing helpers take
-the stream explicitly (a torch stream) and never block the host;
-:meth:`Gate.hold` enqueues on the current stream, and :class:`PeerBuffer`'s
-set-up synchronizes its context.
+The context, the buffer's allocation and IPC calls, the copies and the flag
+writes and waits are the copy-engine transport's own (:mod:`syncless.pp._driver`),
+so the baseline issues exactly the driver calls the transport does; the rest
+goes through :mod:`syncless._core.cuda`. torch and cuda-bindings are imported
+on first use only. The enqueueing helpers take the stream explicitly (a torch
+stream) and never block the host; :meth:`Gate.hold` enqueues on the current
+stream, and :class:`PeerBuffer`'s set-up synchronizes its context.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from syncless._core import cuda
 from syncless._core.errors import MissingDependencyError
 
-IPC_HANDLE_NBYTES = 64
+if TYPE_CHECKING:
+    from syncless.pp._driver import Hot, PrimaryContext
+
 FLAG_REGION_NBYTES = 4096  # flags live in the first page; data starts page-aligned after it
 
 
-def _driver() -> Any:
-    return cuda.ensure_driver()
+def _pp_driver() -> ModuleType:
+    # Imported on first use: syncless.pp imports torch, which a worker loads
+    # only after it has set its environment (SAFE_ENV).
+    from syncless.pp import _driver
+
+    return _driver
 
 
-def bind_primary_context(ordinal: int) -> Any:
+def bind_primary_context(ordinal: int) -> PrimaryContext:
     """Make GPU ``ordinal``'s primary context (the one torch uses) current on this thread.
 
-    Retains it (released by :func:`release_primary_context`) so that the
-    driver calls of this module run in torch's context whatever the runtime
-    left current. Blocks the host only on first use of the GPU.
+    Retains it (drop that with the returned context's ``release()``) so that
+    the driver calls of this module run in torch's context whatever the
+    runtime left current. Blocks the host only on first use of the GPU.
     """
-    device = cuda.call("cuDeviceGet", ordinal)
-    context = cuda.call("cuDevicePrimaryCtxRetain", device)
-    cuda.call("cuCtxSetCurrent", context)
-    return device
-
-
-def release_primary_context(device: Any) -> None:
-    """Drop the retain taken by :func:`bind_primary_context`."""
-    cuda.call("cuDevicePrimaryCtxRelease", device)
+    context = _pp_driver().PrimaryContext(ordinal)
+    try:
+        context.make_current()
+    except BaseException:
+        context.release()
+        raise
+    return context
 
 
 def stream_handle(stream: Any) -> Any:
     """Return the driver handle of a torch stream."""
-    return _driver().CUstream(int(stream.cuda_stream))
+    return cuda.ensure_driver().CUstream(int(stream.cuda_stream))
+
+
+@functools.cache
+def _hot() -> Hot:
+    # One set of bound driver calls per process, made on first use (never at import).
+    return _pp_driver().Hot()
 
 
 def memcpy_async(dst: int, src: int, nbytes: int, stream: Any) -> None:
@@ -65,22 +79,17 @@ def memcpy_async(dst: int, src: int, nbytes: int, stream: Any) -> None:
 
     Between two GPUs this runs on a copy engine. Does not block the host.
     """
-    drv = _driver()
-    cuda.call("cuMemcpyAsync", drv.CUdeviceptr(dst), drv.CUdeviceptr(src), nbytes, stream_handle(stream))
+    _hot().memcpy(dst, src, nbytes, stream.cuda_stream)
 
 
 def write_flag(address: int, value: int, stream: Any) -> None:
     """Enqueue ``*address = value`` (64-bit) on ``stream``, after all its earlier work. Does not block the host."""
-    drv = _driver()
-    flags = int(drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
-    cuda.call("cuStreamWriteValue64", stream_handle(stream), drv.CUdeviceptr(address), value, flags)
+    _hot().write(stream.cuda_stream, address, value)
 
 
 def wait_flag(address: int, value: int, stream: Any) -> None:
     """Make ``stream`` wait until ``*address >= value`` (64-bit), holding no SM. Does not block the host."""
-    drv = _driver()
-    flags = int(drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
-    cuda.call("cuStreamWaitValue64", stream_handle(stream), drv.CUdeviceptr(address), value, flags)
+    _hot().wait_geq(stream.cuda_stream, address, value)
 
 
 class PeerBuffer:
@@ -93,21 +102,20 @@ class PeerBuffer:
     """
 
     def __init__(self, data_nbytes: int):
-        drv = _driver()
+        drv = _pp_driver()
         self.data_nbytes = data_nbytes
-        self.local = int(cuda.call("cuMemAlloc", FLAG_REGION_NBYTES + data_nbytes))
+        self.local = drv.mem_alloc(FLAG_REGION_NBYTES + data_nbytes)
         self.peer: int | None = None
         try:
             # Zero the flags before the handle is shared: a peer's first wait must
-            # not see stale memory. cuMemsetD8 on device memory may return before
-            # it is done, hence the context synchronize.
-            cuda.call("cuMemsetD8", drv.CUdeviceptr(self.local), 0, FLAG_REGION_NBYTES + data_nbytes)
+            # not see stale memory. The fill is enqueued on the legacy default
+            # stream (handle 0), hence the context synchronize.
+            drv.mem_zero(self.local, FLAG_REGION_NBYTES + data_nbytes, 0)
             cuda.call("cuCtxSynchronize")
-            handle = cuda.call("cuIpcGetMemHandle", drv.CUdeviceptr(self.local))
+            self.handle_bytes = drv.ipc_handle(self.local)
         except BaseException:
             self.free()
             raise
-        self.handle_bytes = ctypes.string_at(handle.getPtr(), IPC_HANDLE_NBYTES)
 
     @property
     def local_flag(self) -> int:
@@ -133,24 +141,18 @@ class PeerBuffer:
 
     def open_peer(self, handle_bytes: bytes) -> None:
         """Map the peer's buffer into this context (peer access enabled lazily). Blocks the host briefly."""
-        drv = _driver()
-        if len(handle_bytes) != IPC_HANDLE_NBYTES:
-            raise ValueError(f"an IPC handle has {IPC_HANDLE_NBYTES} bytes; got {len(handle_bytes)}")
-        raw = ctypes.create_string_buffer(handle_bytes, IPC_HANDLE_NBYTES)
-        handle = drv.CUipcMemHandle(ctypes.addressof(raw))
-        flags = int(drv.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
-        self.peer = int(cuda.call("cuIpcOpenMemHandle", handle, flags))
+        self.peer = _pp_driver().ipc_open(handle_bytes)
 
     def close_peer(self) -> None:
         """Unmap the peer's buffer (call after every copy into it has finished)."""
         if self.peer is not None:
-            cuda.call("cuIpcCloseMemHandle", _driver().CUdeviceptr(self.peer))
+            _pp_driver().ipc_close(self.peer)
             self.peer = None
 
     def free(self) -> None:
         """Free this rank's buffer (call after the peer closed its mapping)."""
         if self.local:
-            cuda.call("cuMemFree", _driver().CUdeviceptr(self.local))
+            _pp_driver().mem_free(self.local)
             self.local = 0
 
 
@@ -237,7 +239,7 @@ class SpinKernel:
     """
 
     def __init__(self, ordinal: int, capability: tuple[int, int]):
-        drv = _driver()
+        drv = cuda.ensure_driver()
         arch = f"sm_{capability[0]}{capability[1]}"
         cubin = compile_cubin(SPIN_KERNEL_SOURCE, SPIN_KERNEL_NAME, arch)
         image = ctypes.create_string_buffer(cubin, len(cubin))

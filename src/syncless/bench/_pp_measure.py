@@ -76,6 +76,31 @@ def _cpu_record(thread_s: list[float], process_s_per_step: list[float]) -> dict[
     }
 
 
+def _payload_check(rows: int, seed: int, device: Any) -> Callable[[Any], bool]:
+    """Return a check that a received payload is ``make_payload(rows, seed, device)`` bit for bit.
+
+    The expected payload is regenerated only when the check runs (it synchronizes the host).
+    """
+
+    def check(out: Any) -> bool:
+        return same_bits(out, make_payload(rows, seed, device))
+
+    return check
+
+
+def _raw_landed_equals(rig: Rig, nbytes: int, expected: Any, what: str) -> bool:
+    """Return whether the ``nbytes`` in this rank's raw buffer equal ``expected`` (int16), bit for bit.
+
+    Copies them out on the current stream, then waits for the GPU (blocks the host).
+    """
+    import torch
+
+    landed = torch.empty(nbytes // 2, dtype=torch.int16, device=rig.device)
+    memcpy_async(landed.data_ptr(), rig.raw.local_data, nbytes, torch.cuda.current_stream())
+    rig.sync(what)
+    return bool(torch.equal(landed, expected))
+
+
 # Bandwidth -------------------------------------------------------------------------
 
 
@@ -150,10 +175,7 @@ def bandwidth_raw(rig: Rig, nbytes: int, seed: int) -> float:
             {"gbps": result, "reps_gbps": reps, "steps": steps, "ahead": aheads, "gate_ms": tuner.ms},
         )
         return result
-    landed = torch.empty(nbytes // 2, dtype=torch.int16, device=rig.device)
-    memcpy_async(landed.data_ptr(), rig.raw.local_data, nbytes, stream)
-    rig.sync("raw peer copy: check")
-    data_ok = bool(torch.equal(landed, pattern(nbytes // 2, seed, rig.device)))
+    data_ok = _raw_landed_equals(rig, nbytes, pattern(nbytes // 2, seed, rig.device), "raw peer copy: check")
     rig.report.result(("bandwidth", "raw", nbytes), {"data_ok": data_ok})
     return NAN
 
@@ -246,9 +268,7 @@ def bandwidth_nccl(rig: Rig, nbytes: int, seed: int) -> float:
         wait_all(nccl_recv(rig, into))
         return into
 
-    def check(out: Any) -> bool:
-        return same_bits(out, make_payload(rows, seed, rig.device))
-
+    check = _payload_check(rows, seed, rig.device)
     steps = rig.plan.steps_for(nbytes)
     return _bandwidth_loop(
         rig, "nccl", nbytes, send_one, recv_one, lambda: poison(into), check, 5.0 + 0.2 * steps
@@ -269,9 +289,7 @@ def bandwidth_ours(rig: Rig, nbytes: int, seed: int) -> float:
     def before_rep() -> None:
         poison(rig.persistent["fwd"])
 
-    def check(out: Any) -> bool:
-        return same_bits(out, make_payload(rows, seed, rig.device))
-
+    check = _payload_check(rows, seed, rig.device)
     steps = rig.plan.steps_for(nbytes)
     return _bandwidth_loop(rig, "ours", nbytes, send_one, recv_one, before_rep, check, 10.0 + 0.5 * steps)
 
@@ -324,8 +342,6 @@ def latency(rig: Rig, nbytes: int, seed: int, method: str) -> float:
 
 
 def _latency_on_current_stream(rig: Rig, nbytes: int, seed: int, method: str, base: str) -> float:
-    import torch
-
     plan = rig.plan
     rows = rows_for(nbytes)
     iters = plan.latency_iters
@@ -373,10 +389,7 @@ def _latency_on_current_stream(rig: Rig, nbytes: int, seed: int, method: str, ba
     if not rig.sender:
         return NAN
     if base == "raw_flags":
-        landed = torch.empty(nbytes // 2, dtype=torch.int16, device=rig.device)
-        memcpy_async(landed.data_ptr(), rig.raw.local_data, nbytes, torch.cuda.current_stream())
-        rig.sync("raw ping-pong: check")
-        data_ok = bool(torch.equal(landed, state["x"]))
+        data_ok = _raw_landed_equals(rig, nbytes, state["x"], "raw ping-pong: check")
     else:
         data_ok = same_bits(last, state["x"])
     chosen = good or [a["rtt_us"] for a in attempts]

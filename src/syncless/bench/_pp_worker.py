@@ -22,11 +22,11 @@ from typing import Any
 
 from syncless._core.errors import CudaError, MissingDependencyError
 from syncless._core.launch import SAFE_ENV
-from syncless.bench._pp_cuda import Gate, PeerBuffer, SpinKernel, bind_primary_context, release_primary_context
+from syncless.bench._pp_cuda import Gate, PeerBuffer, SpinKernel, bind_primary_context
 from syncless.bench._pp_interfere import run_gemm, run_pending
 from syncless.bench._pp_measure import run_bandwidth, run_latency
-from syncless.bench._pp_plan import HIDDEN, OWN_STREAM, TENSOR_NAMES, Plan
-from syncless.bench._pp_rig import Reporter, Rig, nccl_warmup, poison
+from syncless.bench._pp_plan import OWN_STREAM, Plan
+from syncless.bench._pp_rig import Reporter, Rig, empty_payload, nccl_warmup
 
 
 def child_main(rank: int, port: int, plan: Plan, queue: Any) -> None:
@@ -36,7 +36,7 @@ def child_main(rank: int, port: int, plan: Plan, queue: Any) -> None:
     """
     report = Reporter(rank, queue)
     try:
-        rig, context_device = _set_up(rank, port, plan, report)
+        rig, context = _set_up(rank, port, plan, report)
         _run_sections(rig)
     except BaseException:  # noqa: BLE001 - every failure must reach the parent, which stops both ranks
         report.error(traceback.format_exc(limit=30))
@@ -44,7 +44,7 @@ def child_main(rank: int, port: int, plan: Plan, queue: Any) -> None:
     report.done()
     try:
         _tear_down(rig)
-        release_primary_context(context_device)
+        context.release()
     except Exception as err:  # noqa: BLE001 - the results are in; a failed clean-up is only noted
         report.note(f"rank {rank}: tear-down failed: {type(err).__name__}: {err}")
 
@@ -58,7 +58,7 @@ def _set_up(rank: int, port: int, plan: Plan, report: Reporter) -> tuple[Rig, An
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     torch.empty(1, device=device)  # torch's primary context exists from here on
-    context_device = bind_primary_context(rank)
+    context = bind_primary_context(rank)
     report.progress(f"on {torch.cuda.get_device_name(device)}; joining the process group")
     timeout = timedelta(seconds=plan.dist_timeout_s)
     dist.init_process_group(
@@ -78,7 +78,7 @@ def _set_up(rank: int, port: int, plan: Plan, report: Reporter) -> tuple[Rig, An
     _build_spin(rig)
     nccl_warmup(rig)
     rig.report.result(("setup", f"rank{rank}"), _describe(rig))
-    return rig, context_device
+    return rig, context
 
 
 def _describe(rig: Rig) -> dict[str, Any]:
@@ -150,18 +150,7 @@ def _open_raw(rig: Rig) -> None:
 def _make_transports(rig: Rig) -> None:
     """Build the forward (0 -> 1) and reverse (1 -> 0) transports, and the same pair with depth=0 on copy
     engines only; record a failure instead of stopping."""
-    import torch
-
-    try:
-        from syncless.pp import make_transport
-    except ImportError as err:
-        rig.report.note(f"syncless.pp is not importable, so 'ours' was not measured: {err}")
-        return
-
-    def persistent(rows: int) -> dict[str, Any]:
-        tensors = {name: torch.empty(rows, HIDDEN, dtype=torch.bfloat16, device=rig.device) for name in TENSOR_NAMES}
-        poison(tensors)
-        return tensors
+    from syncless.pp import make_transport
 
     plan = rig.plan
     specs = (
@@ -171,7 +160,7 @@ def _make_transports(rig: Rig) -> None:
         ("bwd0", [1, 0], 0, plan.latency_max_rows, 0),
     )
     for name, order, receiver, rows, depth in specs:
-        tensors = persistent(rows) if rig.rank == receiver else None
+        tensors = empty_payload(rows, rig.device) if rig.rank == receiver else None
         transport = error = None
         # depth=0 is measured only on copy engines: without them there is nothing of it to measure.
         extra = {} if depth is None else {"depth": depth, "backend": "copy_engine"}

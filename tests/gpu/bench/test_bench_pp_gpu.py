@@ -26,10 +26,10 @@ def test_pattern_is_identical_on_gpu_and_cpu(cuda_device):
 @pytest.mark.gpu
 def test_full_sm_kernel_fits_one_cta_per_sm_and_spins(cuda_device):
     from syncless._core.cuda import device_attribute
-    from syncless.bench._pp_cuda import SpinKernel, bind_primary_context, release_primary_context
+    from syncless.bench._pp_cuda import SpinKernel, bind_primary_context
 
     torch.empty(1, device=cuda_device)
-    context_device = bind_primary_context(cuda_device.index)
+    context = bind_primary_context(cuda_device.index)
     kernel = SpinKernel(cuda_device.index, torch.cuda.get_device_capability(cuda_device))
     try:
         assert kernel.ctas_per_sm == 1
@@ -46,7 +46,7 @@ def test_full_sm_kernel_fits_one_cta_per_sm_and_spins(cuda_device):
         assert start.elapsed_time(end) >= 1.0
     finally:
         kernel.unload()
-        release_primary_context(context_device)
+        context.release()
 
 
 @pytest.mark.gpu
