@@ -32,11 +32,10 @@ from syncless._core import patching
 from syncless._core.errors import SynclessError
 from syncless._core.layouts import is_dense_layout
 from syncless.cc import _streams
+from syncless.cc._layers import SHIM_KEY
 from syncless.cc._worker import OrderedWorker
 
 _log = logging.getLogger(__name__)
-
-SHIM_KEY = "cc.shim"
 
 
 class D2HStreamCaptureError(SynclessError, RuntimeError):

@@ -4,8 +4,9 @@ Under NVIDIA Confidential Computing, data crosses PCIe through encrypted
 bounce buffers and ``cudaMemcpyAsync`` between host and device returns only
 after the copy *and all earlier work on its stream* has finished. This layer
 reproduces that on a GPU without CC: after each ``non_blocking``
-host<->device ``Tensor.to``/``Tensor.cuda``/``Tensor.copy_`` it waits for the
-stream the copy ran on (the current stream of the CUDA side's device).
+host<->device ``Tensor.to``/``Tensor.cuda``/``Tensor.copy_`` (also when
+spelled with torch's deprecated ``async=True``) it blocks the host until the
+stream the copy ran on (the current stream of the CUDA side's device) drains.
 
 It sits beneath the shim (rank ``RANK_CC_EMULATION``), so it applies to the
 shim's own copies as it would to the driver's. Its waits use the driver's
@@ -20,37 +21,40 @@ import threading
 from typing import Any
 
 from syncless._core import patching
+from syncless._core.compiling import is_compiling
 from syncless._core.tensor_calls import maybe_non_blocking_to, parse_to
 from syncless.cc import _routing, _streams
+from syncless.cc._layers import EMULATION_KEY, TENSOR_ATTRS, UNSET, forward_copy, forward_cuda
 from syncless.cc._stats import COUNTERS
 
-EMULATION_KEY = "cc.emulation"
-_ATTRS = ("to", "cuda", "copy_")
 _lock = threading.Lock()
 _installed = False
 
 
-def _is_compiling() -> bool:
-    import torch
-
-    return torch.compiler.is_compiling()
-
-
 def _emulate_wait(cuda_device: Any) -> None:
-    """Wait for the current stream of ``cuda_device`` unless it (or the current stream) is capturing."""
+    """Block the host until the current stream of ``cuda_device`` drains; skip it while a graph is captured.
+
+    Skipped if that stream, or the current stream of the current device, is capturing.
+    """
     import torch
 
     index = _streams.device_index(cuda_device)
-    stream = torch.cuda.current_stream(index)
-    if _streams.any_current_capture(index) or _streams.is_capturing(stream):
+    if _streams.any_current_capture(index):  # covers the current stream of ``index`` too
         return
-    _streams.wait_stream_raw(stream)
+    _streams.wait_stream_raw(torch.cuda.current_stream(index))
     COUNTERS.add("emulated_waits")
+
+
+def _given_non_blocking(non_blocking: Any, kwargs: dict) -> bool:
+    """Return whether a call torch accepted was ``non_blocking`` (its ``kwargs`` can only hold ``async``)."""
+    if kwargs:
+        return bool(kwargs.get("async", False))
+    return non_blocking is not UNSET and bool(non_blocking)
 
 
 def _wrap_to(next_to):
     def to(self, *args, **kwargs):
-        if _is_compiling() or not maybe_non_blocking_to(args, kwargs):
+        if is_compiling() or not maybe_non_blocking_to(args, kwargs):
             return next_to(self, *args, **kwargs)
         result = next_to(self, *args, **kwargs)
         device, _, non_blocking, _ = parse_to(args, kwargs)
@@ -62,12 +66,12 @@ def _wrap_to(next_to):
 
 
 def _wrap_cuda(next_cuda):
-    def cuda(self, *args, **kwargs):
-        if _is_compiling():
-            return next_cuda(self, *args, **kwargs)
-        result = next_cuda(self, *args, **kwargs)
-        device, non_blocking, _ = _routing.cuda_call_args(args, kwargs)
-        if _routing.needs_emulated_wait(self.device.type, "cuda", non_blocking, False, False):
+    def cuda(self, device=UNSET, non_blocking=UNSET, *args, memory_format=UNSET, **kwargs):
+        # torch's signature (see ._layers); the call goes beneath as given, torch validates it.
+        result = forward_cuda(next_cuda, self, device, non_blocking, args, memory_format, kwargs)
+        if not _given_non_blocking(non_blocking, kwargs) or is_compiling():
+            return result
+        if _routing.needs_emulated_wait(self.device.type, "cuda", True, False, False):
             _emulate_wait(result.device)
         return result
 
@@ -75,14 +79,14 @@ def _wrap_cuda(next_cuda):
 
 
 def _wrap_copy(next_copy):
-    def copy_(self, *args, **kwargs):
-        if _is_compiling():
-            return next_copy(self, *args, **kwargs)
-        result = next_copy(self, *args, **kwargs)
-        src, non_blocking = _routing.copy_call_args(args, kwargs)
-        src_type = getattr(getattr(src, "device", None), "type", "cpu")
-        if _routing.needs_emulated_wait(src_type, self.device.type, non_blocking, False, False):
-            _emulate_wait(self.device if self.device.type == "cuda" else src.device)
+    def copy_(self, other=UNSET, non_blocking=UNSET, *args, **kwargs):
+        # torch's signature (see ._layers); the call goes beneath as given, torch validates it.
+        result = forward_copy(next_copy, self, other, non_blocking, args, kwargs)
+        if not _given_non_blocking(non_blocking, kwargs) or is_compiling():
+            return result
+        src_type = getattr(getattr(other, "device", None), "type", "cpu")
+        if _routing.needs_emulated_wait(src_type, self.device.type, True, False, False):
+            _emulate_wait(self.device if self.device.type == "cuda" else other.device)
         return result
 
     return copy_
@@ -99,7 +103,7 @@ def install_emulation() -> bool:
     with _lock:
         if _installed:
             return False
-        for name in _ATTRS:
+        for name in TENSOR_ATTRS:
             patching.add_layer(torch.Tensor, name, EMULATION_KEY, patching.RANK_CC_EMULATION, _WRAPPERS[name])
         _installed = True
         return True
@@ -113,7 +117,7 @@ def uninstall_emulation() -> bool:
     with _lock:
         if not _installed:
             return False
-        for name in _ATTRS:
+        for name in TENSOR_ATTRS:
             patching.remove_layer(torch.Tensor, name, EMULATION_KEY)
         _installed = False
         return True

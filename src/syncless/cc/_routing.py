@@ -8,9 +8,7 @@ cover every branch on a CPU.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 # What the shim does with a copy.
 STAGE_FRESH = "stage_fresh"  # H2D into a new tensor, issued on the staging stream
@@ -101,45 +99,3 @@ def needs_emulated_wait(src_type: str, dst_type: str, non_blocking: bool, compil
     if not non_blocking or compiling or capturing:
         return False
     return (src_type == "cuda") != (dst_type == "cuda") and "cuda" in (src_type, dst_type)
-
-
-def cuda_call_args(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[Any, bool, Any]:
-    """Parse ``Tensor.cuda(device=None, non_blocking=False, memory_format=preserve)`` arguments.
-
-    Returns:
-        ``(device, non_blocking, memory_format)``; ``memory_format`` is ``None`` when not given.
-
-    Raises:
-        TypeError: too many positional arguments or an unknown keyword
-            (torch would reject the call too).
-    """
-    names = ("device", "non_blocking", "memory_format")
-    if len(args) > len(names):
-        raise TypeError(f"cuda() takes at most {len(names)} positional arguments, got {len(args)}")
-    values: dict[str, Any] = dict(zip(names, args))
-    for key, value in kwargs.items():
-        if key not in names:
-            raise TypeError(f"cuda() got an unexpected keyword argument {key!r}")
-        if key in values:
-            raise TypeError(f"cuda() got multiple values for argument {key!r}")
-        values[key] = value
-    return values.get("device"), bool(values.get("non_blocking", False)), values.get("memory_format")
-
-
-def copy_call_args(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[Any, bool]:
-    """Parse ``Tensor.copy_(src, non_blocking=False)`` arguments into ``(src, non_blocking)``.
-
-    Raises:
-        TypeError: the call does not match that signature.
-    """
-    names = ("src", "non_blocking")
-    if len(args) > len(names):
-        raise TypeError(f"copy_() takes at most {len(names)} positional arguments, got {len(args)}")
-    values: dict[str, Any] = dict(zip(names, args))
-    for key, value in kwargs.items():
-        if key not in names or key in values:
-            raise TypeError(f"copy_() got an unexpected or repeated keyword argument {key!r}")
-        values[key] = value
-    if "src" not in values:
-        raise TypeError("copy_() missing required argument 'src'")
-    return values["src"], bool(values.get("non_blocking", False))

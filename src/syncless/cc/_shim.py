@@ -1,9 +1,11 @@
 """The CC shim's ``Tensor.to/cuda/copy_`` layer, and install/uninstall.
 
-Each wrapper gathers the facts of a call (:class:`._routing.CopyFacts`),
-asks :func:`._routing.route_copy` what to do, and either performs the
-copy through :mod:`._staging`/:mod:`._d2h` or calls the function beneath
-its own layer (``next_fn``) unchanged. The shim's own copies also go
+Each wrapper takes torch's own signature (:mod:`._layers`), so a blocking
+call, the common case, goes to the function beneath its own layer
+(``next_fn``) at once. For a ``non_blocking`` one it gathers the facts
+(:class:`._routing.CopyFacts`), asks :func:`._routing.route_copy` what to
+do, and either performs the copy through :mod:`._staging`/:mod:`._d2h` or
+calls ``next_fn`` unchanged. The shim's own copies also go
 through the functions beneath its layer, so the CC emulator (beneath)
 applies to them and the hidden-sync detector (above) never sees them.
 """
@@ -15,15 +17,15 @@ import threading
 from typing import Any
 
 from syncless._core import config, patching
+from syncless._core.compiling import is_compiling
 from syncless._core.tensor_calls import maybe_non_blocking_to, parse_to
 from syncless.cc import _d2h, _emulation, _routing, _staging, _streams, _sync_patches
 from syncless.cc._d2h import WORKER
+from syncless.cc._layers import SHIM_KEY, TENSOR_ATTRS, UNSET, forward_copy, forward_cuda
 from syncless.cc._stats import COUNTERS
 
 _log = logging.getLogger(__name__)
 
-SHIM_KEY = "cc.shim"
-_TENSOR_ATTRS = ("to", "cuda", "copy_")
 _lock = threading.Lock()
 
 
@@ -33,12 +35,6 @@ class _State:
 
 
 _STATE = _State()
-
-
-def _is_compiling() -> bool:
-    import torch
-
-    return torch.compiler.is_compiling()
 
 
 def _nbytes(t: Any) -> int:
@@ -110,7 +106,7 @@ def _wrap_to(next_to):
     import torch
 
     def to(self, *args, **kwargs):
-        if _is_compiling() or not maybe_non_blocking_to(args, kwargs):
+        if is_compiling() or not maybe_non_blocking_to(args, kwargs):
             return next_to(self, *args, **kwargs)
         try:
             device, dtype, non_blocking, memory_format = parse_to(args, kwargs)
@@ -149,25 +145,22 @@ def _wrap_to(next_to):
 def _wrap_cuda(next_cuda):
     import torch
 
-    def cuda(self, *args, **kwargs):
-        if _is_compiling():
-            return next_cuda(self, *args, **kwargs)
-        try:
-            device, non_blocking, memory_format = _routing.cuda_call_args(args, kwargs)
-        except TypeError:
-            return next_cuda(self, *args, **kwargs)
-        if not non_blocking or self.device.type == "cuda":
-            if non_blocking:
-                COUNTERS.left_alone("device_to_device")
-            return next_cuda(self, *args, **kwargs)
-        index = _streams.device_index(device)
+    def cuda(self, device=UNSET, non_blocking=UNSET, *args, memory_format=UNSET, **kwargs):
+        # torch's signature (see ._layers); extra arguments only reach here in a form torch refuses or the
+        # deprecated ``async=``, which are passed on as given.
+        if non_blocking is UNSET or not non_blocking or args or kwargs or is_compiling():
+            return forward_cuda(next_cuda, self, device, non_blocking, args, memory_format, kwargs)
+        if self.device.type == "cuda":
+            COUNTERS.left_alone("device_to_device")
+            return forward_cuda(next_cuda, self, device, non_blocking, args, memory_format, kwargs)
+        index = _streams.device_index(None if device is UNSET else device)
         route, _, _ = _decide(self, "cuda", index, into_existing=False, registered=False, dtype_changes=False,
                               autograd=False)
         if route != _routing.STAGE_FRESH:
-            return next_cuda(self, *args, **kwargs)
+            return forward_cuda(next_cuda, self, device, non_blocking, args, memory_format, kwargs)
         COUNTERS.add("staged")
         landed = _staging.land(self, index, next_fn=next_cuda, device=index, non_blocking=True)
-        if memory_format is not None and memory_format is not torch.preserve_format:
+        if memory_format is not UNSET and memory_format is not None and memory_format is not torch.preserve_format:
             to_beneath = patching.beneath(torch.Tensor, "to", SHIM_KEY)
             return to_beneath(landed, memory_format=memory_format)
         return landed
@@ -175,25 +168,33 @@ def _wrap_cuda(next_cuda):
     return cuda
 
 
+def _finish_d2h_before(dst: Any, src: Any) -> None:
+    """Before a blocking ``dst.copy_(src)`` from a D2H stream, wait for the D2H copies queued so far.
+
+    Earlier offloaded copies may write the same host memory, so they finish first to keep host writes in
+    issue order. Blocks the host only in that case.
+    """
+    import torch
+
+    if isinstance(src, torch.Tensor) and dst.device.type == "cpu" and src.device.type == "cuda":
+        if _d2h_record(src) is not None:
+            _d2h.drain()
+
+
 def _wrap_copy(next_copy):
     import torch
 
-    def copy_(self, *args, **kwargs):
-        if _is_compiling():
-            return next_copy(self, *args, **kwargs)
-        try:
-            src, non_blocking = _routing.copy_call_args(args, kwargs)
-        except TypeError:
-            return next_copy(self, *args, **kwargs)
-        if not isinstance(src, torch.Tensor):
-            return next_copy(self, *args, **kwargs)
-        if not non_blocking:
-            if WORKER.is_pending(WORKER.submitted) and self.device.type == "cpu" and src.device.type == "cuda":
-                if _d2h_record(src) is not None:
-                    # A blocking copy on a D2H stream: earlier offloaded copies may write the same host
-                    # memory, so let them finish first to keep host writes in issue order.
-                    _d2h.drain()
-            return next_copy(self, *args, **kwargs)
+    def copy_(self, other=UNSET, non_blocking=UNSET, *args, **kwargs):
+        # torch's signature (see ._layers): torch names the source ``other``. Extra arguments only reach here in
+        # a form torch refuses or the deprecated ``async=``, which are passed on as given.
+        if non_blocking is UNSET or not non_blocking or args or kwargs:
+            # The hot path: a blocking copy goes straight beneath, unless D2H copies are still queued.
+            if WORKER.is_pending(WORKER.submitted) and not is_compiling():
+                _finish_d2h_before(self, other)
+            return forward_copy(next_copy, self, other, non_blocking, args, kwargs)
+        if is_compiling() or not isinstance(other, torch.Tensor):
+            return forward_copy(next_copy, self, other, non_blocking, args, kwargs)
+        src = other
         if self.device.type == "cuda" and src.device.type != "cuda":
             index = self.device.index
             registered = _staging.is_registered_target(self)
@@ -205,7 +206,7 @@ def _wrap_copy(next_copy):
             if route == _routing.STAGE_INTO:
                 COUNTERS.add("staged")
                 return _staging.stage_into(self, src, next_copy)
-            return next_copy(self, *args, **kwargs)
+            return next_copy(self, src, non_blocking)
         autograd = (self.requires_grad or src.requires_grad) and torch.is_grad_enabled()
         route, _, record = _decide(src, self.device.type, src.device.index if src.device.type == "cuda" else None,
                                    into_existing=True, registered=False, dtype_changes=self.dtype != src.dtype,
@@ -215,7 +216,7 @@ def _wrap_copy(next_copy):
             COUNTERS.add("offloaded")
             _d2h.offload(record, self, src, _describe("copy_(non_blocking=True)", src))
             return self
-        return next_copy(self, *args, **kwargs)
+        return next_copy(self, src, non_blocking)
 
     return copy_
 
@@ -237,7 +238,7 @@ def install_shim(max_staged_bytes: int | None = None) -> bool:
         if _STATE.installed:
             return False
         WORKER.restart()
-        for name in _TENSOR_ATTRS:
+        for name in TENSOR_ATTRS:
             patching.add_layer(torch.Tensor, name, SHIM_KEY, patching.RANK_CC_SHIM, _WRAPPERS[name])
         _sync_patches.install_sync_patches()
         _STATE.installed = True
@@ -261,7 +262,7 @@ def uninstall_all(timeout_s: float = 60.0) -> None:
             except BaseException as err:  # noqa: BLE001 - re-raised below, after the originals are back
                 pending_error = err
         if _STATE.installed:
-            for name in _TENSOR_ATTRS:
+            for name in TENSOR_ATTRS:
                 patching.remove_layer(torch.Tensor, name, SHIM_KEY)
             _sync_patches.uninstall_sync_patches()
             _STATE.installed = False

@@ -15,20 +15,32 @@ sees it early.
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any
 
 from syncless._core import patching
 from syncless.cc import _streams
-from syncless.cc._registry import WeakKeyedRegistry
+from syncless.cc._layers import SHIM_KEY
 
-SHIM_KEY = "cc.shim"
-
-_TARGETS = WeakKeyedRegistry()
+# Registered targets by (device index, storage address). The values are weak: an entry lapses when its
+# tensor dies, and the old tensor's death never removes the entry of a newer tensor at the same address
+# (the dictionary drops a key only while its reference is dead).
+_TARGETS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _target_lock = threading.Lock()
 
 
-def _storage_key(t: Any) -> tuple[int, int]:
+def _storage_key(t: Any) -> tuple[int | None, int]:
     return (t.device.index, t.untyped_storage().data_ptr())
+
+
+def _remember_target(t: Any) -> bool:
+    """Record ``t`` as the registered target of its storage (plain bookkeeping); return whether it is new."""
+    key = _storage_key(t)
+    with _target_lock:
+        if _TARGETS.get(key) is t:
+            return False
+        _TARGETS[key] = t
+        return True
 
 
 def register_inplace_h2d_target(t: Any) -> None:
@@ -53,9 +65,7 @@ def register_inplace_h2d_target(t: Any) -> None:
     if t.device.type != "cuda" or t.layout != torch.strided:
         raise ValueError(f"register_inplace_h2d_target expects a strided CUDA tensor, got device={t.device}, "
                          f"layout={t.layout}")
-    with _target_lock:
-        is_new = _TARGETS.register(_storage_key(t), t)
-    if is_new:
+    if _remember_target(t):
         index = t.device.index
         # staging : [wait E] uploads into t ...
         # current : zero-fill t  E
@@ -64,9 +74,9 @@ def register_inplace_h2d_target(t: Any) -> None:
 
 def is_registered_target(t: Any) -> bool:
     """Return whether ``t`` shares its storage with a live registered in-place target."""
-    if not len(_TARGETS):
+    if not _TARGETS:
         return False
-    return _TARGETS.lookup(_storage_key(t)) is not None
+    return _TARGETS.get(_storage_key(t)) is not None
 
 
 def _beneath(name: str):

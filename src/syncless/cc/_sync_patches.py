@@ -14,7 +14,9 @@ What is covered:
 - ``torch.cuda.Event``: ``record``, ``synchronize``, ``query`` (all events,
   whenever they were created: the class's methods are patched).
 - ``torch.cuda.Stream`` (and ``ExternalStream``): ``synchronize``, ``query``,
-  ``wait_stream`` (notes the producer), ``record_event`` (redirect).
+  ``wait_stream`` (notes the producer), ``record_event`` (redirects a plain
+  ``torch.Event``; torch.cuda.Event and the ``torch.Event`` subclass below
+  redirect in their own ``record``, which ``record_event`` calls).
 - ``torch.cuda.synchronize`` and ``torch.accelerator.synchronize`` (looked
   up through the module; a reference taken before ``install()`` is not
   covered).
@@ -34,8 +36,8 @@ from typing import Any
 from syncless._core import patching
 from syncless.cc import _d2h
 from syncless.cc._d2h import WORKER
+from syncless.cc._layers import SHIM_KEY
 
-SHIM_KEY = "cc.shim"
 _MARK = "_syncless_d2h_seq"
 
 
@@ -122,11 +124,16 @@ def _wrap_wait_stream(next_wait):
 
 
 def _wrap_record_event(next_record_event):
+    import torch
+
     def record_event(self, event=None):
-        target = _d2h.redirect_for_record(self) if _d2h.has_streams() else self
-        event = next_record_event(target, event)
-        _mark(event)
-        return event
+        # torch's record_event is ``event.record(self)``. The record of a new or given torch.cuda.Event, or of a
+        # torch.Event made through our subclass, is patched and redirects (and marks) by itself: redirecting here
+        # too would do it twice. Only a plain C torch.Event (made before install(), or by C code) is redirected
+        # here; it cannot be marked (no __dict__) and its synchronize/query are torch's own anyway.
+        if event is not None and _d2h.has_streams() and not isinstance(event, (torch.cuda.Event, torch.Event)):
+            return next_record_event(_d2h.redirect_for_record(self), event)
+        return next_record_event(self, event)
 
     return record_event
 

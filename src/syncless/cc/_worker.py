@@ -60,7 +60,10 @@ class OrderedWorker:
         self._jobs: collections.deque[tuple[int, Callable[[], None], str]] = collections.deque()
         self._submitted = 0
         self._completed = 0
-        self._failures: list[_Failure] = []
+        self._failures: list[_Failure] = []  # in sequence order
+        # Every job up to here has finished and none of their failures is still waiting to be raised.
+        # Written under self._cv (see _settle); read without it by wait_and_raise's fast path.
+        self._settled = 0
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._atexit_registered = False
@@ -129,7 +132,16 @@ class OrderedWorker:
                 if failure is not None:
                     self._failures.append(failure)
                 self._completed = seq
+                self._settle()
                 self._cv.notify_all()
+
+    def _settle(self) -> None:
+        """Recompute ``_settled``; the caller holds ``self._cv``.
+
+        It only grows: ``_completed`` only grows, a failure is appended only for the job that just completed
+        (a number above the old ``_settled``) and failures are otherwise only removed.
+        """
+        self._settled = self._failures[0].seq - 1 if self._failures else self._completed
 
     # -- wait / errors -------------------------------------------------------
     def wait_for(self, seq: int, poll_s: float = 1.0, timeout_s: float | None = None) -> None:
@@ -168,6 +180,7 @@ class OrderedWorker:
             if not covered:
                 return
             self._failures = [f for f in self._failures if f.seq > upto]
+            self._settle()
         first = covered[0]
         more = f" ({len(covered) - 1} more failed copies were covered by this synchronize)" if len(covered) > 1 else ""
         raise D2HCopyError(
@@ -177,8 +190,17 @@ class OrderedWorker:
         ) from first.error
 
     def wait_and_raise(self, seq: int, timeout_s: float | None = None) -> None:
-        """:meth:`wait_for` then :meth:`raise_errors` up to ``seq``."""
-        if seq <= 0:
+        """:meth:`wait_for` then :meth:`raise_errors` up to ``seq``.
+
+        Returns at once, without taking the lock, when nothing up to ``seq`` is left to wait for or to raise.
+        """
+        # Lock-free fast path. One read of one int, which is atomic (with or without the GIL). Its value was
+        # stored under the lock when every job <= it had finished and no failure <= it was waiting; both stay
+        # true (jobs do not un-finish; a failure is recorded only for a job that has just completed, numbered
+        # above every _settled stored before). A stale read is only smaller: the slow path then decides. Jobs
+        # submitted concurrently get numbers above ``seq`` (the caller read ``submitted`` before them), so
+        # neither path waits for them. So seq <= _settled means the slow path would neither wait nor raise.
+        if seq <= self._settled:
             return
         self.wait_for(seq, timeout_s=timeout_s)
         self.raise_errors(seq)

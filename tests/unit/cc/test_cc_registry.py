@@ -1,87 +1,67 @@
-"""Weak-reference bookkeeping of registered targets."""
+"""Bookkeeping of registered in-place H2D targets: keyed by storage, weak, lapsing with the tensor."""
 
 import gc
+import threading
+import weakref
 
-import pytest
+import torch
 
-from syncless.cc._registry import WeakKeyedRegistry
-
-
-class Obj:
-    pass
+from syncless.cc import _staging
 
 
 def test_register_lookup_and_lapse():
-    reg = WeakKeyedRegistry()
-    a = Obj()
-    assert reg.register(("cuda", 0, 100), a) is True
-    assert reg.register(("cuda", 0, 100), a) is False  # idempotent
-    assert reg.lookup(("cuda", 0, 100)) is a
-    assert reg.lookup(("cuda", 0, 101)) is None
-    assert len(reg) == 1
-    del a
+    target = torch.randn(64)
+    assert _staging._remember_target(target) is True
+    assert _staging._remember_target(target) is False  # idempotent
+    assert _staging.is_registered_target(target)
+    assert _staging.is_registered_target(target[5:17])  # a view shares the storage
+    assert not _staging.is_registered_target(torch.randn(64))
+    del target
     gc.collect()
-    assert reg.lookup(("cuda", 0, 100)) is None
-    assert len(reg) == 0
+    assert not _staging._TARGETS
 
 
-def test_new_object_at_same_key_survives_old_death():
-    reg = WeakKeyedRegistry()
-    old = Obj()
-    reg.register(7, old)
-    new = Obj()
-    assert reg.register(7, new) is True  # replaced (same address reused by a new tensor)
+def test_new_target_at_same_key_survives_old_death():
+    old = torch.randn(32)
+    _staging._remember_target(old)
+    new = old.detach()  # another tensor on the same storage (same key) that does not keep ``old`` alive
+    assert _staging._remember_target(new) is True  # replaces the entry
+    old_alive = weakref.ref(old)
     del old
     gc.collect()
-    assert reg.lookup(7) is new
-
-
-def test_object_dead_before_reregistration_does_not_match_new_one():
-    reg = WeakKeyedRegistry()
-    old = Obj()
-    reg.register(7, old)
-    del old
+    assert old_alive() is None
+    assert _staging._TARGETS.get(_staging._storage_key(new)) is new
+    del new
     gc.collect()
-    newcomer = Obj()  # may even reuse old's id(); it was never registered
-    assert reg.lookup(7) is None
-    assert reg.register(7, newcomer) is True
-    assert reg.lookup(7) is newcomer
+    assert not _staging._TARGETS
+
+
+def test_dead_target_does_not_match_a_tensor_at_its_address():
+    doomed = torch.randn(1024)
+    key = _staging._storage_key(doomed)
+    _staging._remember_target(doomed)
+    del doomed
+    gc.collect()
+    newcomer = torch.randn(1024)  # may reuse the address; it was never registered
+    assert not _staging.is_registered_target(newcomer)
+    assert _staging._TARGETS.get(key) is None
+    assert _staging._remember_target(newcomer) is True
+    assert _staging.is_registered_target(newcomer)
 
 
 def test_lapse_during_a_locked_section_does_not_deadlock():
-    import threading
-
-    reg = WeakKeyedRegistry()
-    doomed = Obj()
+    doomed = torch.randn(16)
     doomed.cycle = doomed  # freed only by the collector
-    reg.register(1, doomed)
+    _staging._remember_target(doomed)
     del doomed
     finished = threading.Event()
 
-    def register_with_collection_inside():
-        keep = Obj()
-        with reg._lock:  # a collection here runs the lapse on this very thread
+    def collect_while_locked():
+        with _staging._target_lock:  # a collection here runs the lapse on this very thread
             gc.collect()
-            reg.register(2, keep)
         finished.set()
 
-    worker = threading.Thread(target=register_with_collection_inside, daemon=True)
+    worker = threading.Thread(target=collect_while_locked, daemon=True)
     worker.start()
-    assert finished.wait(10), "the lapse callback deadlocked on the registry's lock"
-    assert reg.lookup(1) is None
-
-
-def test_unregister_and_clear():
-    reg = WeakKeyedRegistry()
-    a, b = Obj(), Obj()
-    reg.register(1, a)
-    reg.register(2, b)
-    assert reg.unregister(1) is True
-    assert reg.unregister(1) is False
-    reg.clear()
-    assert len(reg) == 0
-
-
-def test_unweakrefable_object_is_type_error():
-    with pytest.raises(TypeError):
-        WeakKeyedRegistry().register(1, 5)
+    assert finished.wait(10), "the lapse callback deadlocked on the targets' lock"
+    assert not _staging._TARGETS

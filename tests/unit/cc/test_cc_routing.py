@@ -79,24 +79,3 @@ def test_every_reason_is_a_known_stats_reason():
 def test_needs_emulated_wait(args, expected):
     assert r.needs_emulated_wait(*args) is expected
 
-
-def test_cuda_call_args():
-    assert r.cuda_call_args((), {}) == (None, False, None)
-    assert r.cuda_call_args((1, True), {}) == (1, True, None)
-    assert r.cuda_call_args((), {"non_blocking": True, "memory_format": "cl"}) == (None, True, "cl")
-    with pytest.raises(TypeError, match="unexpected keyword"):
-        r.cuda_call_args((), {"dtype": 1})
-    with pytest.raises(TypeError, match="multiple values"):
-        r.cuda_call_args((1,), {"device": 1})
-    with pytest.raises(TypeError, match="at most 3"):
-        r.cuda_call_args((1, 2, 3, 4), {})
-
-
-def test_copy_call_args():
-    assert r.copy_call_args(("s",), {}) == ("s", False)
-    assert r.copy_call_args(("s", True), {}) == ("s", True)
-    assert r.copy_call_args((), {"src": "s", "non_blocking": True}) == ("s", True)
-    with pytest.raises(TypeError, match="missing"):
-        r.copy_call_args((), {"non_blocking": True})
-    with pytest.raises(TypeError):
-        r.copy_call_args(("s",), {"src": "t"})

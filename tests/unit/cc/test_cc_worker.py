@@ -124,3 +124,63 @@ def test_bounded_wait_for_a_stuck_copy_raises_in_time(worker):
     assert time.monotonic() - start < 5
     gate.set()
     worker.wait_for(seq)
+
+
+
+def _wait_while_lock_is_held(worker, seq):
+    """Call wait_and_raise(seq) while another thread holds the worker's lock.
+
+    Returns (whether it returned while the lock was held, what it raised once it could finish).
+    """
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with worker._cv:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    assert held.wait(5)
+    finished = threading.Event()
+    raised = []
+
+    def call():
+        try:
+            worker.wait_and_raise(seq)
+        except Exception as err:  # noqa: BLE001 - handed to the test
+            raised.append(err)
+        finished.set()
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    early = finished.wait(0.5)
+    release.set()
+    holder.join(5)
+    caller.join(5)
+    return early, (raised[0] if raised else None)
+
+
+def test_settled_wait_does_not_take_the_lock(worker):
+    seq = worker.submit(lambda: None)
+    worker.wait_for(seq)
+    assert _wait_while_lock_is_held(worker, seq) == (True, None)
+
+
+def test_unraised_failure_still_takes_the_slow_path(worker):
+    worker.submit(_fail, "kept")                 # 1
+    ok = worker.submit(lambda: None)             # 2
+    worker.wait_for(ok)
+    early, raised = _wait_while_lock_is_held(worker, ok)
+    assert not early  # #1's failure waits to be raised: no shortcut
+    assert isinstance(raised, D2HCopyError) and "kept" in str(raised)
+    assert _wait_while_lock_is_held(worker, ok) == (True, None)  # reported once; now settled
+
+
+def test_failure_after_the_waited_range_does_not_block_the_fast_path(worker):
+    first = worker.submit(lambda: None)          # 1
+    worker.submit(_fail, "later")                # 2
+    worker.wait_for(2)
+    assert _wait_while_lock_is_held(worker, first) == (True, None)
+    with pytest.raises(D2HCopyError, match="later"):
+        worker.wait_and_raise(2)

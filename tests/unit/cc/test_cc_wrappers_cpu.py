@@ -1,0 +1,182 @@
+"""The shim's and the emulator's ``copy_``/``cuda`` wrappers on a CPU-only torch: torch's call forms, as given."""
+
+import warnings
+
+import pytest
+import torch
+
+import syncless.cc as cc
+from syncless._core import patching
+from syncless.cc import _shim
+
+MODES = ["on", "emulate"]
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    cc.reset_stats()
+    yield
+    cc.uninstall()
+
+
+@pytest.fixture
+def beneath():
+    """A layer beneath the shim and the emulator (where the driver is) that records what reaches it."""
+    calls = {"copy_": [], "cuda": []}
+
+    def recorder(name):
+        def wrap(next_fn):
+            def record(self, *args, **kwargs):
+                calls[name].append((args, kwargs))
+                if name == "cuda":
+                    return self  # a CPU-only torch cannot run .cuda(); what arrived is what is checked
+                return next_fn(self, *args, **kwargs)
+
+            return record
+
+        return wrap
+
+    for name in calls:
+        patching.add_layer(torch.Tensor, name, "test.beneath", patching.RANK_CC_EMULATION - 1, recorder(name))
+    yield calls
+    for name in calls:
+        patching.remove_layer(torch.Tensor, name, "test.beneath")
+
+
+def _copy_meaning(args, kwargs):
+    """What torch's copy_(other, non_blocking=False) would bind from a call."""
+    def bind(other, non_blocking=False):
+        return other, non_blocking
+
+    return bind(*args, **kwargs)
+
+
+def _cuda_meaning(args, kwargs):
+    """What torch's cuda(device=None, non_blocking=False, *, memory_format=None) would bind from a call."""
+    def bind(device=None, non_blocking=False, *, memory_format=None):
+        return device, non_blocking, memory_format
+
+    return bind(*args, **kwargs)
+
+
+@pytest.fixture
+def no_routing(monkeypatch):
+    """Fail the test if the shim routes a call (it must not for a blocking one)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a blocking call went through the shim's routing")
+
+    monkeypatch.setattr(_shim, "_decide", refuse)
+    monkeypatch.setattr(_shim, "is_compiling", refuse)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_blocking_copy_forms_go_straight_beneath(mode, beneath, no_routing):
+    cc.install(mode)
+    src = torch.randn(32)
+    forms = [
+        lambda dst: dst.copy_(src),
+        lambda dst: dst.copy_(src, False),
+        lambda dst: dst.copy_(src, non_blocking=False),
+        lambda dst: dst.copy_(other=src),
+        lambda dst: dst.copy_(other=src, non_blocking=False),
+    ]
+    for form in forms:
+        dst = torch.full((32,), float("nan"))
+        assert form(dst) is dst
+        assert torch.equal(dst, src)
+    assert len(beneath["copy_"]) == len(forms)
+    for args, kwargs in beneath["copy_"]:
+        other, non_blocking = _copy_meaning(args, kwargs)
+        assert other is src and non_blocking is False
+    assert cc.stats().total_left_alone == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_blocking_cuda_forms_go_straight_beneath(mode, beneath, no_routing):
+    cc.install(mode)
+    t = torch.randn(8)
+    t.cuda()
+    t.cuda(1)
+    t.cuda(1, False)
+    t.cuda(device=1, non_blocking=False, memory_format=torch.channels_last)
+    meanings = [_cuda_meaning(args, kwargs) for args, kwargs in beneath["cuda"]]
+    assert meanings == [(None, False, None), (1, False, None), (1, False, None),
+                        (1, False, torch.channels_last)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_non_blocking_copy_forms_on_cpu_are_left_alone_and_copy(mode, beneath):
+    cc.install(mode)
+    src = torch.randn(16)
+    forms = [
+        lambda dst: dst.copy_(src, True),
+        lambda dst: dst.copy_(src, non_blocking=True),
+        lambda dst: dst.copy_(other=src, non_blocking=True),
+    ]
+    for form in forms:
+        dst = torch.full((16,), float("nan"))
+        assert form(dst) is dst
+        assert torch.equal(dst, src)
+    for args, kwargs in beneath["copy_"]:
+        assert _copy_meaning(args, kwargs) == (src, True)
+    assert cc.stats().left_alone == {"no_cuda": len(forms)}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_deprecated_async_reaches_torch_as_given(mode, beneath):
+    cc.install(mode)
+    src = torch.randn(16)
+    dst = torch.full((16,), float("nan"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch: "This overload of copy_ is deprecated"
+        assert dst.copy_(src, **{"async": False}) is dst
+        src.cuda(**{"async": False})
+    assert torch.equal(dst, src)
+    (copy_args, copy_kwargs), = beneath["copy_"]
+    (cuda_args, cuda_kwargs), = beneath["cuda"]
+    # non_blocking, left out by the caller, stays out: torch refuses it next to async.
+    assert copy_args == (src,) and copy_kwargs == {"async": False}
+    assert cuda_args == () and cuda_kwargs == {"async": False}
+
+
+BAD_COPY_CALLS = [
+    ((torch.ones(4),), {"foo": 1}),
+    ((), {"src": torch.ones(4)}),
+    ((), {}),
+    ((), {"non_blocking": True}),
+    ((torch.ones(4), True, 1), {}),
+    ((torch.ones(4), False), {"async": True}),
+]
+BAD_CUDA_CALLS = [
+    ((), {"foo": 1}),
+    ((0, False, torch.contiguous_format), {}),
+    ((0, True, torch.contiguous_format), {}),
+    ((), {"non_blocking": True, "async": True}),
+]
+
+
+def _error_of(fn, *args, **kwargs):
+    with pytest.raises(Exception) as info:  # noqa: PT011 - the type is what is compared
+        fn(*args, **kwargs)
+    return type(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("name", "args", "kwargs"), [("copy_", *c) for c in BAD_COPY_CALLS]
+                         + [("cuda", *c) for c in BAD_CUDA_CALLS])
+def test_bad_calls_get_torchs_own_error(mode, name, args, kwargs):
+    dst = torch.zeros(4)
+    expected = _error_of(getattr(torch.Tensor, name), dst, *args, **kwargs)
+    cc.install(mode)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        assert _error_of(getattr(torch.Tensor, name), dst, *args, **kwargs) == expected
+    assert expected[0] is TypeError
+
+
+def test_wrappers_restore_on_uninstall():
+    before = {name: torch.Tensor.__dict__.get(name) for name in ("copy_", "cuda")}
+    cc.install("emulate")
+    assert all(torch.Tensor.__dict__.get(name) is not fn for name, fn in before.items())
+    cc.uninstall()
+    assert all(torch.Tensor.__dict__.get(name) is fn for name, fn in before.items())
