@@ -84,15 +84,21 @@ def _decide(src: Any, dst_type: str, index: int | None, *, into_existing: bool, 
     return route, reason, record
 
 
-def _check_broadcastable(dst: Any, src: Any) -> None:
-    """Raise ``RuntimeError`` (as torch's own ``copy_`` would) if ``src`` cannot fill ``dst``."""
-    import torch
+def _fills(src_shape: tuple[int, ...], dst_shape: tuple[int, ...]) -> bool:
+    """Whether a tensor of ``src_shape`` broadcasts to exactly ``dst_shape`` (what ``copy_`` accepts)."""
+    if len(src_shape) > len(dst_shape):
+        return False
+    trailing = dst_shape[len(dst_shape) - len(src_shape):]
+    return all(s == d or s == 1 for s, d in zip(src_shape, trailing))
 
-    try:
-        fits = torch.broadcast_shapes(src.shape, dst.shape) == dst.shape
-    except RuntimeError:
-        fits = False
-    if not fits:
+
+def _check_broadcastable(dst: Any, src: Any) -> None:
+    """Raise ``RuntimeError`` (as torch's own ``copy_`` would) if ``src`` cannot fill ``dst``.
+
+    Plain Python on the shapes: ``torch.broadcast_shapes`` imports sympy on its first call (seconds, measured
+    on the H200 machine), which would block the host inside the first non_blocking copy of a process.
+    """
+    if not _fills(tuple(src.shape), tuple(dst.shape)):
         raise RuntimeError(
             f"copy_: source of shape {tuple(src.shape)} cannot be copied into a tensor of shape {tuple(dst.shape)}"
         )

@@ -20,6 +20,7 @@ def _pending_d2h(cc, cycles_per_ms, ms=30, into=None):
     d2h = cc.new_d2h_stream(dev)
     host = torch.randn(N)
     src = host.to(dev)  # blocking: ready before the queued work
+    src * 2  # load the kernel first: a first launch may wait for the GPU (lazy module loading)
     torch.cuda._sleep(cycles_per_ms * ms)
     doubled = src * 2
     producer_done = torch.cuda.Event()

@@ -1,0 +1,38 @@
+"""The shim's own broadcast check agrees with torch's copy_, and needs no sympy."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import torch
+
+from syncless.cc._shim import _fills
+
+
+def test_fills_agrees_with_torch_copy_on_random_shapes():
+    rng = random.Random(20261130)
+    for _ in range(400):
+        dst = tuple(rng.choice([1, 2, 3]) for _ in range(rng.randint(0, 3)))
+        src = tuple(rng.choice([1, 2, 3]) for _ in range(rng.randint(0, 4)))
+        try:
+            torch.empty(dst).copy_(torch.zeros(src))
+            torch_accepts = True
+        except RuntimeError:
+            torch_accepts = False
+        assert _fills(src, dst) == torch_accepts, (src, dst)
+
+
+def test_the_check_does_not_import_sympy():
+    # torch.broadcast_shapes imports sympy on first use (seconds inside the first non_blocking copy).
+    code = (
+        "import sys, torch\n"
+        "from syncless.cc._shim import _check_broadcastable\n"
+        "_check_broadcastable(torch.empty(4, 3), torch.empty(3))\n"
+        "print('sympy' in sys.modules)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
+    assert out.strip() == "False"
