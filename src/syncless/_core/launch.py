@@ -20,7 +20,9 @@ import datetime
 import importlib.util
 import inspect
 import os
+import pickle
 import queue
+import shutil
 import socket
 import sys
 import tempfile
@@ -119,6 +121,9 @@ def _rank_main(plan: _RankPlan, rank: int, results: Any) -> None:
         value = fn(rank, plan.world_size, *plan.args)
         if plan.progress:
             say("done")
+        # The queue pickles on its feeder thread, which only prints a failure and drops the item; pickle here
+        # first, so a result that cannot travel comes back as this rank's error instead of as no result.
+        pickle.dumps(value)
         results.put((rank, "ok", value))
     except BaseException as err:  # noqa: BLE001 - every failure goes back to the parent with its traceback
         results.put((rank, "error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
@@ -171,18 +176,25 @@ def run_ranks(
         RankFailed: a rank raised (its traceback is in the message) or exited without a result and
             was not in ``may_die``; every rank is killed first.
         RanksTimedOut: the deadline passed; every rank still alive is killed first.
-        ValueError: ``init`` is neither ``tcp`` nor ``file``.
+        ValueError: ``init`` is neither ``tcp`` nor ``file``, or ``load_by_file`` and ``fn`` has no source file.
     """
     import torch.multiprocessing as mp
 
+    name = getattr(fn, "__qualname__", repr(fn))
+    target: Callable[..., Any] | _ByFile = fn
+    if load_by_file:
+        file = inspect.getsourcefile(fn)
+        if file is None:
+            raise ValueError(f"load_by_file: {name} has no source file to load it from")
+        target = _ByFile(file, name)
+    rendezvous_dir = None
     if init == "tcp":
         init_method = f"tcp://127.0.0.1:{free_port()}"
     elif init == "file":
-        init_method = f"file://{os.path.join(tempfile.mkdtemp(prefix='syncless-ranks-'), 'rendezvous')}"
+        rendezvous_dir = tempfile.mkdtemp(prefix="syncless-ranks-")
+        init_method = f"file://{os.path.join(rendezvous_dir, 'rendezvous')}"
     else:
         raise ValueError(f"init must be 'tcp' or 'file'; got {init!r}")
-    name = getattr(fn, "__qualname__", repr(fn))
-    target = _ByFile(inspect.getsourcefile(fn) or "", name) if load_by_file else fn
     plan = _RankPlan(target, world_size, backend, init_method, tuple(devices) if devices is not None else None,
                      {**SAFE_ENV, **(env or {})}, tuple(args), max(timeout_s, 30.0), progress)
     allowed_deaths = set(may_die)
@@ -204,6 +216,8 @@ def run_ranks(
                 process.kill()
         for process in processes:
             process.join(timeout=10)
+        if rendezvous_dir is not None:
+            shutil.rmtree(rendezvous_dir, ignore_errors=True)
     failures = {r: text for r, (status, text) in outcomes.items() if status == "error"}
     missing = [r for r in range(world_size) if r not in outcomes]
     if failures or missing:

@@ -12,9 +12,14 @@ so that reading a call costs nothing. Their defaults are :data:`UNSET`
 rather than torch's: an argument the caller left out stays out of the call
 passed on (torch refuses ``non_blocking`` next to the deprecated ``async``,
 and its error messages depend on what was passed). Anything else torch may
-accept or refuse (``async=``, a typo, one argument too many) reaches torch
-as it was given, through :func:`forward_copy` and :func:`forward_cuda`, so
-torch raises its own error.
+accept or refuse (``async=``, a typo, one argument too many, a
+``non_blocking`` that is not a bool) reaches torch as it was given, through
+:func:`forward_copy` and :func:`forward_cuda`, so torch raises its own
+error. Two differences in the text, not the type, of such an error: a call
+Python cannot bind to these signatures (the same argument given twice) gets
+Python's ``TypeError``, which names the wrapper; and a bad ``non_blocking=``
+given with ``other`` reaches torch positionally, so its message names the
+position.
 """
 
 from __future__ import annotations

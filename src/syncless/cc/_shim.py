@@ -154,7 +154,7 @@ def _wrap_cuda(next_cuda):
     def cuda(self, device=UNSET, non_blocking=UNSET, *args, memory_format=UNSET, **kwargs):
         # torch's signature (see ._layers); extra arguments only reach here in a form torch refuses or the
         # deprecated ``async=``, which are passed on as given.
-        if non_blocking is UNSET or not non_blocking or args or kwargs or is_compiling():
+        if non_blocking is not True or args or kwargs or is_compiling():  # torch itself accepts only a bool
             return forward_cuda(next_cuda, self, device, non_blocking, args, memory_format, kwargs)
         if self.device.type == "cuda":
             COUNTERS.left_alone("device_to_device")
@@ -193,7 +193,7 @@ def _wrap_copy(next_copy):
     def copy_(self, other=UNSET, non_blocking=UNSET, *args, **kwargs):
         # torch's signature (see ._layers): torch names the source ``other``. Extra arguments only reach here in
         # a form torch refuses or the deprecated ``async=``, which are passed on as given.
-        if non_blocking is UNSET or not non_blocking or args or kwargs:
+        if non_blocking is not True or args or kwargs:  # torch itself accepts only a bool
             # The hot path: a blocking copy goes straight beneath, unless D2H copies are still queued.
             if WORKER.is_pending(WORKER.submitted) and not is_compiling():
                 _finish_d2h_before(self, other)

@@ -227,8 +227,9 @@ class _Recorder:
         self._atexit_registered = False
 
     def knows(self, filename: str, lineno: int, operation: str) -> bool:
-        """Whether this call site and operation are already in the record (no lock: a dict lookup)."""
-        return (filename, lineno, operation) in self._sites
+        """Whether this call site and operation are in the record with a stack (no lock: a dict lookup)."""
+        site = self._sites.get((filename, lineno, operation))
+        return site is not None and bool(site.first.stack)
 
     def add(self, violation: Violation) -> None:
         key = (violation.filename, violation.lineno, violation.operation)
@@ -238,6 +239,10 @@ class _Recorder:
                 self._sites[key] = SyncSite(violation)
             else:
                 site.count += 1
+                if not site.first.stack and violation.stack:
+                    # The site was recorded from a repeat without its stack (a reset() came between
+                    # locate() and add() on another thread): keep this one's instead.
+                    site.first = violation
 
     def report(self) -> SyncReport:
         with self._lock:

@@ -126,7 +126,6 @@ def test_bounded_wait_for_a_stuck_copy_raises_in_time(worker):
     worker.wait_for(seq)
 
 
-
 def _wait_while_lock_is_held(worker, seq):
     """Call wait_and_raise(seq) while another thread holds the worker's lock.
 

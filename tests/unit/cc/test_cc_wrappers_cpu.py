@@ -146,12 +146,15 @@ BAD_COPY_CALLS = [
     ((), {"non_blocking": True}),
     ((torch.ones(4), True, 1), {}),
     ((torch.ones(4), False), {"async": True}),
+    ((torch.ones(4), 1), {}),  # torch takes only a bool for non_blocking
 ]
 BAD_CUDA_CALLS = [
     ((), {"foo": 1}),
     ((0, False, torch.contiguous_format), {}),
     ((0, True, torch.contiguous_format), {}),
     ((), {"non_blocking": True, "async": True}),
+    ((0, 1), {}),
+    ((), {"non_blocking": 1}),
 ]
 
 

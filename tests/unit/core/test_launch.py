@@ -72,3 +72,12 @@ def test_load_by_file_and_file_rendezvous():
 def test_unknown_rendezvous_is_refused():
     with pytest.raises(ValueError, match="init must be 'tcp' or 'file'"):
         run_ranks(_sum_ranks, 2, init="udp")
+
+
+def _unpicklable_result(rank, world_size):
+    return lambda: rank
+
+
+def test_a_result_that_cannot_travel_is_that_ranks_error():
+    with pytest.raises(RankFailed, match=r"(?s)rank [01] failed:.*pickle"):
+        run_ranks(_unpicklable_result, 2, timeout_s=60)

@@ -142,3 +142,20 @@ def test_a_repeated_site_skips_formatting_its_stack_except_in_error_mode(fake_mo
     _report.recorder.add(again)
     assert syncs.report().sites[0].first.stack == first.stack and syncs.report().total == 2
     syncs.reset()
+
+
+def test_a_site_recorded_without_its_stack_takes_the_next_one(fake_mode):
+    # A reset() on another thread between locate() and add() can record a repeat, which has no stack.
+    from syncless.syncs import _report
+
+    syncs.reset()
+    with_stack = _locate_here("a wait")
+    stackless = _report.Violation(**{**with_stack.__dict__, "stack": ""})
+    _report.recorder.add(stackless)
+    assert not _report.recorder.knows(with_stack.filename, with_stack.lineno, "a wait")
+    again = _locate_here("a wait")
+    assert again.stack  # not skipped: the record has no stack for the site yet
+    _report.recorder.add(again)
+    site = syncs.report().sites[0]
+    assert site.count == 2 and site.first.stack == again.stack
+    syncs.reset()
