@@ -29,7 +29,9 @@ def test_defaults_apply_when_unset():
         ("SYNCLESS_PP_TRANSPORT", "copy_engine", "copy_engine"),
         ("SYNCLESS_PP_TIMEOUT_S", "2.5", 2.5),
         ("SYNCLESS_REQUIRE_GPU", "yes", True),
+        ("SYNCLESS_REQUIRE_GPU", "1", True),  # what the GPU test runs set
         ("SYNCLESS_REQUIRE_GPU", "0", False),
+        ("SYNCLESS_REQUIRE_GPU", "", False),  # set but empty reads as off
         ("SYNCLESS_CC_MAX_STAGED_BYTES", "1GiB", 1 << 30),
         ("SYNCLESS_CC_MAX_STAGED_BYTES", "4096", 4096),
         ("SYNCLESS_CC_MAX_STAGED_BYTES", "8k", 8192),
@@ -46,6 +48,8 @@ def test_valid_values_parse(name, text, expected):
         ("SYNCLESS_CC", "maybe"),
         ("SYNCLESS_PP_TRANSPORT", "nccl"),
         ("SYNCLESS_PP_TIMEOUT_S", "-1"),
+        ("SYNCLESS_PP_TIMEOUT_S", "0"),  # a zero timeout would fail every wait at once
+        ("SYNCLESS_PP_TIMEOUT_S", "inf"),  # no timeout at all is what the setting exists to prevent
         ("SYNCLESS_PP_TIMEOUT_S", "nan"),
         ("SYNCLESS_PP_TIMEOUT_S", "soon"),
         ("SYNCLESS_REQUIRE_GPU", "sometimes"),
@@ -73,6 +77,8 @@ def test_explicit_argument_beats_environment(monkeypatch):
     monkeypatch.setenv("SYNCLESS_CC", "on")
     assert config.resolve("SYNCLESS_CC") == "on"
     assert config.resolve("SYNCLESS_CC", "off") == "off"
+    monkeypatch.setenv("SYNCLESS_REQUIRE_GPU", "1")
+    assert config.resolve("SYNCLESS_REQUIRE_GPU", False) is False  # a falsy explicit value still wins
 
 
 def test_unknown_syncless_variable_is_rejected_by_validate_all():
@@ -81,11 +87,18 @@ def test_unknown_syncless_variable_is_rejected_by_validate_all():
     config.validate_all({"SYNCLESS_CC": "off", "PATH": "/bin"})
 
 
+def test_validate_all_rejects_a_bad_value_of_a_known_variable():
+    with pytest.raises(ConfigError, match=r"SYNCLESS_PP_TIMEOUT_S='soon' is not valid"):
+        config.validate_all({"SYNCLESS_CC": "off", "SYNCLESS_PP_TIMEOUT_S": "soon"})
+
+
 def test_effective_reports_source_and_errors_without_raising():
     rows = {row["name"]: row for row in config.effective({"SYNCLESS_CC": "bogus", "SYNCLESS_PP_TIMEOUT_S": "5"})}
     assert rows["SYNCLESS_CC"]["error"] and "bogus" in rows["SYNCLESS_CC"]["error"]
     assert rows["SYNCLESS_PP_TIMEOUT_S"] == {**rows["SYNCLESS_PP_TIMEOUT_S"], "value": 5.0, "source": "env", "error": None}
     assert rows["SYNCLESS_SYNC_CHECK"]["source"] == "default"
+    empty = {row["name"]: row for row in config.effective({"SYNCLESS_REQUIRE_GPU": ""})}["SYNCLESS_REQUIRE_GPU"]
+    assert empty["source"] == "env" and empty["value"] is False  # set to "" is still set
 
 
 def test_unknown_name_lookup_lists_known_names():
