@@ -77,6 +77,15 @@ def test_pinned_strided_slice_is_staged(view):
     assert classify_copy(result, facts(src, pinned=True), True) == STRIDED_H2D
 
 
+@pytest.mark.parametrize("layout", ["transposed", "strided"])
+def test_preserve_format_plans_like_no_memory_format(layout):
+    whole = base(8, 16)
+    src = {"transposed": whole.t(), "strided": whole[:, ::2]}[layout]
+    plain = planned_to_result(facts(src, pinned=True), True, None, None, True)
+    preserved = planned_to_result(facts(src, pinned=True), True, None, torch.preserve_format, True)
+    assert preserved == plain
+
+
 def test_dtype_conversion_of_a_pinned_dense_source_is_asynchronous():
     src = base(8, 16)
     result = planned_to_result(facts(src, pinned=True), True, torch.float16, None, True)
@@ -100,6 +109,13 @@ def test_empty_and_single_element_copies():
     assert classify_copy(facts(empty, cuda=True), empty, True) is None  # even pageable: nothing moves
     one = base(4, 4)[1:2, 2:3]
     assert classify_copy(facts(torch.empty(1, 1), cuda=True), facts(one, pinned=True), True) is None
+
+
+def test_single_element_pageable_copies_still_block():
+    # Only an empty copy is exempt: one element from or into pageable memory still syncs.
+    one = base(1)
+    assert classify_copy(facts(one, cuda=True), one, True) == PAGEABLE_H2D
+    assert classify_copy(one, facts(one, cuda=True), True) == PAGEABLE_D2H
 
 
 # ---- device to host -------------------------------------------------------
@@ -128,6 +144,13 @@ def test_pinned_transposed_destination_with_the_same_layout_is_asynchronous():
     assert classify_copy(facts(dst, pinned=True), facts(dst, cuda=True), True) is None
     contiguous_src = torch.empty(dst.shape)
     assert classify_copy(facts(dst, pinned=True), facts(contiguous_src, cuda=True), True) == STRIDED_D2H
+
+
+def test_dtype_conversion_into_a_transposed_pinned_destination_is_staged():
+    # Same layout but another dtype: torch converts through a contiguous pageable temporary.
+    dst = base(8, 16).t()
+    converting = facts(dst, cuda=True, dtype=torch.float16)
+    assert classify_copy(facts(dst, pinned=True), converting, True) == STRIDED_D2H
 
 
 @pytest.mark.parametrize("layout", ["dense", "transposed", "strided"])

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import atexit
+import os
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
+import pytest
+import torch
+
 from syncless import syncs
-from syncless.syncs import _debugmode, _trace
+from syncless._core.errors import SyncViolation
+from syncless.syncs import _debugmode, _report, _trace
 
 from .conftest import torch_sync_warning
 
@@ -159,3 +166,68 @@ def test_a_site_recorded_without_its_stack_takes_the_next_one(fake_mode):
     site = syncs.report().sites[0]
     assert site.count == 2 and site.first.stack == again.stack
     syncs.reset()
+
+
+# ---- compile-time frames, handling in each mode, the exit report ---------------
+
+def _torch_helper(relative_path):
+    """A function whose code claims to live in torch at ``relative_path`` and locates a sync from there."""
+    filename = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), *relative_path.split("/"))
+    namespace = {}
+    source = "import sys\ndef run(locate, *args):\n    return locate(*args, sys._getframe())\n"
+    exec(compile(source, filename, "exec"), namespace)
+    return namespace["run"]
+
+
+def test_a_sync_under_compile_time_torch_code_is_skipped():
+    under_dynamo = _torch_helper("_dynamo/convert_frame.py")
+    assert under_dynamo(_report.locate, _report.KIND_EXPLICIT, "a sync", _report.FIX_EXPLICIT) is None
+    # Other torch code is skipped over to the caller (this file) instead.
+    elsewhere = _torch_helper("_syncless_test_helper.py")
+    line = sys._getframe().f_lineno + 1
+    found = elsewhere(_report.locate, _report.KIND_EXPLICIT, "a sync", _report.FIX_EXPLICIT)
+    assert (found.filename, found.lineno) == (__file__, line)
+
+
+def _violation():
+    return _report.Violation(_report.KIND_WAIT, "a wait", "user.py", 7, "step", _report.FIX_WAIT, "stack\n", "main")
+
+
+def test_error_mode_records_before_raising(restored_globals):
+    syncs.set_mode("error")
+    syncs.reset()
+    violation = _violation()
+    with pytest.raises(SyncViolation, match="user.py:7") as info:
+        _report.handle(violation)
+    assert info.value.violation is violation
+    assert [(s.first, s.count) for s in syncs.report().sites] == [(violation, 1)]
+
+
+def test_warn_mode_delivers_through_forward_warning_when_given(restored_globals):
+    syncs.set_mode("warn")
+    syncs.reset()
+    delivered = []
+    with warnings.catch_warnings(record=True) as through_warnings:
+        warnings.simplefilter("always")
+        _report.handle(_violation(), forward_warning=lambda *args: delivered.append(args))
+    assert through_warnings == []
+    [(message, category, filename, lineno)] = delivered
+    assert isinstance(message, _report.SyncWarning) and category is _report.SyncWarning
+    assert (filename, lineno) == ("user.py", 7) and "user.py:7" in str(message)
+    with pytest.warns(_report.SyncWarning, match="user.py:7"):
+        _report.handle(_violation())  # without one: the warnings module
+    assert syncs.report().total == 2
+
+
+def test_print_at_exit_registers_once_and_prints_the_record(monkeypatch, capsys):
+    registered = []
+    monkeypatch.setattr(atexit, "register", registered.append)
+    recorder = _report._Recorder()  # not the process-wide one
+    recorder.print_at_exit()
+    recorder.print_at_exit()
+    assert len(registered) == 1
+    registered[0]()
+    assert capsys.readouterr().err == ""  # nothing recorded: nothing printed
+    recorder.add(_violation())
+    registered[0]()
+    assert "user.py:7" in capsys.readouterr().err
