@@ -109,7 +109,8 @@ def make_transport(
     if _inject_failure is not None and _inject_failure not in INJECTABLE_FAILURES:
         raise ValueError(f"_inject_failure must be one of {INJECTABLE_FAILURES}; got {_inject_failure!r}")
     choice = config.resolve("SYNCLESS_PP_TRANSPORT", backend)
-    if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < float("inf")):
+    if timeout_s is not None and (isinstance(timeout_s, bool) or not (
+            isinstance(timeout_s, (int, float)) and 0 < timeout_s < float("inf"))):
         raise ValueError(f"timeout_s must be a positive number of seconds; got {timeout_s!r}")
     timeout = float(config.resolve("SYNCLESS_PP_TIMEOUT_S", timeout_s))
     if group is None:

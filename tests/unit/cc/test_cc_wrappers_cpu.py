@@ -7,7 +7,7 @@ import torch
 
 import syncless.cc as cc
 from syncless._core import patching
-from syncless.cc import _shim
+from syncless.cc import _emulation, _shim
 
 MODES = ["on", "emulate"]
 
@@ -137,6 +137,20 @@ def test_deprecated_async_reaches_torch_as_given(mode, beneath):
     # non_blocking, left out by the caller, stays out: torch refuses it next to async.
     assert copy_args == (src,) and copy_kwargs == {"async": False}
     assert cuda_args == () and cuda_kwargs == {"async": False}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_deprecated_async_after_a_positional_device_reaches_torch_as_given(mode, beneath, monkeypatch):
+    waits = []
+    # The emulator then blocks on the GPU's stream; the recorder beneath hands back the CPU tensor instead.
+    monkeypatch.setattr(_emulation, "_emulate_wait", waits.append)
+    cc.install(mode)
+    t = torch.randn(8)
+    assert t.cuda(0, **{"async": True}) is t
+    (args, kwargs), = beneath["cuda"]
+    # Nothing added: torch refuses non_blocking= next to async=, even non_blocking=False.
+    assert args == (0,) and kwargs == {"async": True}
+    assert len(waits) == (1 if mode == "emulate" else 0)  # async=True is a non-blocking call
 
 
 BAD_COPY_CALLS = [

@@ -32,6 +32,13 @@ def test_topology_refuses_pcie_pairs_and_several_nodes():
     assert "several nodes (h1, h2)" in problem
 
 
+def test_topology_refuses_two_gpus_whose_only_pair_is_pcie():
+    devices = [StageDevice("h", "GPU-a", 0), StageDevice("h", "GPU-b", 1)]
+    assert topology_problem(devices, _links([("GPU-a", "GPU-b")])) is None
+    problem = topology_problem(devices, _links([]))
+    assert problem is not None and "GPU-a and GPU-b are not NVLink-connected" in problem
+
+
 def test_uuid_string_matches_nvml_format():
     raw = bytes(range(16))
     assert uuid_string(raw) == "GPU-00010203-0405-0607-0809-0a0b0c0d0e0f"
@@ -64,6 +71,10 @@ def test_decide_says_why_copies_are_not_batched_and_only_for_copy_engines():
         (_facts(nvlink={(0, 1): None}), "NVLink 0<->1: unknown"),
         (_facts(mem_ops_64=[True, False]), "missing on GPU [1]"),
         (_facts(peer_access={(0, 1): False}), "peer access 0<->1: no"),
+        (_facts(peer_access={(0, 1): None}), "peer access 0<->1: unknown"),
+        (_facts(mem_ops_64=[True]), "64-bit stream memory ops: unknown"),
+        # What gather_local_facts leaves when the driver query failed: no mem-ops list, no pair maps.
+        (LocalFacts(True, 2, notes=["the CUDA driver could not be queried"]), "64-bit stream memory ops: unknown"),
     ],
 )
 def test_decide_falls_back_and_says_why(facts, words):

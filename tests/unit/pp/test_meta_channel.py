@@ -189,3 +189,71 @@ def test_sending_to_a_dead_peer_raises_even_when_sigpipe_would_kill(tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 0 and "raised" in done.stdout, (done.returncode, done.stderr)
     assert signal.SIGPIPE  # the child set SIG_DFL, so without MSG_NOSIGNAL it would have died with 141
+
+
+def _accept_in_thread(listener, timeout_s):
+    """Start ``listener.accept`` in a daemon thread; return the thread and a dict that gets its outcome."""
+    outcome = {}
+
+    def wait():
+        try:
+            outcome["receiver"] = listener.accept(2, timeout_s, "test")
+        except PeerTimeoutError as err:
+            outcome["error"] = err
+
+    thread = threading.Thread(target=wait, daemon=True)  # daemon: a broken accept must not hang the session
+    thread.start()
+    return thread, outcome
+
+
+def test_a_stranger_that_closes_without_the_token_does_not_hold_up_the_sender():
+    listener = meta_channel.Listener()
+    thread, outcome = _accept_in_thread(listener, 20.0)
+    stranger = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stranger.connect(listener.name)
+    stranger.close()  # end of file before any token byte
+    sender = meta_channel.connect(listener.name, listener.token, 2, 5.0, "test")
+    thread.join(2.0)  # well before accept's 20 s
+    assert not thread.is_alive(), "accept kept waiting after the stranger left and the sender connected"
+    receiver = outcome["receiver"]
+    sender.send(4, [-9])
+    assert receiver.recv(5.0, "step") == (4, -9)
+    for sock in (sender, receiver, listener):
+        sock.close()
+
+
+def test_a_silent_stranger_that_connects_late_does_not_extend_accepts_deadline():
+    listener = meta_channel.Listener()
+    stranger = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    # It connects 0.6 s into a 1 s accept and sends nothing: waiting for its token must end at accept's
+    # deadline (1 s), not a full timeout after it connected (1.6 s).
+    late = threading.Timer(0.6, stranger.connect, args=(listener.name,))
+    start = time.monotonic()
+    late.start()
+    with pytest.raises(PeerTimeoutError, match="did not connect within 1 s"):
+        listener.accept(2, 1.0, "test")
+    elapsed = time.monotonic() - start
+    late.join()
+    assert 0.9 < elapsed < 1.3
+    stranger.close()
+    listener.close()
+
+
+def test_a_token_that_arrives_in_two_writes_is_accepted():
+    listener = meta_channel.Listener()
+    raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    half = meta_channel.TOKEN_NBYTES // 2
+
+    def present_in_halves():
+        raw.connect(listener.name)
+        raw.sendall(listener.token[:half])
+        time.sleep(0.2)  # accept has read the first half by now and waits for the rest
+        raw.sendall(listener.token[half:] + (11).to_bytes(8, "little") + (-3).to_bytes(8, "little", signed=True))
+
+    thread = threading.Thread(target=present_in_halves)
+    thread.start()
+    receiver = listener.accept(2, 2.0, "test")
+    thread.join()
+    assert receiver.recv(5.0, "step") == (11, -3)
+    for sock in (raw, receiver, listener):
+        sock.close()
