@@ -24,6 +24,7 @@ def facts(src="cpu", dst="cuda", **kw):
         (facts(src="cpu", dst="cpu"), (r.ORIGINAL, "no_cuda")),
         (facts(src="cuda", dst="cuda"), (r.ORIGINAL, "device_to_device")),
         (facts(src="meta", dst="cuda"), (r.ORIGINAL, "other_device")),
+        (facts(src="cuda", dst="meta", on_d2h_stream=True), (r.ORIGINAL, "other_device")),  # not a host copy
         (facts(compiling=True), (r.ORIGINAL, "compiling")),
         (facts(compiling=True, non_blocking=False), (r.ORIGINAL, "compiling")),
         (facts(capturing=True), (r.ORIGINAL, "capturing")),
