@@ -82,3 +82,28 @@ def test_plan_survives_pickling_for_spawned_workers():
     plan = make_plan(quick=True)
     assert pickle.loads(pickle.dumps(plan)) == plan
     assert plan.as_dict()["payloads"] == plan.payloads
+
+
+def test_prefill_label_starts_at_4096_tokens():
+    assert payload_label(128 * MIB) == "128 MiB (prefill, 4096 tokens)"
+    assert payload_label(64 * MIB) == "64 MiB (2048 tokens)"
+
+
+def test_steps_round_up_to_move_at_least_the_target_bytes():
+    plan = Plan(quick=True, payloads=(64 * KIB, 8 * MIB), interference_nbytes=8 * MIB,
+                bandwidth_target_nbytes=100 * MIB, bandwidth_min_steps=1)
+    assert plan.steps_for(8 * MIB) == 13  # 12.5 steps of 8 MiB make 100 MiB
+
+
+def test_largest_payload_counts_the_pending_receive_and_the_latency_sizes():
+    small = dict(quick=True, payloads=(64 * KIB, 1 * MIB), cpu_nbytes=1 * MIB, interference_nbytes=1 * MIB)
+    pending = Plan(**small, latency_payloads=(64 * KIB,), pending_nbytes=8 * MIB)
+    assert pending.max_nbytes == 8 * MIB and pending.max_rows == 256
+    latency = Plan(**small, latency_payloads=(64 * KIB, 16 * MIB), pending_nbytes=64 * KIB)
+    assert latency.max_nbytes == 16 * MIB and latency.latency_max_rows == 512
+
+
+def test_interference_payload_may_not_outgrow_the_buffers():
+    with pytest.raises(ValueError, match=f"at most the largest payload {8 * MIB}; got {16 * MIB}"):
+        Plan(quick=True, payloads=(64 * KIB, 8 * MIB), interference_nbytes=16 * MIB)
+    assert Plan(quick=True, payloads=(64 * KIB, 8 * MIB), interference_nbytes=8 * MIB).interference_nbytes == 8 * MIB

@@ -94,6 +94,8 @@ def test_tables_hold_every_payload_and_the_ratios():
     assert lat_rows[5][2:6] == [43.0, 28.0, 26.0, 25.0] and lat_rows[5][6] == pytest.approx(28 / 43)
     gemm_row, spin_row = int_rows
     assert gemm_row[1:4] == [1.50, 1.62, 1.56] and gemm_row[4] == pytest.approx(1.62 / 1.5)
+    assert gemm_row[5] == pytest.approx(1.56 / 1.5)
+    assert spin_row[1:4] == [2.0, 4.1, 2.03] and spin_row[4] == pytest.approx(4.1 / 2.0)
     assert spin_row[5] == pytest.approx(2.03 / 2.0)
     assert cpu_rows[2][1:] == [12.0, 20.0, 30.0, 40.0]
 
@@ -214,3 +216,27 @@ def test_ceiling_note_appears_only_where_the_raw_copy_is_short_of_the_nccl_targe
     assert lines == [n for n in build_output(plan, Outcome(results=tight, complete=True)).notes if "ceiling" in n]
     assert len(lines) == 2 and "64 MiB" in lines[0] and "256 MiB" in lines[1]  # the goal payloads only
     assert all("1.089x NCCL" in line for line in lines)
+
+
+def test_host_cpu_goals_judge_each_call_against_nccls_at_cpu_nbytes():
+    plan = make_plan(quick=False)
+    results = fake_results(plan, cpu=(12.0, 20.0, 30.0, 29.0))  # send beats NCCL, recv does not
+    for nbytes in plan.payloads:
+        if nbytes != plan.cpu_nbytes:  # other payloads would flip both verdicts if they were read instead
+            results["host_cpu"]["ours"][nbytes] = {"send": {"thread_us": 99.0}, "recv": {"thread_us": 1.0}}
+    by_name = goal_map(goals(plan, results))
+    send = by_name["host CPU per send() at 8 MiB: ours (target: NCCL isend batch)"]
+    recv = by_name["host CPU per recv() at 8 MiB: ours (target: NCCL irecv batch + wait)"]
+    assert (send.measured, send.target, send.unit, send.met) == (12.0, 20.0, "us", True)
+    assert (recv.measured, recv.target, recv.unit, recv.met) == (30.0, 29.0, "us", False)
+
+
+def test_quality_flags_catch_bad_echo_and_bad_pending_data():
+    plan = make_plan(quick=True)
+    results = fake_results(plan)
+    results["latency"]["ours@own"][8 * MIB]["data_ok"] = False
+    results["pending"]["ours"]["data_ok"] = False
+    assert quality_flags(plan, results) == [
+        "latency ours, own stream at 8 MiB: the echoed bytes did NOT match what was sent",
+        "pending receive with ours: the received bytes did NOT match",
+    ]

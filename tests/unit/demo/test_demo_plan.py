@@ -1,6 +1,7 @@
 """The demo's plan (stages, devices, sizes) and its model split, on the CPU."""
 
 import argparse
+import dataclasses
 
 import pytest
 import torch
@@ -65,3 +66,56 @@ def test_split_model_computes_what_the_whole_model_computes():
         hidden = parts[0](ids, positions, 0, 0)
         got = parts[1](hidden, None, 0, 0)
     assert torch.equal(got, expected)
+
+
+def test_default_stages_follow_the_gpu_count():
+    options = plan(_args(), gpus=4)
+    assert options.stages == 4 and options.devices == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    assert options.micro_batches == 4
+
+
+def test_default_steps_are_256_on_gpus_and_32_on_the_cpu():
+    assert plan(_args(), gpus=0).steps == 32
+    assert plan(_args(), gpus=1).steps == 256
+
+
+def test_one_stage_per_layer_is_allowed():
+    options = plan(_args("--stages", "4", "--model", "tiny"), gpus=0)
+    assert options.stages == 4 and options.devices == ["cpu"] * 4
+
+
+def test_options_pass_through_as_given():
+    options = plan(_args("--micro-batches", "3", "--batch", "5", "--transport", "copy_engine", "--cc", "emulate"),
+                   gpus=2)
+    assert (options.micro_batches, options.batch, options.transport, options.cc_mode) == (3, 5, "copy_engine",
+                                                                                           "emulate")
+    auto = plan(_args("--transport", "auto"), gpus=2)
+    assert auto.transport is None and auto.cc_mode is None  # None: the stages read the env registry
+
+
+@pytest.mark.parametrize("steps, every", [(1, 1), (3, 1), (4, 1), (100, 25)])
+def test_progress_is_printed_about_four_times(steps, every):
+    assert plan(_args("--steps", str(steps)), gpus=0).progress_every == every
+
+
+@pytest.mark.parametrize("stages", [0, -1, 5])
+def test_split_layers_rejects_impossible_stage_counts(stages):
+    with pytest.raises(ValueError, match=f"between 1 and the layer count \\(4\\), got {stages}"):
+        split_layers(4, stages)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_are_valid_models(name):
+    config = PRESETS[name]
+    config.validate()
+    assert config.head_dim * config.heads == config.hidden
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"layers": 0}, "model layers must be positive, got 0"),
+    ({"vocab": -1}, "model vocab must be positive, got -1"),
+    ({"hidden": 1000, "heads": 16}, "hidden \\(1000\\) must be a multiple of heads \\(16\\)"),
+])
+def test_model_sizes_that_cannot_form_a_model_are_refused(changes, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(PRESETS["tiny"], **changes).validate()

@@ -1,0 +1,81 @@
+"""`syncless bench cc`'s tables and goals, from made-up measurements (CPU only).
+
+The GPU parts (the calibrated spin, the decode loop, the timed H2D) are
+replaced by fakes that return fixed numbers for the setup last entered; the
+aggregation, the tables and the goals are the real code.
+"""
+
+import argparse
+import statistics
+import types
+
+import pytest
+
+import syncless.cc as cc
+from syncless.bench import _cc
+
+#: tokens/s per round (5 rounds in a full run); the medians differ from the means on purpose
+TOKENS_PER_S = {
+    "plain": [1000.0, 1000.0, 3000.0, 990.0, 1010.0],
+    "shim": [970.0, 100.0, 975.0, 960.0, 2000.0],
+    "emulated": [400.0, 410.0, 390.0, 5000.0, 405.0],
+    "emulated+shim": [960.0, 950.0, 970.0, 10.0, 965.0],
+}
+H2D_US = {"plain": 50.0, "emulated": 20_000.0, "emulated+shim": 100.0}
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """Stand in for the GPU measurements; return the order in which setups were measured."""
+    entered, measured = [], []
+    rounds = {setup: iter(values) for setup, values in TOKENS_PER_S.items()}
+    fake_torch = types.SimpleNamespace(device=lambda kind, index: f"{kind}:{index}",
+                                       cuda=types.SimpleNamespace(set_device=lambda device: None))
+    monkeypatch.setattr(_cc, "_require_gpu", lambda: fake_torch)
+    monkeypatch.setattr(_cc, "_cycles_per_ms", lambda torch: 1_000_000)
+    monkeypatch.setattr(_cc, "_Model", lambda torch, device, cycles: None)
+    monkeypatch.setattr(cc, "new_d2h_stream", lambda device: None)
+    monkeypatch.setattr(_cc, "_enter", entered.append)
+
+    def decode_loop(torch, device, model, d2h, steps, warmup):
+        measured.append(entered[-1])
+        return next(rounds[entered[-1]])
+
+    monkeypatch.setattr(_cc, "_decode_loop", decode_loop)
+    monkeypatch.setattr(_cc, "_h2d_return_us", lambda torch, device, cycles, repeats: H2D_US[entered[-1]])
+    return measured
+
+
+def test_tables_and_goals_use_medians_against_the_right_setup(fake_gpu):
+    output = _cc.run(argparse.Namespace(quick=False, out=None), lambda message: None)
+    assert fake_gpu == list(_cc.SETUPS) * 5  # interleaved: every round measures every setup
+
+    median = {setup: statistics.median(values) for setup, values in TOKENS_PER_S.items()}
+    assert median == {"plain": 1000.0, "shim": 970.0, "emulated": 405.0, "emulated+shim": 960.0}
+    (_, _, throughput), (_, _, h2d) = output.tables
+    assert throughput == [[setup, median[setup], pytest.approx(median[setup] / 1000.0), min(TOKENS_PER_S[setup]),
+                           max(TOKENS_PER_S[setup])] for setup in _cc.SETUPS]
+    assert h2d == [["plain", 50.0, pytest.approx(50 / 20_000)], ["emulated", 20_000.0, 1.0],
+                   ["emulated+shim", 100.0, pytest.approx(100 / 20_000)]]
+    assert output.data["median_tokens_per_s"] == median and output.data["h2d_return_us"] == H2D_US
+
+    with_shim, shim_alone, h2d_goal = output.goals
+    assert (with_shim.measured, with_shim.target, with_shim.higher_is_better) == (pytest.approx(0.96), 0.95, True)
+    assert (shim_alone.measured, shim_alone.target, shim_alone.higher_is_better) == (pytest.approx(0.97), 0.98, True)
+    assert (h2d_goal.measured, h2d_goal.target, h2d_goal.higher_is_better) == (pytest.approx(0.005), 0.02, False)
+    assert [g.met for g in output.goals] == [True, False, True]
+    assert "emulated CC with the shim" in with_shim.description and "without CC" in shim_alone.description
+
+
+def test_each_setup_turns_on_what_its_name_says(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cc, "uninstall", lambda: calls.append("uninstall"))
+    monkeypatch.setattr(cc, "install", lambda mode: calls.append(f"install({mode})"))
+    monkeypatch.setattr(cc, "emulate", lambda: calls.append("emulate"))
+    done = {}
+    for setup in _cc.SETUPS:
+        calls.clear()
+        _cc._enter(setup)
+        done[setup] = list(calls)
+    assert done == {"plain": ["uninstall"], "shim": ["uninstall", "install(on)"], "emulated": ["uninstall", "emulate"],
+                    "emulated+shim": ["uninstall", "install(emulate)"]}
