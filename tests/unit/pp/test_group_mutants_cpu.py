@@ -1,0 +1,184 @@
+"""The CPU side of a pipeline group in one process: the side-group cache, tags, agree(), barrier, metadata.
+
+torch.distributed's collectives are replaced by stand-ins that play the
+other ranks' parts; what is under test is the bookkeeping and the outcome
+every rank must reach.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from syncless._core.errors import CopyEngineUnavailable, PeerTimeoutError
+from syncless.pp import _group
+from syncless.pp._group import TAGS_PER_TRANSPORT, StageMap, agree, barrier, cpu_group, next_tag, recv_meta
+
+TIMEOUT_S = 7.75  # an unusual value, so cache keys are this file's own
+
+
+@pytest.fixture
+def groups(monkeypatch):
+    """A fresh side-group cache and tag counters; ``dist.new_group`` hands out numbered stand-ins."""
+    made = []
+
+    def new_group(**kwargs):
+        made.append(kwargs)
+        return f"group {len(made)}"
+
+    monkeypatch.setattr(_group, "_side_groups", {})
+    monkeypatch.setattr(_group, "_tag_counters", {})
+    monkeypatch.setattr(dist, "new_group", new_group)
+    return made
+
+
+class _FailingWork:
+    def wait(self, timeout=None):
+        raise RuntimeError("[fake gloo] connection closed by peer")
+
+
+def test_only_the_first_stage_has_no_previous_and_only_the_last_no_next():
+    ranks = (3, 1, 2)
+    assert [StageMap(ranks, i).prev_rank for i in range(3)] == [None, 3, 1]
+    assert [StageMap(ranks, i).next_rank for i in range(3)] == [1, 2, None]
+
+
+def test_one_side_group_per_rank_set_and_timeout(groups):
+    first = cpu_group([2, 0, 1], TIMEOUT_S)
+    assert cpu_group([0, 1, 2], TIMEOUT_S) is first  # the stage order does not matter
+    assert groups[0]["ranks"] == [0, 1, 2] and groups[0]["backend"] == "gloo"
+    assert groups[0]["timeout"].total_seconds() == TIMEOUT_S
+    longer = cpu_group([0, 1, 2], 2 * TIMEOUT_S)  # gloo's timeout is fixed per group: a new one
+    assert longer is not first and groups[1]["timeout"].total_seconds() == 2 * TIMEOUT_S
+    assert cpu_group([0, 1], TIMEOUT_S) not in (first, longer)
+    assert len(groups) == 3
+
+
+def test_a_discarded_side_group_is_never_handed_out_again(groups):
+    broken = cpu_group([0, 1], TIMEOUT_S)
+    kept = cpu_group([0, 1], 2 * TIMEOUT_S)
+    _group.discard_cpu_group(broken)
+    fresh = cpu_group([0, 1], TIMEOUT_S)
+    assert fresh is not broken and cpu_group([0, 1], TIMEOUT_S) is fresh
+    assert cpu_group([0, 1], 2 * TIMEOUT_S) is kept
+
+
+def test_tags_of_transports_on_one_group_never_overlap_and_groups_count_apart(groups):
+    a, b = cpu_group([0, 1], TIMEOUT_S), cpu_group([0, 1, 2], TIMEOUT_S)
+    on_a = [next_tag(a) for _ in range(3)]
+    on_b = [next_tag(b) for _ in range(2)]
+    on_a.append(next_tag(a))
+    # Every rank of a group numbers its transports the same way, whatever other groups it uses.
+    assert on_b == on_a[:2]
+    ranges = [set(range(base, base + TAGS_PER_TRANSPORT)) for base in on_a]
+    assert all(not (x & y) for i, x in enumerate(ranges) for y in ranges[i + 1:])
+
+
+def _others(monkeypatch, outcomes):
+    """Make all_gather_object gather ``outcomes`` (global rank -> (status, value)) for the other ranks."""
+
+    def all_gather_object(gathered, mine, group=None):
+        everyone = {**{rank: (rank, *outcome) for rank, outcome in outcomes.items()}, mine[0]: mine}
+        for slot, rank in enumerate(sorted(everyone)):  # gloo gathers in group-rank order
+            gathered[slot] = everyone[rank]
+
+    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+
+
+STAGES = StageMap((2, 0, 1), 1)  # pipeline order differs from rank order; this process is rank 0
+
+
+def test_agree_returns_every_stages_result_in_pipeline_order(monkeypatch):
+    _others(monkeypatch, {1: (None, "from rank 1"), 2: (None, "from rank 2")})
+    assert agree("side", STAGES, "set-up", lambda: "from rank 0") == ["from rank 2", "from rank 0", "from rank 1"]
+
+
+def test_agree_raises_the_first_failure_in_pipeline_order(monkeypatch):
+    _others(monkeypatch, {1: (("ValueError", "bad depth"), None), 2: (("error", "RuntimeError: boom"), None)})
+    with pytest.raises(RuntimeError, match=r"set-up failed on stage 0 \(rank 2\): RuntimeError: boom") as info:
+        agree("side", STAGES, "set-up", lambda: 1)
+    assert type(info.value) is RuntimeError
+
+
+@pytest.mark.parametrize("error", [ValueError("depth must be >= 1"), TypeError("depth must be an int")])
+def test_a_bad_argument_here_is_the_same_error_type_on_every_rank(monkeypatch, error):
+    seen = {}
+
+    def all_gather_object(gathered, mine, group=None):
+        seen["mine"] = mine
+        gathered[:] = [(1, None, 1), mine, (2, None, 2)]
+
+    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+
+    def local():
+        raise error
+
+    with pytest.raises(type(error)) as info:
+        agree("side", STAGES, "make_transport", local)
+    assert type(info.value) is type(error) and info.value.__cause__ is error
+    assert str(info.value) == f"make_transport failed on stage 1 (rank 0): {error}"
+    # What the other ranks receive turns into the same exception there.
+    status = seen["mine"][1]
+    there = _group.first_failure([None, status, None], STAGES, "make_transport")
+    assert type(there) is type(error) and str(there) == str(info.value)
+
+
+def test_an_unavailable_copy_engine_is_shared_as_unavailable(monkeypatch):
+    _others(monkeypatch, {1: (None, 1), 2: (None, 2)})
+
+    def local():
+        raise CopyEngineUnavailable("no NVLink between GPU 0 and GPU 1")
+
+    with pytest.raises(CopyEngineUnavailable, match="stage 1 \\(rank 0\\): no NVLink"):
+        agree("side", STAGES, "set-up", local)
+
+
+def test_a_failed_exchange_raises_peer_timeout_and_retires_the_group(groups, monkeypatch):
+    side = cpu_group([0, 1, 2], TIMEOUT_S)
+
+    def all_gather_object(gathered, mine, group=None):
+        raise RuntimeError("[fake gloo] rank 2 closed the connection")
+
+    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+    with pytest.raises(PeerTimeoutError, match="exchanging set-up outcomes"):
+        agree(side, STAGES, "set-up", lambda: 1)
+    assert cpu_group([0, 1, 2], TIMEOUT_S) is not side
+
+
+def test_barrier_says_whether_every_rank_arrived(groups, monkeypatch):
+    side = cpu_group([0, 1], TIMEOUT_S)
+
+    class _Done:
+        def wait(self, timeout=None):
+            return True
+
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, group=None, async_op=False: _Done())
+    assert barrier(side, TIMEOUT_S, "close") is True
+    assert cpu_group([0, 1], TIMEOUT_S) is side
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, group=None, async_op=False: _FailingWork())
+    assert barrier(side, TIMEOUT_S, "close") is False
+    assert cpu_group([0, 1], TIMEOUT_S) is not side
+
+
+def test_metadata_that_never_comes_raises_peer_timeout_and_retires_the_group(groups, monkeypatch):
+    side = cpu_group([0, 1], TIMEOUT_S)
+    monkeypatch.setattr(dist, "irecv", lambda tensor, src=None, group=None, tag=0: _FailingWork())
+    with pytest.raises(PeerTimeoutError, match="rank 1 sent nothing within 7.75 s"):
+        recv_meta(side, 1, 1000, 3, TIMEOUT_S, "stage 1 receiving step 4")
+    assert cpu_group([0, 1], TIMEOUT_S) is not side
+
+
+def test_metadata_arrives_as_sent(monkeypatch):
+    sent = torch.randint(-(2**40), 2**40, (4,))
+
+    class _Landed:
+        def wait(self, timeout=None):
+            return True
+
+    def irecv(tensor, src=None, group=None, tag=0):
+        tensor.copy_(sent)
+        return _Landed()
+
+    monkeypatch.setattr(dist, "irecv", irecv)
+    assert torch.equal(recv_meta("side", 1, 1000, 4, TIMEOUT_S, "step"), sent)

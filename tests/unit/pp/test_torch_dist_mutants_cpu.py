@@ -1,0 +1,197 @@
+"""The torch.distributed transport's own checks, in one process over a stand-in wire (CPU, no peer).
+
+The wire stands in for the other stage only: it hands out the metadata and
+data a peer would have sent and records what the transport posted. The
+transport's decisions (step order, row bounds, failing for good, which group
+carries gloo traffic) run as they do between real ranks.
+"""
+
+from __future__ import annotations
+
+import types
+from collections import deque
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from syncless._core.errors import PeerTimeoutError
+from syncless.pp import _group
+from syncless.pp import _torch_dist
+from syncless.pp._group import StageMap
+from syncless.pp._layout import TensorSpec
+from syncless.pp._torch_dist import TorchDistTransport, backend_for
+
+CALLERS_GROUP = object()
+SIDE_GROUP = object()
+MAX_ROWS = 4
+ROW = (3,)
+TIMEOUT_S = 5.25  # an unusual value, so the side-group cache key is this file's own
+
+
+class _Work:
+    def __init__(self, wire):
+        self._wire = wire
+
+    def wait(self, timeout=None):
+        if self._wire.fail_waits:
+            raise RuntimeError("[fake gloo] connection closed by peer")
+        return True
+
+    def is_completed(self):
+        return True
+
+
+class Wire:
+    """The peer's side: queued metadata (or errors) and data; records every posted operation."""
+
+    def __init__(self):
+        self.metas = deque()
+        self.data = deque()
+        self.posted = []
+        self.meta_calls = 0
+        self.fail_waits = False
+
+    def recv_meta(self, side_group, src, tag, length, timeout_s, what):
+        self.meta_calls += 1
+        item = self.metas.popleft()
+        if isinstance(item, BaseException):
+            raise item
+        return torch.tensor(item, dtype=torch.int64)
+
+    def isend(self, tensor, dst=None, group=None, tag=0):
+        self.posted.append(("send", group, tag, tensor.clone()))
+        return _Work(self)
+
+    def irecv(self, tensor, src=None, group=None, tag=0):
+        self.posted.append(("recv", group, tag, tensor))
+        tensor.copy_(self.data.popleft())
+        return _Work(self)
+
+    def batch_isend_irecv(self, ops):
+        return [op.op(op.tensor, op.peer, group=op.group, tag=op.tag) for op in ops]
+
+
+@pytest.fixture
+def wire(monkeypatch):
+    fake = Wire()
+    monkeypatch.setattr(_torch_dist, "recv_meta", fake.recv_meta)
+    monkeypatch.setattr(dist, "isend", fake.isend)
+    monkeypatch.setattr(dist, "irecv", fake.irecv)
+    monkeypatch.setattr(dist, "batch_isend_irecv", fake.batch_isend_irecv)
+    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer, group, tag: types.SimpleNamespace(
+        op=op, tensor=tensor, peer=peer, group=group, tag=tag))
+    return fake
+
+
+def _spec():
+    return {"x": TensorSpec(torch.float32, ROW, MAX_ROWS)}
+
+
+def _receiver():
+    persistent = {"x": torch.full((MAX_ROWS, *ROW), float("nan"))}
+    return TorchDistTransport(
+        group=CALLERS_GROUP, side_group=SIDE_GROUP, stages=StageMap((0, 1), 1), tag=1000, recv_specs=_spec(),
+        send_specs=None, persistent=persistent, device=torch.device("cpu"), timeout_s=TIMEOUT_S,
+        fallback_reason=None,
+    )
+
+
+def _sender():
+    return TorchDistTransport(
+        group=CALLERS_GROUP, side_group=SIDE_GROUP, stages=StageMap((0, 1), 0), tag=1000, recv_specs={},
+        send_specs=_spec(), persistent={}, device=torch.device("cpu"), timeout_s=TIMEOUT_S, fallback_reason=None,
+    )
+
+
+def test_a_step_out_of_order_is_a_protocol_error_and_the_transport_stays_failed(wire):
+    receiver = _receiver()
+    rows = torch.randn(3, *ROW)
+    wire.metas.extend([[1, 3], [3, 2]])  # step 2 never came: the peer's counter is off
+    wire.data.append(rows)
+    assert torch.equal(receiver.recv()["x"], rows)
+    posted = len(wire.posted)
+    with pytest.raises(RuntimeError, match="protocol error") as first:
+        receiver.recv()
+    assert len(wire.posted) == posted  # no data receive was posted for the bad step
+    with pytest.raises(RuntimeError) as again:
+        receiver.recv()
+    assert again.value is first.value and wire.meta_calls == 2
+
+
+@pytest.mark.parametrize("rows", [MAX_ROWS + 1, -1])
+def test_a_row_count_outside_the_region_is_a_protocol_error(wire, rows):
+    receiver = _receiver()
+    wire.metas.append([1, rows])
+    with pytest.raises(RuntimeError, match="protocol error"):
+        receiver.recv()
+    assert wire.posted == []
+
+
+def test_a_metadata_timeout_fails_the_transport_for_good(wire):
+    receiver = _receiver()
+    wire.metas.extend([PeerTimeoutError("stage 0 sent nothing"), [1, 0]])
+    with pytest.raises(PeerTimeoutError) as first:
+        receiver.recv()
+    with pytest.raises(PeerTimeoutError) as again:
+        receiver.recv()  # the step that would now arrive is not read: the stream of steps is broken
+    assert again.value is first.value and wire.meta_calls == 1
+
+
+def test_a_closed_transport_refuses_send_and_recv_and_posts_nothing(wire):
+    sender, receiver = _sender(), _receiver()
+    sender.close()
+    receiver.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        sender.send({"x": torch.randn(2, *ROW)})
+    with pytest.raises(RuntimeError, match="closed"):
+        receiver.recv()
+    assert wire.posted == [] and wire.meta_calls == 0
+
+
+def test_the_first_stage_cannot_receive_and_the_last_cannot_send(wire):
+    first, last = _sender(), _receiver()
+    with pytest.raises(RuntimeError, match="first stage"):
+        first.recv()
+    with pytest.raises(RuntimeError, match="last stage"):
+        last.send({"x": torch.randn(1, *ROW)})
+    assert wire.posted == [] and wire.meta_calls == 0
+
+
+def test_gloo_traffic_never_uses_the_callers_group(wire):
+    sender, receiver = _sender(), _receiver()
+    step = torch.randn(2, *ROW)
+    sender.send({"x": step})
+    wire.metas.append([1, 2])
+    wire.data.append(step)
+    assert torch.equal(receiver.recv()["x"], step)
+    kinds = sorted(kind for kind, *_ in wire.posted)
+    assert kinds == ["recv", "send", "send"]  # metadata and data sent, data received
+    assert all(group is SIDE_GROUP for _, group, _, _ in wire.posted)
+
+
+def test_a_failed_data_receive_raises_peer_timeout_and_retires_the_side_group(wire, monkeypatch):
+    key = ((0, 1), TIMEOUT_S)
+    monkeypatch.setitem(_group._side_groups, key, SIDE_GROUP)
+    replacement = object()
+    monkeypatch.setattr(dist, "new_group", lambda **kwargs: replacement)
+    receiver = _receiver()
+    wire.metas.append([1, 2])
+    wire.data.append(torch.randn(2, *ROW))
+    wire.fail_waits = True
+    with pytest.raises(PeerTimeoutError, match="did not arrive") as first:
+        receiver.recv()
+    # The broken group is not handed to the next transport over the same ranks.
+    assert _group.cpu_group([1, 0], TIMEOUT_S) is replacement
+    with pytest.raises(PeerTimeoutError) as again:
+        receiver.recv()
+    assert again.value is first.value
+
+
+@pytest.mark.parametrize(
+    "name, device_type, expected",
+    [("nccl", "cuda", "nccl"), ("cpu:gloo,cuda:nccl", "cuda", "nccl"), ("cpu:gloo, cuda:nccl", "cpu", "gloo")],
+)
+def test_backend_for_picks_the_backend_of_the_device_type(monkeypatch, name, device_type, expected):
+    monkeypatch.setattr(dist, "get_backend", lambda group: name)
+    assert backend_for(CALLERS_GROUP, device_type) == expected
