@@ -273,8 +273,9 @@ def notes(plan: Plan, outcome: Outcome) -> list[str]:
         "whole loop was queued before the gate opened. 'raw copy + flags' is the physical floor "
         "(cuMemcpyAsync then cuStreamWriteValue64 on the peer, cuStreamWaitValue64 on one's own flag).",
         "Latency runs twice: with the callers on torch's default stream (the legacy default stream, where a step of "
-        "ours goes through a relay stream, because a peer copy there costs 5-10 us more), and with each rank on a "
-        "created stream of its own ('own stream', no relay); NCCL and the raw floor run both ways too.",
+        "ours with depth >= 1 goes through a relay stream, because back-to-back peer copies there cost 5-10 us more; "
+        "depth=0 stays on it), and with each rank on a created stream of its own ('own stream', no relay); NCCL "
+        "and the raw floor run both ways too.",
         "Host CPU: time.thread_time() around each call, mean over every timed step; NCCL send = one "
         "batch_isend_irecv of two isend, NCCL recv = one batch of two irecv plus work.wait().",
         "Reference (HARDWARE.md, same machine type): raw peer copy 384 / 392 GB/s at 64 / 256 MiB, NCCL 327 / 345; "

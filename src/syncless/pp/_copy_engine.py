@@ -54,10 +54,28 @@ transfer of step N cannot start before the receiver's stream reached
 recv(N).
 
 When the caller's current stream is the legacy default stream (torch's
-default), the sender's part of a step runs on a relay stream instead, fenced
+default) and depth >= 1, the sender's part of a step runs on a relay stream instead, fenced
 by an event on each side (after the caller's earlier work, before its later
 work): peer copies issued on the legacy default stream cost 5-10 us more each
-(measured on H200s, about 3x the copy itself at 64 KiB).
+(measured on H200s, about 3x the copy itself at 64 KiB)::
+
+    relay:            (pre) [wait empty >= N-D if N > D] (waited) wait relay_in,
+                      copies -> peer slot s, write peer.full = N, (post)
+    caller (legacy):  ...caller's work... record relay_in, ........................ wait post, ...
+
+The relay waits for the receiver's flag before the caller's work, so that
+wait is over (or runs) while the caller's stream is still busy, and only
+the copies remain once the caller's work is done.
+
+Only with depth >= 1. With depth 0 the step stays on the legacy default
+stream: there the copies wait for the receiver's stream to reach recv()
+anyway, so they never run back to back, and the relay's two event hops cost
+more than they save. Measured on two H200s in a ping-pong on torch's default
+stream (probe 6 in ``bench/results/2026-11-30-h200x2-probes``), one-way at
+8 MiB: depth 0 relayed 38.5 us, on the legacy stream 35.0 us; depth 2
+relayed 45.0 us (48.5 us with the caller's work waited for first), on the
+legacy stream 55.1 us, and its sustained bandwidth at 8 MiB fell from 280 to
+263 GB/s there.
 
 With D >= 1, up to D steps are in flight per link: the sender's stream
 waits only when the receiver's stream is D steps behind. While the receiver
@@ -240,9 +258,9 @@ class CopyEngineTransport(Transport):
         """Send one step to the next stage.
 
         Enqueues on the caller's current stream of this stage's GPU (when
-        that is the legacy default stream, on a private relay stream fenced
-        to it by events before and after, with the same ordering for the
-        caller): wait until the next stage freed the step's slot (only when
+        that is the legacy default stream and ``depth`` >= 1, on a private
+        relay stream fenced to it by events before and after, with the same
+        ordering for the caller): wait until the next stage freed the step's slot (only when
         ``depth`` steps are in flight; with depth 0, until the next stage's
         stream reached ``recv()`` for this step), copy each tensor's rows
         into it (copy engine, no SM; a non-contiguous input is first made
@@ -288,16 +306,16 @@ class CopyEngineTransport(Transport):
         parts, hot = self._parts, self._hot
         pushed = self._binding.enter()
         current = stream = _current_stream(self._index)
-        relayed = False
+        # Depth >= 1 relays a step sent from the legacy default stream; depth 0 does not (see the module
+        # docstring: there the relay's event hops cost more than they save).
+        relayed = current == LEGACY_DEFAULT_STREAM and depth > 0
+        waited = None
         try:
-            if current == LEGACY_DEFAULT_STREAM:
-                # A peer copy on the legacy default stream costs about 5-10 us more than on any other
-                # stream (measured on H200s), so the step runs on the relay stream, fenced on both sides:
-                # after what the caller queued before send(), before what it queues afterwards.
+            if relayed:
+                # Back-to-back peer copies on the legacy default stream cost about 5-10 us more each than
+                # on any other stream (measured on H200s), so the step runs on the relay stream, fenced
+                # on both sides: after what the caller queued before send(), before what it queues after.
                 stream = parts.relay_stream
-                hot.record(parts.relay_in, current)
-                hot.wait_event(parts.relay_in, stream)
-                relayed = True
             if self._last_send_stream not in (None, stream):
                 # Steps go out in order whatever stream each send() runs on: this step's copies and
                 # its `full` write come after the previous step's `full` write, so `full` only grows.
@@ -307,8 +325,18 @@ class CopyEngineTransport(Transport):
             if step > depth:
                 # The receiver is done with step N-D (depth 0: its stream reached recv(N)).
                 hot.wait_geq(stream, self._empty, step - depth)
-            # One batched copy-engine operation for all tensors where the driver offers it (the
-            # stream is never the legacy default one here: that case runs on the relay).
+            if relayed:
+                # The relay takes the receiver's flag first and the caller's work second, so the flag
+                # wait runs while the caller's stream is still busy: once the caller's work is done
+                # only the copies are left. Both waits come before the copies, in either order.
+                # `waited` ends the watchdog's clock, which must not run on the caller's work.
+                waited = parts.acquire_event()
+                hot.record(waited, stream)
+                hot.record(parts.relay_in, current)
+                hot.wait_event(parts.relay_in, stream)
+            # One batched copy-engine operation for all tensors where the driver offers it (not on
+            # the legacy default stream, which the driver refuses for batches: depth 0 there copies
+            # one tensor at a time).
             hot.memcpy_all(copies, stream)
             hot.write(stream, self._next_full, step)
             hot.record(parts.sent, stream)
@@ -324,7 +352,7 @@ class CopyEngineTransport(Transport):
         finally:
             self._binding.exit(pushed)
         self._last_send_stream = stream
-        self._watchdog.watch(Bracket(stream, pre, post, self._send_what, step))
+        self._watchdog.watch(Bracket(stream, pre, post, self._send_what, step, waited))
         try:
             parts.meta_out.send(step, rows)
         except BaseException as err:  # an interrupt too: the GPU part of the step is already enqueued

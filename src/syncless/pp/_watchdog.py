@@ -11,6 +11,11 @@ How it works: each wait is bracketed by two events on its stream::
                                   ^ clock starts when pre completes (the GPU reached the wait),
                                     so a long kernel before the wait never counts as the peer's delay.
 
+A bracket may carry a third event, ``waited``, recorded right after the flag
+wait, where the stream waits for other work of the caller's before ``post``
+(a send relayed from the legacy default stream): once ``waited`` completes the
+clock stops, since what is left is the caller's own work, not the peer's.
+
 Every ``poll_s`` the thread looks at the oldest pending bracket of each
 stream (a stream runs in order, so later brackets cannot finish first). When
 one has been past ``pre`` for longer than the timeout without reaching
@@ -43,6 +48,7 @@ class Bracket:
     """One watched wait: events before and after it on ``stream``.
 
     ``label.format(step)`` names it in the error; it is formatted only then, not on every step.
+    ``waited`` (optional) completes when the flag wait is over, before ``post`` (see the module docstring).
     """
 
     stream: int
@@ -50,11 +56,16 @@ class Bracket:
     post: Event
     label: str
     step: int = 0
+    waited: Event | None = None
     reached_at: float | None = None
     released: bool = False
 
     def what(self) -> str:
         return self.label.format(self.step)
+
+    def events(self) -> tuple[Event, ...]:
+        """The bracket's events, to hand back for reuse once it is finished."""
+        return (self.pre, self.post) if self.waited is None else (self.pre, self.waited, self.post)
 
 
 class Watchdog:
@@ -110,8 +121,8 @@ class Watchdog:
             leftovers = [b for lane in self._lanes.values() for b in lane]
             self._lanes.clear()
         for bracket in leftovers:
-            self._recycle(bracket.pre)
-            self._recycle(bracket.post)
+            for event in bracket.events():
+                self._recycle(event)
 
     def _run(self) -> None:
         try:
@@ -134,12 +145,14 @@ class Watchdog:
                 if head.post.query():
                     with self._lock:
                         lane.popleft()
-                    self._recycle(head.pre)
-                    self._recycle(head.post)
+                    for event in head.events():
+                        self._recycle(event)
                     continue
                 if head.reached_at is None:
                     if head.pre.query():
                         head.reached_at = now
+                elif head.waited is not None and head.waited.query():
+                    pass  # the flag wait is over; the stream now runs the caller's work
                 elif now - head.reached_at > self.timeout_s and not head.released:
                     head.released = True
                     self._on_timeout(head.what(), now - head.reached_at)

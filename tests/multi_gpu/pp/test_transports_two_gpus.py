@@ -55,6 +55,14 @@ def test_copy_engine_depth_0_straight_into_persistent_with_stalls():
     assert results[1]["mismatches"] == 0
 
 
+@pytest.mark.parametrize("depth", [0, 2])
+def test_copy_engine_two_gpus_steps_stay_in_order_across_streams(depth):
+    # Calls alternate at random between torch's default stream (relayed at depth >= 1, not at depth 0)
+    # and created streams, some held by a long kernel first.
+    results = run_ranks(cases.stream_switching, 2, args=(400, depth), devices=[0, 1], timeout_s=120)
+    assert results[1] == {"mismatches": 0, "steps": 400}
+
+
 def test_three_stages_on_two_gpus_middle_stage_forwards_bit_exact():
     results = run_ranks(
         cases.bit_exact, 3, args=("cuda", 500, 64, "copy_engine", "copy_engine"), devices=[0, 1, 1], timeout_s=120

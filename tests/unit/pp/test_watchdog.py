@@ -83,3 +83,29 @@ def test_time_before_the_wait_is_reached_does_not_count():
     time.sleep(0.3)
     assert fired == []
     _finish(dog, busy)
+
+
+def test_time_after_the_wait_is_over_does_not_count_but_a_stuck_wait_does():
+    # A relayed send: pre, flag wait, `waited`, then the caller's own work (long), copies, post.
+    fired = []
+    caller_busy = Bracket(4, FakeEvent(True), FakeEvent(False), "step {}", 1, waited=FakeEvent(True))
+    peer_stuck = Bracket(5, FakeEvent(True), FakeEvent(False), "step {}", 2, waited=FakeEvent(False))
+    dog = _watching(fired, caller_busy, peer_stuck)
+    _wait_until(lambda: fired)
+    time.sleep(0.3)
+    assert [what for what, _ in fired] == ["step 2"]
+    assert dog.pending() == 2  # the caller's bracket stays listed until its post, so close() waits for it
+    for bracket in (caller_busy, peer_stuck):
+        bracket.waited.done = True
+    _finish(dog, caller_busy, peer_stuck)
+
+
+def test_every_event_of_a_finished_bracket_is_handed_back_once():
+    handed_back = []
+    dog = Watchdog(5.0, lambda what, waited_s: None, recycle=handed_back.append, bind_context=lambda: None)
+    events = [FakeEvent(True) for _ in range(5)]
+    dog.watch(Bracket(1, events[0], events[1], "step {}", 1, waited=events[2]))
+    dog.watch(Bracket(2, events[3], events[4], "step {}", 1))
+    dog.wait_idle()
+    dog.stop()
+    assert sorted(map(id, handed_back)) == sorted(map(id, events))
