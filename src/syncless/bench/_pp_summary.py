@@ -272,10 +272,10 @@ def notes(plan: Plan, outcome: Outcome) -> list[str]:
         "gated by a GPU sleep; one-way = round trip / 2 from CUDA events on rank 0; median of the repeats whose "
         "whole loop was queued before the gate opened. 'raw copy + flags' is the physical floor "
         "(cuMemcpyAsync then cuStreamWriteValue64 on the peer, cuStreamWaitValue64 on one's own flag).",
-        "Latency runs twice: with the callers on torch's default stream (the legacy default stream, where a step of "
-        "ours with depth >= 1 goes through a relay stream, because back-to-back peer copies there cost 5-10 us more; "
-        "depth=0 stays on it), and with each rank on a created stream of its own ('own stream', no relay); NCCL "
-        "and the raw floor run both ways too.",
+        "Latency runs twice: with the callers on torch's default stream (the legacy default stream) and with each "
+        "rank on a created stream of its own ('own stream'); NCCL and the raw floor run both ways too. Either way "
+        "a step of ours with depth >= 1 runs on the transport's relay stream, fenced to the caller's stream by "
+        "events; depth=0 runs on the caller's stream.",
         "Host CPU: time.thread_time() around each call, mean over every timed step; NCCL send = one "
         "batch_isend_irecv of two isend, NCCL recv = one batch of two irecv plus work.wait().",
         "Reference (HARDWARE.md, same machine type): raw peer copy 384 / 392 GB/s at 64 / 256 MiB, NCCL 327 / 345; "

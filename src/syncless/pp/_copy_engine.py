@@ -15,7 +15,7 @@ by the next stage (the last step consumed): each flag lives on the GPU that
 waits on it, and both only grow (64-bit step counters, never reused). Step
 N = 1, 2, ... uses slot s = (N - 1) % D on both sides (D = depth)::
 
-    sender current:   ...caller's work... (pre) [wait empty >= N-D if N > D],
+    sender relay:     (pre) [wait empty >= N-D if N > D], then after the caller's work (relay, below):
                       copy each tensor's rows -> peer slot s (copy engine), write peer.full = N (post)
     receiver current: ...earlier work... (pre) wait full >= N,
                       copy own slot s -> persistent, write sender.empty = N (post)
@@ -53,29 +53,36 @@ a slot is gone (lowest latency when it already waits), and in exchange the
 transfer of step N cannot start before the receiver's stream reached
 recv(N).
 
-When the caller's current stream is the legacy default stream (torch's
-default) and depth >= 1, the sender's part of a step runs on a relay stream instead, fenced
-by an event on each side (after the caller's earlier work, before its later
-work): peer copies issued on the legacy default stream cost 5-10 us more each
-(measured on H200s, about 3x the copy itself at 64 KiB)::
+With depth >= 1 the sender's part of a step runs on a relay stream of its
+own, fenced to the caller's current stream by an event on each side (after
+the caller's earlier work, before its later work)::
 
-    relay:            (pre) [wait empty >= N-D if N > D] (waited) wait relay_in,
-                      copies -> peer slot s, write peer.full = N, (post)
-    caller (legacy):  ...caller's work... record relay_in, ........................ wait post, ...
+    relay:           (pre) [wait empty >= N-D if N > D] (waited) wait relay_in,
+                     copies -> peer slot s, write peer.full = N, (post)
+    caller's stream: ...caller's work... record relay_in, ......................... wait post, ...
 
-The relay waits for the receiver's flag before the caller's work, so that
-wait is over (or runs) while the caller's stream is still busy, and only
-the copies remain once the caller's work is done.
+The relay waits for the receiver's flag before it waits for the caller's
+work, so the flag wait is over (or runs) while the caller's stream is still
+busy, and once the caller's work is done only the copies are left. On the
+caller's stream itself the flag wait would sit between that work and the
+copies. Peer copies issued on the legacy default stream (torch's default)
+also cost 5-10 us more each when they run back to back (about 3x the copy
+itself at 64 KiB), which the relay avoids.
 
-Only with depth >= 1. With depth 0 the step stays on the legacy default
-stream: there the copies wait for the receiver's stream to reach recv()
-anyway, so they never run back to back, and the relay's two event hops cost
-more than they save. Measured on two H200s in a ping-pong on torch's default
-stream (probe 6 in ``bench/results/2026-11-30-h200x2-probes``), one-way at
-8 MiB: depth 0 relayed 38.5 us, on the legacy stream 35.0 us; depth 2
-relayed 45.0 us (48.5 us with the caller's work waited for first), on the
-legacy stream 55.1 us, and its sustained bandwidth at 8 MiB fell from 280 to
-263 GB/s there.
+Depth 0 sends on the caller's stream itself. Its copies wait for the
+receiver's stream to reach recv() anyway, so they never run back to back,
+and the relay's two event hops would cost more than they save.
+
+Measured on two H200s (``bench/results/2026-11-30-h200x2-probes``), ping-pong
+one-way at 8 MiB:
+- probe 6, torch's default stream: depth 0 relayed 38.5 us, on the caller's
+  stream 35.0 us. Depth 2 on the caller's stream 55.1 us; relayed with the
+  caller's work waited for first 48.5 us, with the receiver's flag first
+  45.0 us. Its sustained bandwidth at 8 MiB on the caller's stream was 263 GB/s
+  against 280 relayed.
+- probe 7, each rank on a created stream: depth 2 on the caller's stream
+  50.8 us, relayed 45.8 us (64 KiB: 27.2 and 21.2 us). Sustained bandwidth
+  within 0.7 % either way from 8 to 256 MiB.
 
 With D >= 1, up to D steps are in flight per link: the sender's stream
 waits only when the receiver's stream is D steps behind. While the receiver
@@ -86,8 +93,10 @@ NCCL sends do; with D >= 1 they do not.)
 
 Why each ordering is safe:
 - The peer copies read the caller's tensors after the work the caller queued
-  before ``send()`` on the current stream (the producers), and before
-  anything it queues there afterwards (a later overwrite).
+  before ``send()`` on the current stream (the producers; with depth >= 1
+  the relay waits for the ``relay_in`` event recorded there), and before
+  anything it queues there afterwards (a later overwrite; with depth >= 1
+  the caller's stream waits for the ``post`` event recorded after them).
 - Peer slot s is rewritten (step N) only after ``empty >= N-D``: the receiver
   writes ``empty = N-D`` on its stream after its copy of step N-D out of slot
   s, the last read of that slot before step N; a larger value is written
@@ -162,9 +171,6 @@ SCRATCH_OFFSET = 16  # zeros nobody reads: the trial of batched copies in set-up
 SCRATCH_NBYTES = 32
 REGION_OFFSET = 256
 assert EMPTY_OFFSET + 8 <= SCRATCH_OFFSET and SCRATCH_OFFSET + SCRATCH_NBYTES <= REGION_OFFSET
-
-#: The handle of the legacy default stream (torch's default stream unless per-thread default streams are on).
-LEGACY_DEFAULT_STREAM = 0
 
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -257,17 +263,17 @@ class CopyEngineTransport(Transport):
     def send(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Send one step to the next stage.
 
-        Enqueues on the caller's current stream of this stage's GPU (when
-        that is the legacy default stream and ``depth`` >= 1, on a private
-        relay stream fenced to it by events before and after, with the same
-        ordering for the caller): wait until the next stage freed the step's slot (only when
-        ``depth`` steps are in flight; with depth 0, until the next stage's
-        stream reached ``recv()`` for this step), copy each tensor's rows
-        into it (copy engine, no SM; a non-contiguous input is first made
-        contiguous by a copy kernel on the current stream), and raise the
-        next stage's ``full`` flag. That stream is held until the data has
-        crossed, so the caller may overwrite ``tensors`` (on that stream) as
-        soon as this returns. Blocks the host for none of it, only to write
+        Enqueues, with ``depth`` >= 1, on a private relay stream fenced to
+        the caller's current stream of this stage's GPU by events before and
+        after (the same ordering for the caller as if it ran there), and with
+        depth 0 on that stream itself: wait until the next stage freed the
+        step's slot (only when ``depth`` steps are in flight; with depth 0,
+        until the next stage's stream reached ``recv()`` for this step), copy
+        each tensor's rows into it (copy engine, no SM; a non-contiguous
+        input is first made contiguous by a copy kernel on the current
+        stream), and raise the next stage's ``full`` flag. The caller's
+        stream is held until the data has crossed, so the caller may
+        overwrite ``tensors`` (on that stream) as soon as this returns. Blocks the host for none of it, only to write
         the step's metadata to the next stage's socket (it waits there only
         if that stage's host left a few hundred steps unread, at most the
         timeout). Successive sends may run on different streams: each step
@@ -306,15 +312,13 @@ class CopyEngineTransport(Transport):
         parts, hot = self._parts, self._hot
         pushed = self._binding.enter()
         current = stream = _current_stream(self._index)
-        # Depth >= 1 relays a step sent from the legacy default stream; depth 0 does not (see the module
-        # docstring: there the relay's event hops cost more than they save).
-        relayed = current == LEGACY_DEFAULT_STREAM and depth > 0
+        # Depth >= 1 runs the step on the relay stream, fenced on both sides to the caller's stream: after
+        # what the caller queued before send(), before what it queues afterwards. Depth 0 runs it on the
+        # caller's stream (see the module docstring for both).
+        relayed = depth > 0
         waited = None
         try:
             if relayed:
-                # Back-to-back peer copies on the legacy default stream cost about 5-10 us more each than
-                # on any other stream (measured on H200s), so the step runs on the relay stream, fenced
-                # on both sides: after what the caller queued before send(), before what it queues after.
                 stream = parts.relay_stream
             if self._last_send_stream not in (None, stream):
                 # Steps go out in order whatever stream each send() runs on: this step's copies and
@@ -326,9 +330,8 @@ class CopyEngineTransport(Transport):
                 # The receiver is done with step N-D (depth 0: its stream reached recv(N)).
                 hot.wait_geq(stream, self._empty, step - depth)
             if relayed:
-                # The relay takes the receiver's flag first and the caller's work second, so the flag
-                # wait runs while the caller's stream is still busy: once the caller's work is done
-                # only the copies are left. Both waits come before the copies, in either order.
+                # The receiver's flag first, the caller's work second: the flag wait runs while the
+                # caller's stream is still busy. Both waits come before the copies, in either order.
                 # `waited` ends the watchdog's clock, which must not run on the caller's work.
                 waited = parts.acquire_event()
                 hot.record(waited, stream)
