@@ -86,6 +86,7 @@ def test_silent_sender_makes_recv_raise_after_the_timeout():
 
 def test_gpu_wait_that_never_ends_is_released_and_reported():
     results = run_ranks(cases.gpu_stall, 2, args=(2.0,), devices=[0, 0], timeout_s=120)
+    assert results[0] == {"sender_failure": None}
     receiver = results[1]
     assert "waited" in receiver["error"] and "timeout 2 s" in receiver["error"]
     assert receiver["ids_poisoned"], "the released step should read the 0xFF poison, not the late data"

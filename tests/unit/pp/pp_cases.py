@@ -414,6 +414,10 @@ def gpu_stall(rank, world, timeout_s):
         # Hold the sender's current stream (its peer copies wait behind it) for about three timeouts.
         torch.cuda._sleep(int(3 * timeout_s * 2.0e9))
         transport.send(_full_step(device, max_rows))
+        # The step's relay waited for that sleep, which is the caller's own work: the sender's watchdog
+        # must not count it as the peer's delay.
+        torch.cuda.synchronize()
+        result["sender_failure"] = None if transport._failure is None else repr(transport._failure)
     else:
         if int(_mismatches(transport.recv(), expected(9, 1, max_rows, device))) != 0:
             raise AssertionError("step 1 wrong")
