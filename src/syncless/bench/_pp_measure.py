@@ -14,9 +14,14 @@ Every timed loop follows one recipe so the three methods are comparable:
 
 Stream ordering, bandwidth loop (ours; NCCL is the same with its own stream)::
 
-    rank 0  current: [gate sleep][copy 1 -> full=1][copy 2 -> full=2][wait empty>=1][copy 3 -> full=3]...
+    rank 0  current: [gate sleep](ready 1)(ready 2)(ready 3)...
+    rank 0  relay:   (wait ready 1)[copy 1 -> full=1](wait ready 2)[copy 2 -> full=2][wait empty>=1]
+                     (wait ready 3)[copy 3 -> full=3]...
     rank 1  current: [wait full>=1][slot -> persistent 1]^first [wait full>=2][slot -> persistent 2] ...
                      [slot -> persistent K]^last
+
+(The transport runs a depth >= 1 step on its relay stream, fenced to the
+caller's stream by events: see ``syncless.pp._copy_engine``.)
 
 ``first`` and ``last`` fire when step 1 and step K have landed on rank 1:
 ``(K - 1) * payload / (last - first)`` is the steady-state rate.

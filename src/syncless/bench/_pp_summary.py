@@ -253,6 +253,8 @@ def notes(plan: Plan, outcome: Outcome) -> list[str]:
             text = f"; fallback reason: {reason}" if reason else ""
             if direction in ("fwd", "fwd0") and transport.get("batched_copies") is not None:  # rank 0 sends these
                 text += f"; one batched copy per step: {'yes' if transport['batched_copies'] else 'no'}"
+                if direction == "fwd0" and transport["batched_copies"]:
+                    text += " (not from torch's default stream, where the driver refuses batches)"
             out.append(f"transport under test ({label}): backend {transport.get('backend')}{text}")
     setup = lookup(results, "setup", "rank0")
     if isinstance(setup, dict):

@@ -35,10 +35,11 @@ on the sending GPU at the same time as a peer copy slows the peer copy by
 about 45 %, whether the local copy runs on a copy engine or on the SMs; the
 pack cost a quarter of the bandwidth at 64 MiB per step and more than its
 own length in latency. So the peer copy reads the caller's tensors directly,
-on the caller's current stream: that stream is held for the transfer (as it
-is by an NCCL send on it), and the caller may overwrite its tensors as soon
-as ``send()`` returns because everything it enqueues later on that stream
-runs after the copies.
+on the caller's current stream (depth 0) or on a relay stream fenced to it
+(depth >= 1, below): that stream is held for the transfer (as it is by an
+NCCL send on it), and the caller may overwrite its tensors as soon as
+``send()`` returns because everything it enqueues later on that stream runs
+after the copies.
 
 Depth 0 keeps no slots. The receiving stage shares its persistent tensors
 over CUDA IPC at set-up, and step N goes straight into them::
@@ -57,9 +58,9 @@ With depth >= 1 the sender's part of a step runs on a relay stream of its
 own, fenced to the caller's current stream by an event on each side (after
 the caller's earlier work, before its later work)::
 
-    relay:           (pre) [wait empty >= N-D if N > D] (waited) wait relay_in,
+    relay:           (pre) [wait empty >= N-D if N > D] (waited) wait ready,
                      copies -> peer slot s, write peer.full = N, (post)
-    caller's stream: ...caller's work... record relay_in, ......................... wait post, ...
+    caller's stream: ...caller's work... (ready) ............................... wait post, ...
 
 The relay waits for the receiver's flag before it waits for the caller's
 work, so the flag wait is over (or runs) while the caller's stream is still
@@ -69,9 +70,12 @@ copies. Peer copies issued on the legacy default stream (torch's default)
 also cost 5-10 us more each when they run back to back (about 3x the copy
 itself at 64 KiB), which the relay avoids.
 
-Depth 0 sends on the caller's stream itself. Its copies wait for the
-receiver's stream to reach recv() anyway, so they never run back to back,
-and the relay's two event hops would cost more than they save.
+Depth 0 sends on the caller's stream itself. Its steps wait for the
+receiver's stream to reach recv() anyway, so one step's copies never follow
+the last step's back to back, and the relay's two event hops would cost
+more than they save. (On the legacy default stream a depth-0 step also goes
+out one tensor at a time: the driver refuses batched copies there. The
+figures below include that.)
 
 Measured on two H200s (``bench/results/2026-11-30-h200x2-probes``), ping-pong
 one-way at 8 MiB:
@@ -94,7 +98,7 @@ NCCL sends do; with D >= 1 they do not.)
 Why each ordering is safe:
 - The peer copies read the caller's tensors after the work the caller queued
   before ``send()`` on the current stream (the producers; with depth >= 1
-  the relay waits for the ``relay_in`` event recorded there), and before
+  the relay waits for the ``ready`` event recorded there), and before
   anything it queues there afterwards (a later overwrite; with depth >= 1
   the caller's stream waits for the ``post`` event recorded after them).
 - Peer slot s is rewritten (step N) only after ``empty >= N-D``: the receiver
@@ -109,9 +113,11 @@ Why each ordering is safe:
   local memory in stream order. Step N+D, the next writer of slot s, cannot
   start before the receiver wrote ``empty = N`` (previous point).
 - Steps go out, and slots are freed, in step order whatever stream each
-  call runs on: a call on another stream than the previous call first waits
-  for the event recorded after the previous step's flag write (``sent`` on
-  the sender, ``received`` on the receiver), so both flags only grow.
+  call runs on, so both flags only grow. With depth >= 1 every step goes out
+  on the one relay stream. Otherwise (a depth-0 send, any recv) a call on
+  another stream than the previous call first waits for the event recorded
+  after the previous step's flag write (``sent`` on the sender, ``received``
+  on the receiver).
 - The persistent tensors are rewritten on the receiver's current stream
   (depth 0: by the sender's copies, between the receiver's ``empty`` write
   and its ``full`` wait on that stream), after whatever the caller queued
@@ -122,7 +128,9 @@ A step's tensors go out as one ``cuMemcpyBatchAsync`` where the driver and
 cuda-bindings have it (a CUDA 13.0 driver with cuda-bindings 13, 12.8 with
 cuda-bindings 12.8+; tried once at set-up, into the next stage's buffer),
 which saves every tensor after the first its copy-engine start-up (about
-2.4 us on H200s); otherwise one ``cuMemcpyAsync`` each. Inside a batch the
+2.4 us on H200s); otherwise, and for a depth-0 step sent from the legacy
+default stream (which the driver refuses for batches), one
+``cuMemcpyAsync`` each. Inside a batch the
 copies run in any order, which is fine: they write disjoint bytes.
 
 Host cost per step: a handful of driver calls, no host sync and no GPU
@@ -191,7 +199,8 @@ class CopyEngineTransport(Transport):
             the persistent tensors).
         batched_copies: whether send() issues a step's tensors as one batched copy (False where this
             stage sends fewer than two tensors, or the driver or cuda-bindings cannot, which the debug
-            log says).
+            log says; even when True, a depth-0 step sent from the legacy default stream goes out one
+            tensor at a time, since the driver refuses batches there).
     """
 
     backend = "copy_engine"
@@ -273,11 +282,12 @@ class CopyEngineTransport(Transport):
         input is first made contiguous by a copy kernel on the current
         stream), and raise the next stage's ``full`` flag. The caller's
         stream is held until the data has crossed, so the caller may
-        overwrite ``tensors`` (on that stream) as soon as this returns. Blocks the host for none of it, only to write
-        the step's metadata to the next stage's socket (it waits there only
-        if that stage's host left a few hundred steps unread, at most the
-        timeout). Successive sends may run on different streams: each step
-        goes out after the previous one.
+        overwrite ``tensors`` (on that stream) as soon as this returns.
+        Blocks the host for none of it, only to write the step's metadata to
+        the next stage's socket (it waits there only if that stage's host
+        left a few hundred steps unread, at most the timeout). Successive
+        sends may run on different streams: each step goes out after the
+        previous one.
 
         Raises:
             ValueError, TypeError: the step does not fit the next stage's layout (nothing was enqueued).
@@ -300,8 +310,9 @@ class CopyEngineTransport(Transport):
         else:
             destinations = self._parts.next_targets  # straight into the next stage's persistent tensors
         # Non-contiguous inputs become contiguous temporaries on the current stream. `dense` holds
-        # them until every copy is enqueued; after that, freeing is safe: the caching allocator
-        # reuses a block on the current stream only behind the copies already enqueued there.
+        # them until every copy is enqueued; after that, freeing is safe: the caching allocator reuses
+        # a block on the current stream only behind work queued there later, which comes after the
+        # copies (depth 0: they are on that stream; depth >= 1: it waits for the relay's `post`).
         dense: list[torch.Tensor] = []
         copies: list[tuple[int, int, int]] = []
         for name, destination, (_, nbytes) in zip(self._send_names, destinations, spans):
@@ -310,52 +321,59 @@ class CopyEngineTransport(Transport):
                 dense.append(tensor)
                 copies.append((destination, tensor.data_ptr(), nbytes))
         parts, hot = self._parts, self._hot
-        pushed = self._binding.enter()
-        current = stream = _current_stream(self._index)
         # Depth >= 1 runs the step on the relay stream, fenced on both sides to the caller's stream: after
         # what the caller queued before send(), before what it queues afterwards. Depth 0 runs it on the
         # caller's stream (see the module docstring for both).
         relayed = depth > 0
-        waited = None
+        pushed = self._binding.enter()
+        current = _current_stream(self._index)
+        stream = parts.relay_stream if relayed else current
+        enqueued = False
         try:
-            if relayed:
-                stream = parts.relay_stream
-            if self._last_send_stream not in (None, stream):
+            # Every event first, so that no failure comes between the first enqueued wait and the last.
+            pre, post = parts.acquire_event(), parts.acquire_event()
+            # Relayed: `ready` (the caller's work before send() is done) starts the watchdog's clock
+            # together with `pre`, and `waited` (the flag wait is over) stops it: the clock runs only
+            # while the relay waits for the receiver with the caller's work done.
+            ready, waited = (parts.acquire_event(), parts.acquire_event()) if relayed else (None, None)
+            if not relayed and self._last_send_stream not in (None, stream):
                 # Steps go out in order whatever stream each send() runs on: this step's copies and
                 # its `full` write come after the previous step's `full` write, so `full` only grows.
+                # (Relayed steps all run on the one relay stream, in order.)
                 hot.wait_event(parts.sent, stream)
-            pre, post = parts.acquire_event(), parts.acquire_event()
             hot.record(pre, stream)
+            enqueued = True
             if step > depth:
                 # The receiver is done with step N-D (depth 0: its stream reached recv(N)).
                 hot.wait_geq(stream, self._empty, step - depth)
             if relayed:
                 # The receiver's flag first, the caller's work second: the flag wait runs while the
                 # caller's stream is still busy. Both waits come before the copies, in either order.
-                # `waited` ends the watchdog's clock, which must not run on the caller's work.
-                waited = parts.acquire_event()
                 hot.record(waited, stream)
-                hot.record(parts.relay_in, current)
-                hot.wait_event(parts.relay_in, stream)
+                hot.record(ready, current)
+                hot.wait_event(ready, stream)
             # One batched copy-engine operation for all tensors where the driver offers it (not on
             # the legacy default stream, which the driver refuses for batches: depth 0 there copies
             # one tensor at a time).
             hot.memcpy_all(copies, stream)
             hot.write(stream, self._next_full, step)
-            hot.record(parts.sent, stream)
+            if not relayed:
+                hot.record(parts.sent, stream)
             hot.record(post, stream)
             if relayed:
                 # The caller's later work waits for the whole step; `post` was just recorded there.
                 hot.wait_event(post, current)
         except BaseException as err:
             self._fail_mid_step(f"sending step {step}", err)
+            if enqueued:
+                self._watch_after_failure(stream, pre, post, step)
             if relayed:
                 self._fence_relay_after_failure(current)
             raise
         finally:
             self._binding.exit(pushed)
         self._last_send_stream = stream
-        self._watchdog.watch(Bracket(stream, pre, post, self._send_what, step, waited))
+        self._watchdog.watch(Bracket(stream, pre, post, self._send_what, step, waited=waited, ready=ready))
         try:
             parts.meta_out.send(step, rows)
         except BaseException as err:  # an interrupt too: the GPU part of the step is already enqueued
@@ -366,6 +384,19 @@ class CopyEngineTransport(Transport):
             )
             raise self._failure from err
         self._send_step = step
+
+    def _watch_after_failure(self, stream: int, pre: Any, post: Any, step: int) -> None:
+        """Best effort after a step failed with part of it enqueued: watch what was enqueued.
+
+        A flag wait may already be on ``stream`` behind ``pre``: with ``post``
+        recorded after it, the watchdog releases it after the timeout if the
+        peer never comes, so neither the stream (nor the caller's, fenced to
+        it) nor ``close()`` waits forever. The clock runs from ``pre``, which
+        may count the caller's own work too: the transport is unusable anyway.
+        """
+        with contextlib.suppress(Exception):
+            self._hot.record(post, stream)
+            self._watchdog.watch(Bracket(stream, pre, post, self._send_what, step))
 
     def _fence_relay_after_failure(self, current: int) -> None:
         """Best effort after a failed relayed step: the caller's stream waits for what the relay got.

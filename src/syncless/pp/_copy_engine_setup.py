@@ -104,12 +104,14 @@ def open_copy_engine(
             with ctx:
                 parts.private_stream = drv.stream_create()
                 stack.callback(_in(ctx, drv.stream_destroy), parts.private_stream)
-                if next_ring is not None:
+                relays = next_ring is not None and next_ring.depth > 0  # depth >= 1 sends through a relay
+                if relays:
                     parts.relay_stream = drv.stream_create()
                     stack.callback(_in(ctx, drv.stream_destroy), parts.relay_stream)
                 stack.callback(_in(ctx, parts.destroy_events))
-                if next_ring is not None:
-                    parts.relay_in, parts.relay_out = parts.acquire_event(), parts.acquire_event()
+                if relays:
+                    parts.relay_out = parts.acquire_event()
+                elif next_ring is not None:
                     parts.sent = parts.acquire_event()
                 if stages.prev_rank is not None:
                     parts.received = parts.acquire_event()
@@ -269,10 +271,9 @@ class Parts:
     def __init__(self, ctx: drv.PrimaryContext):
         self.ctx = ctx
         self.private_stream = 0
-        self.relay_stream = 0  # a sender's stand-in for the legacy default stream (see send())
-        self.relay_in: drv.Event | None = None
-        self.relay_out: drv.Event | None = None
-        self.sent: drv.Event | None = None  # recorded after each step's `full` write
+        self.relay_stream = 0  # where a sender with depth >= 1 runs its steps (see send())
+        self.relay_out: drv.Event | None = None  # fences the caller's stream to the relay after a failed step
+        self.sent: drv.Event | None = None  # depth 0: recorded after each step's `full` write
         self.received: drv.Event | None = None  # recorded after each step's `empty` write
         #: why send() issues one copy per tensor instead of one batch (None: it batches)
         self.batch_problem: str | None = "this stage sends fewer than two tensors per step"

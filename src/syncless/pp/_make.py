@@ -85,7 +85,7 @@ def make_transport(
             receiver's stream reached ``recv()`` for that step, which saves
             the receiver's copy (the lowest latency when the receiver is
             already waiting: on two H200s at 8 MiB, one-way 0.74-0.79x
-            NCCL's against 1.00x with depth 2) but holds the sender until
+            NCCL's against 1.00-1.02x with depth 2) but holds the sender until
             then; the persistent
             tensors must be in memory CUDA IPC can share (not
             ``expandable_segments``), else set-up raises

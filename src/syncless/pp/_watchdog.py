@@ -11,15 +11,22 @@ How it works: each wait is bracketed by two events on its stream::
                                   ^ clock starts when pre completes (the GPU reached the wait),
                                     so a long kernel before the wait never counts as the peer's delay.
 
-A bracket may carry a third event, ``waited``, recorded right after the flag
-wait, where the stream waits for other work of the caller's before ``post``
-(a send relayed from the legacy default stream): once ``waited`` completes the
-clock stops, since what is left is the caller's own work, not the peer's.
+A send with depth >= 1 runs on a relay stream that waits for the peer's flag
+first and for the caller's own work (on another stream) second, and its
+bracket carries two more events::
+
+    relay:   [pre] wait(flag >= N) [waited] wait(ready) ...copies, flag write... [post]
+    caller:  ...caller's work... [ready]
+
+The clock starts only once both ``pre`` and ``ready`` completed (the relay is
+at the wait and the caller's work is done, so a receiver that is merely slower
+than the caller is not counted), and stops for good once ``waited`` completed
+(what is left is the caller's own work and the copies, not the peer's delay).
 
 Every ``poll_s`` the thread looks at the oldest pending bracket of each
 stream (a stream runs in order, so later brackets cannot finish first). When
-one has been past ``pre`` for longer than the timeout without reaching
-``post``, the thread calls ``on_timeout``: the transport records the error
+its clock has run for longer than the timeout without reaching ``post`` (or
+``waited``), the thread calls ``on_timeout``: the transport records the error
 that its next call raises, and releases the waits from the host side (a write
 of a large value into its own flags on a private stream, which no wait
 blocks). Released steps deliver undefined data; the next call raises. It
@@ -48,7 +55,8 @@ class Bracket:
     """One watched wait: events before and after it on ``stream``.
 
     ``label.format(step)`` names it in the error; it is formatted only then, not on every step.
-    ``waited`` (optional) completes when the flag wait is over, before ``post`` (see the module docstring).
+    ``ready`` and ``waited`` (optional, together): the caller's work before the step is done, and
+    the flag wait is over (see the module docstring).
     """
 
     stream: int
@@ -57,6 +65,7 @@ class Bracket:
     label: str
     step: int = 0
     waited: Event | None = None
+    ready: Event | None = None
     reached_at: float | None = None
     released: bool = False
 
@@ -65,7 +74,7 @@ class Bracket:
 
     def events(self) -> tuple[Event, ...]:
         """The bracket's events, to hand back for reuse once it is finished."""
-        return (self.pre, self.post) if self.waited is None else (self.pre, self.waited, self.post)
+        return tuple(event for event in (self.pre, self.ready, self.waited, self.post) if event is not None)
 
 
 class Watchdog:
@@ -149,7 +158,7 @@ class Watchdog:
                         self._recycle(event)
                     continue
                 if head.reached_at is None:
-                    if head.pre.query():
+                    if head.pre.query() and (head.ready is None or head.ready.query()):
                         head.reached_at = now
                 elif head.waited is not None and head.waited.query():
                     pass  # the flag wait is over; the stream now runs the caller's work

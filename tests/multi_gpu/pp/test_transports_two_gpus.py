@@ -57,8 +57,8 @@ def test_copy_engine_depth_0_straight_into_persistent_with_stalls():
 
 @pytest.mark.parametrize("depth", [0, 2])
 def test_copy_engine_two_gpus_steps_stay_in_order_across_streams(depth):
-    # Calls alternate at random between torch's default stream (relayed at depth >= 1, not at depth 0)
-    # and created streams, some held by a long kernel first.
+    # Calls alternate at random between torch's default stream and created streams, some held by a
+    # long kernel first (depth >= 1 sends through the relay stream from any of them, depth 0 from none).
     results = run_ranks(cases.stream_switching, 2, args=(400, depth), devices=[0, 1], timeout_s=120)
     assert results[1] == {"mismatches": 0, "steps": 400}
 

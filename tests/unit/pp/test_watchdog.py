@@ -85,27 +85,57 @@ def test_time_before_the_wait_is_reached_does_not_count():
     _finish(dog, busy)
 
 
+def _relayed(stream, step, *, caller_done, wait_over):
+    """A relayed send's bracket: pre, flag wait, `waited`, then the caller's work (`ready`), copies, post."""
+    return Bracket(stream, FakeEvent(True), FakeEvent(False), "step {}", step,
+                   waited=FakeEvent(wait_over), ready=FakeEvent(caller_done))
+
+
 def test_time_after_the_wait_is_over_does_not_count_but_a_stuck_wait_does():
-    # A relayed send: pre, flag wait, `waited`, then the caller's own work (long), copies, post.
     fired = []
-    caller_busy = Bracket(4, FakeEvent(True), FakeEvent(False), "step {}", 1, waited=FakeEvent(True))
-    peer_stuck = Bracket(5, FakeEvent(True), FakeEvent(False), "step {}", 2, waited=FakeEvent(False))
+    caller_busy = _relayed(4, 1, caller_done=False, wait_over=True)  # the caller's long kernel, after the wait
+    peer_stuck = _relayed(5, 2, caller_done=True, wait_over=False)
     dog = _watching(fired, caller_busy, peer_stuck)
     _wait_until(lambda: fired)
     time.sleep(0.3)
     assert [what for what, _ in fired] == ["step 2"]
     assert dog.pending() == 2  # the caller's bracket stays listed until its post, so close() waits for it
     for bracket in (caller_busy, peer_stuck):
-        bracket.waited.done = True
+        bracket.waited.done = bracket.ready.done = True
     _finish(dog, caller_busy, peer_stuck)
+
+
+def test_a_slow_receiver_counts_only_from_when_the_callers_work_is_done():
+    # The relay reached the flag wait long before the caller's work for the step was done: the receiver
+    # being slower than the caller is not its delay. Once the caller's work is done, the clock runs.
+    fired = []
+    slow = _relayed(6, 3, caller_done=False, wait_over=False)
+    dog = _watching(fired, slow)
+    time.sleep(0.35)  # more than three timeouts with only `pre` done
+    assert fired == []
+    slow.ready.done = True
+    started = time.monotonic()
+    _wait_until(lambda: fired)
+    assert time.monotonic() - started >= 0.1 and [what for what, _ in fired] == ["step 3"]
+    slow.waited.done = True
+    _finish(dog, slow)
 
 
 def test_every_event_of_a_finished_bracket_is_handed_back_once():
     handed_back = []
     dog = Watchdog(5.0, lambda what, waited_s: None, recycle=handed_back.append, bind_context=lambda: None)
-    events = [FakeEvent(True) for _ in range(5)]
-    dog.watch(Bracket(1, events[0], events[1], "step {}", 1, waited=events[2]))
-    dog.watch(Bracket(2, events[3], events[4], "step {}", 1))
+    events = [FakeEvent(True) for _ in range(6)]
+    dog.watch(Bracket(1, events[0], events[1], "step {}", 1, waited=events[2], ready=events[3]))
+    dog.watch(Bracket(2, events[4], events[5], "step {}", 1))
     dog.wait_idle()
     dog.stop()
     assert sorted(map(id, handed_back)) == sorted(map(id, events))
+
+
+def test_stop_hands_back_every_event_of_a_bracket_still_listed():
+    handed_back = []
+    dog = Watchdog(5.0, lambda what, waited_s: None, recycle=handed_back.append, bind_context=lambda: None)
+    bracket = _relayed(3, 1, caller_done=False, wait_over=False)
+    dog.watch(bracket)
+    dog.stop()
+    assert sorted(map(id, handed_back)) == sorted(map(id, (bracket.pre, bracket.ready, bracket.waited, bracket.post)))
