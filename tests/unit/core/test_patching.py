@@ -1,4 +1,8 @@
-"""Patch layers compose in either order and restore the originals by identity."""
+"""Patch layers (shared by the detector and cc).
+
+They compose in either order and restore the originals by identity; one
+layer per key, and nothing stale after a layer leaves.
+"""
 
 import types
 
@@ -86,3 +90,67 @@ def test_module_function_is_restored_by_identity():
     assert module.sync() == "k(synced)"
     patching.remove_layer(module, "sync", "k")
     assert module.sync is original
+
+
+# -- one layer per key, nothing stale ------------------------------------------------
+
+
+def _make_target():
+    """A fresh class per test, so layers left by a failing test do not leak into the next."""
+
+    class Target:
+        def greet(self, name):
+            return f"hello {name}"
+
+    return Target
+
+
+@pytest.fixture
+def target():
+    """A fresh class whose layers (keys a, b, c, k) are removed after the test."""
+    cls = _make_target()
+    yield cls
+    for key in ("a", "b", "c", "k"):
+        patching.remove_layer(cls, "greet", key)
+
+
+def test_adding_a_key_again_keeps_the_first_layer(target):
+    patching.add_layer(target, "greet", "k", 1, tagging("first"))
+    patching.add_layer(target, "greet", "k", 5, tagging("second"))
+    assert target().greet("x") == "first(hello x)"
+
+
+def test_a_layer_added_after_all_left_wraps_the_attribute_as_it_is_then(target):
+    patching.add_layer(target, "greet", "a", 1, tagging("a"))
+    patching.remove_layer(target, "greet", "a")
+
+    def replaced(self, name):  # someone else patches the attribute once syncless is gone
+        return f"hi {name}"
+
+    target.greet = replaced
+    patching.add_layer(target, "greet", "b", 1, tagging("b"))
+    assert target().greet("x") == "b(hi x)"
+    assert patching.original(target, "greet") is replaced
+    patching.remove_layer(target, "greet", "b")
+    assert target.__dict__["greet"] is replaced
+
+
+def test_is_layered_names_the_key(target):
+    patching.add_layer(target, "greet", "a", 1, tagging("a"))
+    assert patching.is_layered(target, "greet", "a")
+    assert patching.is_layered(target, "greet")
+    assert not patching.is_layered(target, "greet", "b")
+
+
+def test_beneath_a_key_that_is_not_layered_is_the_original(target):
+    original = target.__dict__["greet"]
+    patching.add_layer(target, "greet", "a", 1, tagging("a"))
+    patching.add_layer(target, "greet", "b", 2, tagging("b"))
+    patching.add_layer(target, "greet", "c", 3, tagging("c"))
+    assert patching.beneath(target, "greet", "k") is original
+    patching.remove_layer(target, "greet", "b")
+    patching.remove_layer(target, "greet", "a")
+    # Nothing remembered from b's time: what b wrapped (a over the base) is gone.
+    assert patching.beneath(target, "greet", "b") is original
+    assert patching.beneath(target, "greet", "c") is original
+    assert target().greet("z") == "c(hello z)"
