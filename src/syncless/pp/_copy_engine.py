@@ -366,9 +366,7 @@ class CopyEngineTransport(Transport):
         except BaseException as err:
             self._fail_mid_step(f"sending step {step}", err)
             if enqueued:
-                self._watch_after_failure(stream, pre, post, step)
-            if relayed:
-                self._fence_relay_after_failure(current)
+                self._watch_after_failure(stream, pre, post, step, current if relayed else None)
             raise
         finally:
             self._binding.exit(pushed)
@@ -385,28 +383,24 @@ class CopyEngineTransport(Transport):
             raise self._failure from err
         self._send_step = step
 
-    def _watch_after_failure(self, stream: int, pre: Any, post: Any, step: int) -> None:
-        """Best effort after a step failed with part of it enqueued: watch what was enqueued.
+    def _watch_after_failure(self, stream: int, pre: Any, post: Any, step: int, caller: int | None) -> None:
+        """Best effort after a step failed with part of it enqueued on ``stream``: watch it, fence the caller.
 
         A flag wait may already be on ``stream`` behind ``pre``: with ``post``
         recorded after it, the watchdog releases it after the timeout if the
-        peer never comes, so neither the stream (nor the caller's, fenced to
-        it) nor ``close()`` waits forever. The clock runs from ``pre``, which
-        may count the caller's own work too: the transport is unusable anyway.
+        peer never comes, so neither the stream nor ``close()`` waits forever.
+        The clock runs from ``pre``, which may count the caller's own work
+        too: the transport is unusable anyway. When the step was relayed,
+        ``caller`` (the caller's stream) also waits for ``post``, so
+        contiguous temporaries freed there are not reused while a copy
+        enqueued on the relay may still read them. (Nothing enqueued, nothing
+        to fence: earlier steps are fenced by their own ``post``.)
         """
         with contextlib.suppress(Exception):
             self._hot.record(post, stream)
             self._watchdog.watch(Bracket(stream, pre, post, self._send_what, step))
-
-    def _fence_relay_after_failure(self, current: int) -> None:
-        """Best effort after a failed relayed step: the caller's stream waits for what the relay got.
-
-        So contiguous temporaries freed on the caller's stream are not reused
-        while a copy enqueued on the relay still reads them.
-        """
-        with contextlib.suppress(Exception):
-            self._hot.record(self._parts.relay_out, self._parts.relay_stream)
-            self._hot.wait_event(self._parts.relay_out, current)
+            if caller is not None:
+                self._hot.wait_event(post, caller)
 
     # -- receiving -------------------------------------------------------------------
 

@@ -109,9 +109,7 @@ def open_copy_engine(
                     parts.relay_stream = drv.stream_create()
                     stack.callback(_in(ctx, drv.stream_destroy), parts.relay_stream)
                 stack.callback(_in(ctx, parts.destroy_events))
-                if relays:
-                    parts.relay_out = parts.acquire_event()
-                elif next_ring is not None:
+                if next_ring is not None and not relays:
                     parts.sent = parts.acquire_event()
                 if stages.prev_rank is not None:
                     parts.received = parts.acquire_event()
@@ -272,7 +270,6 @@ class Parts:
         self.ctx = ctx
         self.private_stream = 0
         self.relay_stream = 0  # where a sender with depth >= 1 runs its steps (see send())
-        self.relay_out: drv.Event | None = None  # fences the caller's stream to the relay after a failed step
         self.sent: drv.Event | None = None  # depth 0: recorded after each step's `full` write
         self.received: drv.Event | None = None  # recorded after each step's `empty` write
         #: why send() issues one copy per tensor instead of one batch (None: it batches)

@@ -59,7 +59,6 @@ class RecordingHot:
 class Parts:
     def __init__(self):
         self.relay_stream = RELAY
-        self.relay_out = Named("relay_out")
         self.sent = Named("sent")
         self.next_targets = [0x5000, 0x6000]
         self.handed_out = 0
@@ -202,8 +201,7 @@ def test_a_failure_after_the_flag_wait_watches_it_and_fences_the_callers_stream(
     tail = hot.calls[hot.calls.index(("memcpy_all", RELAY, 2)) + 1:]
     assert tail == [
         ("record", "e2", RELAY),  # post, so the watchdog can release the flag wait if the peer never comes
-        ("record", "relay_out", RELAY),
-        ("wait_event", "relay_out", CALLER),  # the caller's stream does not run ahead of the relay
+        ("wait_event", "e2", CALLER),  # the caller's stream does not run ahead of the relay
     ]
     [bracket] = transport._watchdog.brackets
     assert (bracket.pre.name, bracket.post.name, bracket.ready, bracket.step) == ("e1", "e2", None, 5)
