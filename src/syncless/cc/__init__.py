@@ -6,7 +6,7 @@ copy and all earlier work on its stream. :func:`install` reroutes
 idle staging stream) or not at all (D2H on a stream from
 :func:`new_d2h_stream`, performed by a worker thread). :func:`emulate`
 reproduces CC's host-synchronous copies on GPUs without CC, for tests and
-benchmarks. See DESIGN.md section 2.
+benchmarks. See docs/cc.md.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 
 from syncless._core.logs import log_once
-from syncless.cc._d2h import D2HStreamCaptureError, is_d2h_stream, new_d2h_stream
+from syncless.cc._d2h import is_d2h_stream, new_d2h_stream
 from syncless.cc._detect import ModeDecision, cc_mode, decide_mode, is_confidential_compute
 from syncless.cc._emulation import Emulation, emulate, is_emulating
 from syncless.cc._shim import install_shim, is_shim_installed, uninstall_all
@@ -28,7 +28,6 @@ __all__ = [
     "LEFT_ALONE_REASONS",
     "CopyStats",
     "D2HCopyError",
-    "D2HStreamCaptureError",
     "D2HTimeoutError",
     "Emulation",
     "ModeDecision",

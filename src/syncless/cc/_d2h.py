@@ -1,24 +1,55 @@
 """D2H streams: copies issued on them return at once and a worker thread performs them.
 
-Timeline of one offloaded copy (``P`` the producer stream, ``D`` the D2H
-stream, ``W`` the worker thread)::
+An offloaded copy behaves as if torch had run it on the D2H stream ``D`` at
+the point where it was issued: it reads its source after everything ``D``
+was ordered after, and everything ordered after that point on ``D`` (later
+work on ``D``, and any stream or host that waits for ``D``) comes after the
+copy. Two GPU-side marks on ``D`` do this, enqueued under one lock, in job
+order (``P1``/``P2`` producers, ``W`` the worker's own stream, ``#n`` the
+job's number)::
 
-    host  : x = f(...) on P ; D.wait_stream(P) ; y = x.to("cpu", non_blocking=True) -> returns now
-    P     : [ f ......... ] E                 (E recorded on P when the copy is issued)
-    W     :        cuEventSynchronize(E) ...... copy x -> y on W's stream, wait it ; done #n
-    later : event.synchronize() / stream.synchronize() / torch.cuda.synchronize() wait for #n too
+    host : D.wait_stream(P1); D.wait_stream(P2); D.wait_event(e); y.copy_(x, non_blocking=True) -> returns now
+    P1   : [ slow write of x ......... ]
+    P2   : [ .. ]
+    D    : [wait P1][wait P2][wait e] R#n [GATE: flag >= n] later work on D, waiters of D ...
+    W    :                           (worker) cuEventSynchronize(R#n) ... copy x -> y ; flag := n
+                                                                                   ^ releases the GATE
 
-Why the event goes on ``P`` and not on ``D``: under CC an event behind a
-cross-stream wait on an otherwise idle stream can fire a whole step late;
-``P`` is the stream whose work the copy really depends on (``D`` waited on
-it, and recording on ``P`` later covers at least that much work).
-If ``D`` never waited on anything through ``wait_stream``, the event is
-recorded on ``D`` itself, so ordering set up with ``D.wait_event`` is
-still honoured.
+1. ``R#n``, an event recorded *on D itself*: it fires only when all of
+   ``D``'s queue before it is done, whatever put it there: every
+   ``wait_stream`` (not only the last), every ``wait_event`` (on an event
+   from any stream, torch.cuda.Event or torch.Event, made in Python or in C),
+   kernels and copies the caller ran on ``D``, the shim's own H2D ordering.
+   The worker waits for ``R#n`` (on the host) before it copies, so the copy
+   never reads its source early. Nothing about ``D``'s producers is
+   remembered, so there is nothing to forget.
+2. ``GATE#n``, a ``cuStreamWaitValue64(flag >= n)`` on ``D``, released by the
+   worker's ``cuStreamWriteValue64(flag := n)`` on ``W`` after the copy (and
+   also if the copy failed, so ``D`` never hangs). Later work on ``D`` (a
+   kernel overwriting the source), ``P.wait_stream(D)``, ``P.wait_event(e)``
+   with ``e`` recorded on ``D``, ``D.synchronize()``, ``torch.cuda.synchronize()``
+   (even a reference taken before ``install()``): all are ordered after the
+   copy on the GPU, as they would be had torch made the copy on ``D``.
 
-A D2H stream carries copies only: a kernel launched on it is not ordered
-before the offloaded copies of its output (the worker waits on ``P``, not
-on ``D``).
+Why no deadlock: jobs run in number order, and ``R#n`` can only depend
+(through ``D``'s queue and any chain of cross-stream waits) on work enqueued
+before it on the host, so on gates ``#m`` with ``m < n``, all enqueued before
+it under the same lock; by the time the worker waits for ``R#n``, jobs
+``m < n`` have written their flags.
+
+Why the copy runs on ``W`` and not on ``D``: the worker issues it later than
+the host did; on ``D`` it would sit behind the caller's next
+``D.wait_stream(P)`` and wait a whole step.
+
+Why ``R#n`` is no longer recorded on "the producer": an earlier design
+recorded it on the stream ``D`` last waited on (an event behind a
+cross-stream wait on an idle stream was said to fire late under CC). That
+is exact only when ``D``'s queue since the previous copy holds that one wait
+and nothing else, which syncless cannot see (a kernel on ``D`` or a C-made
+event wait is invisible to it); with two producers, or a ``wait_event``, it
+read stale data. Correctness first: ``R#n`` goes on ``D``. If an event on
+``D`` does fire late under real CC, the copy is late, never stale
+(docs/cc.md lists this among the figures to measure).
 """
 
 from __future__ import annotations
@@ -29,7 +60,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from syncless._core import patching
-from syncless._core.errors import SynclessError
+from syncless._core.errors import MissingDependencyError
 from syncless._core.layouts import is_dense_layout
 from syncless.cc import _streams
 from syncless.cc._layers import SHIM_KEY
@@ -38,19 +69,29 @@ from syncless.cc._worker import OrderedWorker
 _log = logging.getLogger(__name__)
 
 
-class D2HStreamCaptureError(SynclessError, RuntimeError):
-    """An event was recorded on a D2H stream while a CUDA graph was being captured."""
-
-
-@dataclass
+@dataclass(frozen=True)
 class _D2HStream:
     stream: Any
-    producer: Any = None
+    gate_address: int  # the device's gate flag (see _streams.gate_flag)
 
 
 _lock = threading.Lock()
+# Held from an offload's event record to its gate, so that records and gates are enqueued in job-number order
+# across host threads (the no-deadlock argument in the module docstring needs it).
+_offload_lock = threading.Lock()
 _streams_by_key: dict[tuple[int, int], _D2HStream] = {}
 WORKER = OrderedWorker("syncless-d2h")
+
+
+def _require_cuda() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise MissingDependencyError(
+            "syncless.cc.new_d2h_stream() needs a CUDA GPU, but torch.cuda.is_available() is False (torch "
+            f"{torch.__version__}, built with CUDA {torch.version.cuda}); run on a machine with an NVIDIA GPU and a "
+            "CUDA build of torch, or keep D2H copies on an ordinary stream"
+        )
 
 
 def new_d2h_stream(device: Any = None) -> Any:
@@ -59,24 +100,27 @@ def new_d2h_stream(device: Any = None) -> Any:
     The stream is created with ``cuStreamCreate`` outside torch's stream
     pool, so no other code is ever handed the same handle. While the CC shim
     is installed, a ``non_blocking`` device-to-host copy issued with this
-    stream current returns at once (see the module docstring). Enqueues
-    nothing and does not block the host.
-
-    Ordering back from the D2H stream is host-side only: an offloaded copy
-    has not been issued on any GPU stream when the call returns, so
-    ``P.wait_stream(d2h)`` or ``P.wait_event(e)`` with ``e`` recorded on it
-    does not order ``P`` after the copy. Wait on the host instead
-    (``e.synchronize()``, ``d2h.synchronize()``) before a kernel overwrites
-    the source or before the pinned result is uploaded again.
+    stream current returns at once and the worker thread performs it; it is
+    ordered exactly as if torch had run it on this stream (see the module
+    docstring), both before (everything the stream waited for) and after
+    (later work on the stream and everything that waits for it, on the GPU
+    and on the host). Enqueues nothing on the new stream; blocks the host
+    once per device, the first time, to zero the gate flag.
 
     Returns:
         a ``torch.cuda.ExternalStream``; it lives as long as the process.
+
+    Raises:
+        MissingDependencyError: torch has no usable CUDA GPU.
+        SynclessError: the GPU cannot wait on 64-bit flags from a stream.
     """
+    _require_cuda()
     index = _streams.device_index(device)
+    _, gate_address = _streams.gate_flag(index)
     stream = _streams.create_private_stream(index)
     _streams.worker_stream(index)  # made now, never on the path of a copy
     with _lock:
-        _streams_by_key[(index, stream.cuda_stream)] = _D2HStream(stream)
+        _streams_by_key[(index, stream.cuda_stream)] = _D2HStream(stream, gate_address)
     return stream
 
 
@@ -100,41 +144,6 @@ def is_d2h_stream(stream: Any) -> bool:
     return lookup(stream) is not None
 
 
-def note_wait(waiter: Any, producer: Any) -> None:
-    """Remember ``producer`` as the producer of ``waiter`` if ``waiter`` is a D2H stream."""
-    record = lookup(waiter)
-    if record is None or lookup(producer) is not None:
-        return
-    import torch
-
-    if not isinstance(producer, torch.cuda.Stream):  # a generic torch.Stream: wrap it so events can be recorded
-        producer = torch.cuda.Stream(
-            stream_id=producer.stream_id, device_index=producer.device_index, device_type=producer.device_type
-        )
-    record.producer = producer
-
-
-def redirect_for_record(stream: Any) -> Any:
-    """Return the stream an event meant for ``stream`` must be recorded on.
-
-    A D2H stream's events go to its producer (or stay on it if it has none).
-
-    Raises:
-        D2HStreamCaptureError: ``stream`` is a D2H stream and a graph is being captured.
-    """
-    record = lookup(stream)
-    if record is None:
-        return stream
-    index = stream.device.index
-    if _streams.any_current_capture(index) or _streams.is_capturing(stream):
-        raise D2HStreamCaptureError(
-            f"an event was recorded on the D2H stream {stream} during CUDA graph capture; syncless records such "
-            "events on the producer stream outside capture, which a graph cannot replay. Record the event on the "
-            "capturing stream instead, or keep D2H streams out of captured regions."
-        )
-    return record.producer if record.producer is not None else stream
-
-
 def pinned_like(src: Any, dtype: Any, memory_format: Any) -> Any:
     """Allocate a pinned CPU tensor shaped like ``src`` for a fresh D2H result (host-only, no GPU work)."""
     import torch
@@ -147,37 +156,60 @@ def pinned_like(src: Any, dtype: Any, memory_format: Any) -> Any:
     return torch.empty_strided(src.shape, src.stride(), dtype=dtype, pin_memory=True)
 
 
-def offload(record: _D2HStream, dst: Any, src: Any, what: str) -> int:
-    """Queue ``dst.copy_(src)`` on the worker, ordered after the producer's work so far.
+def make_job(index: int, ready: Any, gate_address: int, dst: Any, src: Any):
+    """Return ``job(seq)``: wait for ``ready``, copy ``src`` into ``dst`` on the worker stream, release gate ``seq``.
 
-    Records an event on the producer (GPU-side, no host wait) and returns the
-    job's sequence number at once. The job keeps ``src`` and ``dst`` alive
-    until the copy has finished.
+    Runs on the worker thread. It blocks that thread (never the caller's)
+    until ``ready`` fires and then until the copy and the flag write are
+    done. The flag is written even when the copy fails, so work held behind
+    the gate on the D2H stream never hangs; the failure is raised by the next
+    synchronize that covers the job. ``src`` and ``dst`` stay alive until the
+    copy has run.
+    """
+    import torch
+
+    copy_stream = _streams.worker_stream(index)
+
+    def job(seq: int) -> None:
+        nonlocal dst, src
+        try:
+            if torch.cuda.current_device() != index:
+                torch.cuda.set_device(index)  # the worker thread's own current device
+            _streams.wait_event_raw(ready)
+            copy_beneath = patching.beneath(torch.Tensor, "copy_", SHIM_KEY)
+            with torch.inference_mode(), torch.cuda.stream(copy_stream):
+                copy_beneath(dst, src, non_blocking=True)
+        finally:
+            # W : copy #seq  flag := seq     (after the copy on W; releases GATE#seq on the D2H stream)
+            _streams.write_flag(copy_stream, gate_address, seq)
+            _streams.wait_stream_raw(copy_stream)
+            dst = src = None  # release the source only after the copy has run
+
+    return job
+
+
+def offload(record: _D2HStream, dst: Any, src: Any, what: str) -> int:
+    """Queue ``dst.copy_(src)`` on the worker, ordered as if it ran on the D2H stream now.
+
+    Enqueues two GPU-side marks on the D2H stream (the ready event, then the
+    gate; see the module docstring) and returns the job's number at once;
+    the host does not block.
     """
     import torch
 
     stream = record.stream
-    source_stream = record.producer if record.producer is not None else stream
-    ready = torch.cuda.Event()
-    torch.cuda.Event.__mro__[1].record(ready, source_stream)
     index = stream.device.index
-    # The copy runs on the worker's own stream, not on the D2H stream: the caller's
-    # D2H.wait_stream(P) of the *next* step would otherwise sit in front of this copy
-    # and hold it until that step's work is done (a whole step late).
-    copy_stream = _streams.worker_stream(index)
+    ready = torch.cuda.Event()
+    with _offload_lock:
+        # D : ...everything D was ordered after... R#n [GATE flag >= n] ...later work on D...
+        _streams.record_event_raw(ready, stream)
+        seq = WORKER.submit_numbered(lambda n: _bind(make_job(index, ready, record.gate_address, dst, src), n), what)
+        _streams.wait_flag_geq(stream, record.gate_address, seq)
+    return seq
 
-    def job() -> None:
-        nonlocal dst, src
-        if torch.cuda.current_device() != index:
-            torch.cuda.set_device(index)  # the worker thread's own current device
-        _streams.wait_event_raw(ready)
-        copy_beneath = patching.beneath(torch.Tensor, "copy_", SHIM_KEY)
-        with torch.inference_mode(), torch.cuda.stream(copy_stream):
-            copy_beneath(dst, src, non_blocking=True)
-            _streams.wait_stream_raw(copy_stream)
-        dst = src = None  # release the source only after the copy has run
 
-    return WORKER.submit(job, what)
+def _bind(job, seq: int):
+    return lambda: job(seq)
 
 
 def drain() -> None:

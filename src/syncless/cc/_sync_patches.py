@@ -7,16 +7,18 @@ failure among them), and a query says False while any is pending. Stream
 and device synchronizes (and queries) cover every copy submitted before the
 call, conservatively, on any D2H stream.
 
-Events recorded on a D2H stream are recorded on its producer instead
-(:func:`._d2h.redirect_for_record`).
+These host-side covers are what surface a failed copy (as
+:class:`._worker.D2HCopyError`) at the synchronize that covers it. The
+GPU-side ordering needs none of them: each offloaded copy gates its D2H
+stream (see :mod:`._d2h`), so an event recorded on that stream, or on any
+stream that waited for it, fires only after the copy, even if it is a C-made
+``torch.Event`` these patches cannot see. Events are recorded where the
+caller asked; nothing is redirected.
 
 What is covered:
 - ``torch.cuda.Event``: ``record``, ``synchronize``, ``query`` (all events,
   whenever they were created: the class's methods are patched).
-- ``torch.cuda.Stream`` (and ``ExternalStream``): ``synchronize``, ``query``,
-  ``wait_stream`` (notes the producer), ``record_event`` (redirects a plain
-  ``torch.Event``; torch.cuda.Event and the ``torch.Event`` subclass below
-  redirect in their own ``record``, which ``record_event`` calls).
+- ``torch.cuda.Stream`` (and ``ExternalStream``): ``synchronize``, ``query``.
 - ``torch.cuda.synchronize`` and ``torch.accelerator.synchronize`` (looked
   up through the module; a reference taken before ``install()`` is not
   covered).
@@ -34,7 +36,6 @@ from __future__ import annotations
 from typing import Any
 
 from syncless._core import patching
-from syncless.cc import _d2h
 from syncless.cc._d2h import WORKER
 from syncless.cc._layers import SHIM_KEY
 
@@ -65,10 +66,6 @@ def _cover_all() -> int:
 
 def _wrap_event_record(next_record):
     def record(self, stream=None):
-        if _d2h.has_streams():
-            import torch
-
-            stream = _d2h.redirect_for_record(torch.cuda.current_stream() if stream is None else stream)
         _mark(self)
         return next_record(self, stream)
 
@@ -115,29 +112,6 @@ def _wrap_stream_query(next_query):
     return query
 
 
-def _wrap_wait_stream(next_wait):
-    def wait_stream(self, stream):
-        _d2h.note_wait(self, stream)
-        return next_wait(self, stream)
-
-    return wait_stream
-
-
-def _wrap_record_event(next_record_event):
-    import torch
-
-    def record_event(self, event=None):
-        # torch's record_event is ``event.record(self)``. The record of a new or given torch.cuda.Event, or of a
-        # torch.Event made through our subclass, is patched and redirects (and marks) by itself: redirecting here
-        # too would do it twice. Only a plain C torch.Event (made before install(), or by C code) is redirected
-        # here; it cannot be marked (no __dict__) and its synchronize/query are torch's own anyway.
-        if event is not None and _d2h.has_streams() and not isinstance(event, (torch.cuda.Event, torch.Event)):
-            return next_record_event(_d2h.redirect_for_record(self), event)
-        return next_record_event(self, event)
-
-    return record_event
-
-
 # device-wide -------------------------------------------------------------------------
 
 
@@ -155,14 +129,10 @@ def _wrap_device_synchronize(next_sync):
 
 
 def _wrap_torch_event(base):
-    import torch
-
     class Event(base):
         """``torch.Event`` whose record/synchronize/query also cover syncless's D2H copies."""
 
         def record(self, stream=None):
-            if _d2h.has_streams() and self.device.type == "cuda":
-                stream = _d2h.redirect_for_record(torch.cuda.current_stream(self.device) if stream is None else stream)
             _mark(self)
             return super().record(stream)
 
@@ -191,8 +161,6 @@ def patch_targets() -> list[tuple[Any, str, Any]]:
         (torch.cuda.Event, "query", _wrap_event_query),
         (torch.cuda.Stream, "synchronize", _wrap_stream_synchronize),
         (torch.cuda.Stream, "query", _wrap_stream_query),
-        (torch.cuda.Stream, "wait_stream", _wrap_wait_stream),
-        (torch.cuda.Stream, "record_event", _wrap_record_event),
         (torch.cuda, "synchronize", _wrap_device_synchronize),
         (torch, "Event", _wrap_torch_event),
     ]

@@ -93,11 +93,23 @@ class OrderedWorker:
         Raises:
             RuntimeError: the worker has been shut down.
         """
+        return self.submit_numbered(lambda _seq: job, what)
+
+    def submit_numbered(self, make_job: Callable[[int], Callable[[], None]], what: str = "job") -> int:
+        """Queue ``make_job(seq)`` under the number ``seq`` it will run as; return ``seq``. Never blocks on the job.
+
+        For a job that must know its own number (the D2H gate it releases).
+        ``make_job`` runs under the worker's lock: keep it to building a closure.
+
+        Raises:
+            RuntimeError: the worker has been shut down.
+        """
         with self._cv:
             if self._stopping:
                 raise RuntimeError(f"{self._name} worker has been shut down; no new copies are accepted")
-            self._submitted += 1
-            seq = self._submitted
+            seq = self._submitted + 1
+            job = make_job(seq)
+            self._submitted = seq
             self._jobs.append((seq, job, what))
             self._ensure_thread()
             self._cv.notify_all()

@@ -1,13 +1,17 @@
-"""The patched ``Stream.record_event`` on a CPU-only torch: an event meant for a D2H stream is redirected once."""
-
-from types import SimpleNamespace
+"""The patched event record on a CPU-only torch: recorded where the caller asked, stamped with the copies so far."""
 
 import pytest
 import torch
 
 import syncless.cc as cc
-from syncless._core import patching
-from syncless.cc import _d2h, _streams, _sync_patches
+from syncless.cc import _sync_patches
+from syncless.cc._d2h import WORKER
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    yield
+    cc.uninstall()
 
 
 def _a_cuda_event():
@@ -18,53 +22,36 @@ def _a_cuda_event():
         return object.__new__(torch.cuda.Event)
 
 
-@pytest.fixture
-def d2h_stream(monkeypatch):
-    """A registered D2H stream with a producer; plain objects stand in for the two CUDA streams."""
-    d2h = SimpleNamespace(device=torch.device("cuda", 0), cuda_stream=0xD2, name="d2h")
-    producer = SimpleNamespace(device=torch.device("cuda", 0), cuda_stream=0xF0, name="producer")
-    monkeypatch.setitem(_d2h._streams_by_key, (0, d2h.cuda_stream), _d2h._D2HStream(d2h, producer))
-    monkeypatch.setattr(_streams, "any_current_capture", lambda index: False)  # no GPU: nothing is captured
-    monkeypatch.setattr(_streams, "is_capturing", lambda stream: False)
-    yield d2h, producer
-    cc.uninstall()
-
-
-def test_record_event_redirects_each_event_once(d2h_stream, monkeypatch):
-    d2h, producer = d2h_stream
-    cc.install("on")  # torch.Event is now the covering subclass
-    redirected = []
-    real_redirect = _d2h.redirect_for_record
-
-    def counting_redirect(stream):
-        redirected.append(stream.name)
-        return real_redirect(stream)
-
-    monkeypatch.setattr(_d2h, "redirect_for_record", counting_redirect)
+def test_event_record_goes_to_the_stream_asked_for_and_is_stamped(monkeypatch):
     recorded_on = []
-
-    def torch_record_event(stream, event=None):  # stands in for torch's: ``event.record(stream)`` needs a GPU
-        recorded_on.append(stream.name)
-        return event
-
-    record_event = _sync_patches._wrap_record_event(torch_record_event)
-    covered_events = [
-        None,                                   # torch makes a torch.cuda.Event; its patched record redirects
-        _a_cuda_event(),                        # patched record redirects
-        torch.Event(device="cpu"),              # the covering subclass: its record redirects
-    ]
-    for event in covered_events:
-        record_event(d2h, event)
-    plain = patching.original(torch, "Event")(device="cpu")  # a plain C torch.Event: its record cannot redirect
-    record_event(d2h, plain)
-    assert recorded_on == ["d2h", "d2h", "d2h", "producer"]
-    assert redirected == ["d2h"]
+    record = _sync_patches._wrap_event_record(lambda event, stream=None: recorded_on.append(stream))
+    monkeypatch.setattr(WORKER, "_submitted", 7)  # seven copies submitted so far
+    d2h, other = object(), object()
+    for stream in (d2h, other, None):
+        event = _a_cuda_event()
+        record(event, stream)
+        assert getattr(event, _sync_patches._MARK) == 7
+    assert recorded_on == [d2h, other, None]  # nothing redirected: torch's own semantics
 
 
-def test_record_event_leaves_other_streams_alone(d2h_stream):
-    _, producer = d2h_stream
-    plain = torch.Event(device="cpu")  # not installed: the plain C type
+def test_torch_event_subclass_records_where_asked(monkeypatch):
     seen = []
-    record_event = _sync_patches._wrap_record_event(lambda stream, event=None: seen.append(stream) or event)
-    assert record_event(producer, plain) is plain
-    assert seen == [producer]
+
+    class FakeTorchEvent:  # stands in for the C torch.Event, whose record needs a GPU
+        def record(self, stream=None):
+            seen.append(stream)
+
+    event_type = _sync_patches._wrap_torch_event(FakeTorchEvent)
+    monkeypatch.setattr(WORKER, "_submitted", 3)
+    event = event_type()
+    marker = object()
+    event.record(marker)
+    assert seen == [marker]
+    assert getattr(event, _sync_patches._MARK) == 3
+
+
+def test_no_stream_method_is_patched_for_ordering():
+    """wait_stream/record_event/wait_event stay torch's own: the D2H gate orders them on the GPU."""
+    names = {(owner, name) for owner, name, _ in _sync_patches.patch_targets()}
+    for name in ("wait_stream", "wait_event", "record_event"):
+        assert (torch.cuda.Stream, name) not in names

@@ -1,0 +1,175 @@
+"""An offloaded D2H copy is ordered exactly as torch would order it on the D2H stream (issue 14's bugs and kin).
+
+Each test makes a slow producer (``torch.cuda._sleep`` then a write of fresh
+random data), orders the D2H stream after it in one of the ways torch
+allows, and checks bit for bit that the host sees the new data. Before the
+fix the worker waited only for the stream the D2H stream had *last* waited
+on (``wait_stream``), so (a) two producers, (b) ``wait_event``, (c) a kernel
+queued on the D2H stream itself behind a producer, (d) a later kernel on
+the D2H stream that overwrites the source and (e) a stream that waits for
+the D2H stream before overwriting the source all read stale or future data.
+Each runs with the shim alone and with the shim over the CC emulator.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120)]
+
+TRIALS = 4
+N = 1 << 16
+
+
+@pytest.fixture(params=["on", "emulate"])
+def shim(request):
+    """The shim alone ("on") or the shim over the CC emulator ("emulate"); restored afterwards."""
+    import syncless.cc as cc
+
+    cc.uninstall()
+    cc.install(request.param)
+    yield cc
+    cc.uninstall()
+
+
+def _setup():
+    """Return (dev, src, new, old, host) with src holding ``old``, all settled on the GPU; host poisoned."""
+    import torch
+
+    dev = torch.device("cuda", 0)
+    old = torch.randn(N, device=dev)
+    new = torch.randn(N, device=dev)
+    src = old.clone()
+    host = torch.full((N,), float("nan")).pin_memory()
+    torch.cuda.synchronize()
+    return dev, src, new, old, host
+
+
+def _slow_write(stream, dst, value, cycles):
+    """On ``stream``: ~``cycles`` of sleep, then ``dst`` <- ``value`` (the slow producer)."""
+    import torch
+
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(cycles)
+        dst.copy_(value)
+
+
+def _assert_bits(host, expected):
+    import torch
+
+    expected = expected.cpu()
+    assert torch.equal(host.view(torch.int32), expected.view(torch.int32)), (
+        f"{int((host.view(torch.int32) != expected.view(torch.int32)).sum())} of {host.numel()} elements differ")
+
+
+def test_two_producers_are_both_waited_for(shim, cycles_per_ms):
+    """Bug (a): d2h.wait_stream(p1); d2h.wait_stream(p2) with p1 slow and p2 idle."""
+    import torch
+
+    cc = shim
+    for _ in range(TRIALS):
+        dev, src, new, _, host = _setup()
+        p1, p2 = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+        d2h = cc.new_d2h_stream(dev)
+        _slow_write(p1, src, new, 20 * cycles_per_ms)
+        d2h.wait_stream(p1)
+        d2h.wait_stream(p2)  # the last producer is idle
+        with torch.cuda.stream(d2h):
+            host.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        done.synchronize()
+        _assert_bits(host, new)
+        torch.cuda.synchronize()
+
+
+def test_wait_event_is_honoured_after_a_wait_stream(shim, cycles_per_ms):
+    """Bug (b): d2h.wait_stream(p2); d2h.wait_event(e) with e recorded on p1 after a slow write."""
+    import torch
+
+    cc = shim
+    for trial in range(TRIALS):
+        dev, src, new, _, host = _setup()
+        p1, p2 = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+        d2h = cc.new_d2h_stream(dev)
+        _slow_write(p1, src, new, 20 * cycles_per_ms)
+        e = torch.cuda.Event() if trial % 2 == 0 else torch.Event(device=dev)  # both event types
+        e.record(p1)
+        d2h.wait_stream(p2)
+        if trial % 2 == 0:
+            d2h.wait_event(e)
+        else:
+            e.wait(d2h)
+        with torch.cuda.stream(d2h):
+            out = src.to("cpu", non_blocking=True)
+        d2h.synchronize()
+        _assert_bits(out, new)
+        torch.cuda.synchronize()
+
+
+def test_work_queued_on_the_d2h_stream_is_waited_for(shim, cycles_per_ms):
+    """A kernel the caller runs on the D2H stream (behind a producer) writes the source of the next copy."""
+    import torch
+
+    cc = shim
+    for _ in range(TRIALS):
+        dev, src, new, _, host = _setup()
+        producer = torch.cuda.Stream(dev)
+        d2h = cc.new_d2h_stream(dev)
+        d2h.wait_stream(producer)  # an idle producer: the old code recorded the copy's event there
+        _slow_write(d2h, src, new, 20 * cycles_per_ms)
+        with torch.cuda.stream(d2h):
+            host.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        _assert_bits(host, new)
+
+
+def test_later_work_on_the_d2h_stream_waits_for_the_copy(shim, cycles_per_ms):
+    """A kernel queued on the D2H stream after the copy overwrites the source: the copy still reads the old data."""
+    import torch
+
+    cc = shim
+    for _ in range(TRIALS):
+        dev, src, new, old, host = _setup()
+        producer = torch.cuda.Stream(dev)
+        d2h = cc.new_d2h_stream(dev)
+        with torch.cuda.stream(producer):
+            torch.cuda._sleep(10 * cycles_per_ms)  # the copy's producer is slow ...
+        d2h.wait_stream(producer)
+        with torch.cuda.stream(d2h):
+            host.copy_(src, non_blocking=True)
+            src.copy_(new)  # ... and this overwrite is queued on the D2H stream after the copy
+            done = torch.cuda.Event()
+            done.record()
+        done.synchronize()
+        _assert_bits(host, old)
+        _assert_bits(src.cpu(), new)
+
+
+def test_streams_ordered_after_the_d2h_stream_wait_for_the_copy(shim, cycles_per_ms):
+    """P.wait_stream(d2h) then P overwrites the source (and reads the pinned result back up): ordered on the GPU."""
+    import torch
+
+    cc = shim
+    for trial in range(TRIALS):
+        dev, src, new, old, host = _setup()
+        producer = torch.cuda.Stream(dev)
+        consumer = torch.cuda.Stream(dev)
+        d2h = cc.new_d2h_stream(dev)
+        with torch.cuda.stream(producer):
+            torch.cuda._sleep(10 * cycles_per_ms)
+        d2h.wait_stream(producer)
+        with torch.cuda.stream(d2h):
+            host.copy_(src, non_blocking=True)
+        if trial % 2 == 0:
+            consumer.wait_stream(d2h)
+        else:
+            consumer.wait_event(d2h.record_event())
+        with torch.cuda.stream(consumer):
+            src.copy_(new)  # overwrite the source after the copy (torch's order)
+            back = torch.empty(N, device=dev)
+            back.copy_(host)  # blocking H2D of the D2H result: it must be the old data
+        consumer.synchronize()
+        _assert_bits(host, old)
+        _assert_bits(back.cpu(), old)
+        _assert_bits(src.cpu(), new)
