@@ -72,6 +72,13 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib":
 _SIZE_PATTERN = re.compile(r"^\s*(\d+)\s*([a-z]*)\s*$")
 
 
+def _count(text: str) -> int:
+    value = int(text.strip())
+    if value < 0:
+        raise ValueError(f"{value} is negative")
+    return value
+
+
 def parse_nbytes(text: str) -> int:
     """Parse a byte count such as ``"1048576"``, ``"64MiB"`` or ``"2G"`` (binary units)."""
     match = _SIZE_PATTERN.match(text.lower())
@@ -123,6 +130,20 @@ _declare(
     "60",
     "a positive number of seconds",
     "How long a pipeline stage waits for its peer before raising instead of hanging.",
+)
+_declare(
+    "SYNCLESS_FUZZ_PROGRAMS",
+    _count,
+    "20000",
+    "a whole number >= 0",
+    "Tests: how many random programs the syncless.cc differential fuzzer runs on the GPU.",
+)
+_declare(
+    "SYNCLESS_FUZZ_SEED",
+    _count,
+    "20261130",
+    "a whole number >= 0",
+    "Tests: the first seed of the syncless.cc differential fuzzer (program i uses seed + i).",
 )
 _declare(
     "SYNCLESS_REQUIRE_GPU",

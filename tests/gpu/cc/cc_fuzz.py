@@ -1,0 +1,810 @@
+"""A differential fuzzer for ``syncless.cc``: random stream programs, plain torch as the oracle.
+
+A *program* is a list of :class:`Op` over four streams (two ordinary, two
+from ``cc.new_d2h_stream``), device buffers (slots that are allocated,
+freed and re-allocated, so the caching allocator reuses blocks), host
+buffers (pinned and pageable), and events. It is run once under plain torch
+(the oracle) and once under a configuration of the shim and the CC
+emulator; the host-visible results (every host read the program makes, and
+every buffer at the end) must be bit-identical.
+
+Only programs that are *correct under plain torch* are generated: every
+access is ordered after the accesses it conflicts with (read after write,
+write after read or write), by torch's own rules. :class:`Model` decides
+that with vector clocks:
+
+- each stream ``s`` has a clock ``vc[s]`` (what it is ordered after); an
+  access enqueued on ``s`` gets the tick ``vc[s][s] + 1``;
+- ``a.wait_stream(b)`` merges ``vc[b]`` into ``vc[a]``; ``e.record(s)``
+  stores ``vc[s]`` in ``e``; ``s.wait_event(e)`` merges it into ``vc[s]``;
+- ``host`` is what the host knows to be finished: an event, stream or
+  device synchronize merges the matching clocks into it; a blocking D2H
+  copy synchronizes its stream (torch's ``memcpy_and_sync``);
+- a GPU access on ``s`` is ordered after ``(p, t)`` if ``vc[s][p] >= t`` or
+  ``host[p] >= t`` (the host saw it finish before enqueuing); a host access
+  only if ``host[p] >= t``;
+- freeing a device buffer needs every use on another stream than its
+  allocation stream ordered before the allocation stream, finished, or
+  declared with ``record_stream``;
+- an H2D into a registered in-place target needs every earlier access of
+  the target finished (the promise ``register_inplace_h2d_target`` asks for).
+
+Anything the model is unsure of, it forbids: a conservative model generates
+fewer programs, never a wrong one. The generator picks an operation, and if
+the model forbids it, inserts an ordering that makes it legal (a
+``wait_stream``, an event, a synchronize) or drops it.
+
+Everything but :class:`TorchRunner` is plain Python and runs on the CPU
+(``tests/unit/cc/test_cc_fuzz_cpu.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+STREAMS = ("S0", "S1", "D2", "D3")  # S*: torch.cuda.Stream(); D*: cc.new_d2h_stream()
+INIT = "init"  # the stream the program's initial buffers were made on (settled before the program starts)
+N_DEV, N_HOST, N_EVENTS = 5, 4, 3
+SIDE = 32  # every buffer is SIDE x SIDE
+DTYPES = ("float32", "float16", "bfloat16", "int32", "float64")
+SHORT_SLEEPS = (0, 0, 2_000, 10_000, 40_000)  # GPU cycles: 0 to ~20 us on an H200
+LONG_SLEEP = 2_000_000  # ~1 ms: in a few programs, to open race windows wide
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operation; ``args`` holds only small ints/strings/tuples, so a program prints and replays."""
+
+    kind: str
+    args: tuple = ()
+    body: tuple = ()  # THREAD only: the ops run on the second host thread
+
+    def __str__(self) -> str:
+        if self.kind == "THREAD":
+            inner = "; ".join(str(op) for op in self.body)
+            return f"THREAD {{ {inner} }}"
+        return f"{self.kind}{self.args}"
+
+
+@dataclass
+class ProgramSpec:
+    """A program and the initial state it starts from."""
+
+    seed: int
+    host_pinned: tuple  # per host slot
+    host_dtypes: tuple
+    dev_dtypes: tuple
+    ops: list = field(default_factory=list)
+
+    def copy_with(self, ops: Sequence[Op]) -> ProgramSpec:
+        return ProgramSpec(self.seed, self.host_pinned, self.host_dtypes, self.dev_dtypes, list(ops))
+
+    def describe(self) -> str:
+        head = (f"seed={self.seed} host_pinned={self.host_pinned} host_dtypes={self.host_dtypes} "
+                f"dev_dtypes={self.dev_dtypes}")
+        return "\n".join([head] + [f"  {i:3d}: {op}" for i, op in enumerate(self.ops)])
+
+
+# -- views ----------------------------------------------------------------------------------------------------
+
+def view_shape(spec: tuple) -> tuple:
+    kind = spec[0]
+    if kind in ("full", "t"):
+        return (SIDE, SIDE)
+    if kind == "rows":
+        return (spec[2] - spec[1], SIDE)
+    if kind == "cols":
+        return (SIDE, spec[2] - spec[1])
+    if kind == "step":
+        return (SIDE * SIDE // 2,)
+    raise ValueError(f"unknown view {spec!r}")
+
+
+def apply_view(t: Any, spec: tuple) -> Any:
+    """The view ``spec`` of a SIDE x SIDE tensor (contiguous or not)."""
+    kind = spec[0]
+    if kind == "full":
+        return t
+    if kind == "t":
+        return t.t()
+    if kind == "rows":
+        return t[spec[1]:spec[2]]
+    if kind == "cols":
+        return t[:, spec[1]:spec[2]]
+    if kind == "step":
+        return t.view(-1)[spec[1]::2]
+    raise ValueError(f"unknown view {spec!r}")
+
+
+def random_view_pair(rng: random.Random) -> tuple[tuple, tuple]:
+    """Return (dst view, src view) of the same shape."""
+    pick = rng.random()
+    if pick < 0.4:
+        return ("full",), ("full",)
+    if pick < 0.55:
+        return rng.choice([(("full",), ("t",)), (("t",), ("full",)), (("t",), ("t",))])
+    if pick < 0.7:
+        n = rng.randint(1, SIDE)
+        a, c = rng.randint(0, SIDE - n), rng.randint(0, SIDE - n)
+        return ("rows", a, a + n), ("rows", c, c + n)
+    if pick < 0.85:
+        n = rng.randint(1, SIDE)
+        a, c = rng.randint(0, SIDE - n), rng.randint(0, SIDE - n)
+        return ("cols", a, a + n), ("cols", c, c + n)
+    return ("step", rng.randint(0, 1)), ("step", rng.randint(0, 1))
+
+
+# -- the model ------------------------------------------------------------------------------------------------
+
+class Illegal(Exception):
+    """The op is not correct under plain torch in this state; ``needs`` says what would make it legal."""
+
+    def __init__(self, reason: str, needs: list):
+        super().__init__(reason)
+        self.needs = needs  # [("stream", s, p, t)] or [("host", p, t)]
+
+
+@dataclass
+class _Buf:
+    write: tuple | None = None  # (stream or "host", tick)
+    reads: list = field(default_factory=list)
+    alloc: str = INIT
+    recorded: set = field(default_factory=set)  # record_stream(s) calls
+    used_on: dict = field(default_factory=dict)  # stream -> its latest GPU access tick since allocation
+    registered: bool = False
+    dtype: str = "float32"
+
+    def clone(self) -> _Buf:
+        return _Buf(self.write, list(self.reads), self.alloc, set(self.recorded), dict(self.used_on),
+                    self.registered, self.dtype)
+
+
+class Model:
+    """Torch's ordering rules over a program's streams, events and buffers (see the module docstring)."""
+
+    def __init__(self, spec: ProgramSpec):
+        self.vc = {s: {} for s in STREAMS}
+        self.host: dict[str, int] = {INIT: 1}
+        self.events: dict[int, dict | None] = dict.fromkeys(range(N_EVENTS))
+        self.dev = [_Buf(write=(INIT, 1), dtype=spec.dev_dtypes[i], used_on={INIT: 1}) for i in range(N_DEV)]
+        self.hst = [_Buf(write=("host", 0), dtype=spec.host_dtypes[i]) for i in range(N_HOST)]
+        self.pinned = list(spec.host_pinned)
+
+    def clone(self) -> Model:
+        other = Model.__new__(Model)
+        other.vc = {s: dict(c) for s, c in self.vc.items()}
+        other.host = dict(self.host)
+        other.events = {e: (None if c is None else dict(c)) for e, c in self.events.items()}
+        other.dev = [None if b is None else b.clone() for b in self.dev]
+        other.hst = [b.clone() for b in self.hst]
+        other.pinned = list(self.pinned)
+        return other
+
+    # ordering predicates
+    def _stream_sees(self, s: str, prior: tuple) -> bool:
+        who, tick = prior
+        return who == "host" or self.vc[s].get(who, 0) >= tick or self.host.get(who, 0) >= tick
+
+    def _host_sees(self, prior: tuple) -> bool:
+        who, tick = prior
+        return who == "host" or self.host.get(who, 0) >= tick
+
+    def _need(self, ctx: str, prior: tuple) -> tuple | None:
+        if ctx == "host":
+            return None if self._host_sees(prior) else ("host", prior[0], prior[1])
+        return None if self._stream_sees(ctx, prior) else ("stream", ctx, prior[0], prior[1])
+
+    def _check(self, ctx: str, buf: _Buf, writes: bool, needs: list) -> None:
+        priors = [buf.write] if buf.write is not None else []
+        if writes:
+            priors += buf.reads
+        for prior in priors:
+            need = self._need(ctx, prior)
+            if need is not None and need not in needs:
+                needs.append(need)
+
+    def _tick(self, s: str) -> tuple:
+        clock = self.vc[s]
+        clock[s] = clock.get(s, 0) + 1
+        return (s, clock[s])
+
+    @staticmethod
+    def _access(buf: _Buf, at: tuple, writes: bool) -> None:
+        if writes:
+            buf.write, buf.reads = at, []
+        else:
+            buf.reads.append(at)
+        if at[0] != "host":
+            buf.used_on[at[0]] = at[1]
+
+    def _sync_host(self, clock: dict) -> None:
+        for k, v in clock.items():
+            if self.host.get(k, 0) < v:
+                self.host[k] = v
+
+    def _dev(self, i: int) -> _Buf:
+        buf = self.dev[i]
+        if buf is None:
+            raise Illegal(f"device slot {i} is empty", [])
+        return buf
+
+    # the one entry point
+    def apply(self, op: Op) -> None:
+        """Apply ``op`` to the state, or raise :class:`Illegal` (the state is then unchanged).
+
+        Each kind checks before it changes anything; only a THREAD block, several ops, needs a snapshot.
+        """
+        if op.kind != "THREAD":
+            self._apply(op)
+            return
+        snapshot = self.clone()
+        try:
+            self._apply(op)
+        except Illegal:
+            self.__dict__.update(snapshot.__dict__)
+            raise
+
+    def _apply(self, op: Op) -> None:  # noqa: C901 - one branch per kind, kept together to read as one table
+        k, a = op.kind, op.args
+        needs: list = []
+        if k == "THREAD":
+            for inner in op.body:
+                self._apply(inner)
+            return
+        if k == "SLEEP":
+            self._tick(a[0])
+        elif k in ("KERNEL", "FILL"):  # (s, g, view, ...): KERNEL reads and writes, FILL writes
+            s, g = a[0], a[1]
+            buf = self._dev(g)
+            self._check(s, buf, True, needs)
+            self._raise(needs, op)
+            self._access(buf, self._tick(s), True)
+        elif k == "H2D":  # (s, h, hview, g, gview, nb)
+            s, h, _, g, _, nb = a
+            hb, gb = self.hst[h], self._dev(g)
+            if gb.registered:
+                self._check("host", gb, True, needs)  # the in-place promise: nothing touches the target now
+            self._check(s, hb, False, needs)  # the copy reads h in s's order (a blocking one too)
+            self._check(s, gb, True, needs)
+            self._raise(needs, op)
+            at = self._tick(s)
+            self._access(hb, at if nb else ("host", 0), False)
+            self._access(gb, at, True)
+        elif k == "H2D_FRESH":  # (s, h, g, nb, form, dtype)
+            s, h, g, nb = a[0], a[1], a[2], a[3]
+            if self.dev[g] is not None:
+                raise Illegal(f"device slot {g} is in use", [])
+            hb = self.hst[h]
+            self._check(s, hb, False, needs)
+            self._raise(needs, op)
+            at = self._tick(s)
+            self._access(hb, at if nb else ("host", 0), False)
+            dtype = a[5] or hb.dtype
+            self.dev[g] = _Buf(write=at, alloc=s, used_on={s: at[1]}, dtype=dtype)
+        elif k == "D2H":  # (s, g, gview, h, hview, nb)
+            s, g, _, h, _, nb = a
+            gb, hb = self._dev(g), self.hst[h]
+            self._check(s, gb, False, needs)
+            self._check(s, hb, True, needs)
+            self._raise(needs, op)
+            at = self._tick(s)
+            self._access(gb, at, False)
+            if nb:
+                self._access(hb, at, True)
+            else:  # torch: cudaMemcpyAsync then cudaStreamSynchronize of s
+                self._sync_host(self.vc[s])
+                self._access(hb, ("host", 0), True)
+        elif k == "D2H_FRESH":  # (s, g, h, nb, dtype)
+            s, g, h, nb, dtype = a
+            gb, hb = self._dev(g), self.hst[h]
+            self._check(s, gb, False, needs)
+            self._check("host", hb, True, needs)  # the old host tensor is dropped: let nothing use it still
+            self._raise(needs, op)
+            at = self._tick(s)
+            self._access(gb, at, False)
+            new = _Buf(dtype=dtype or gb.dtype)
+            if nb:
+                self._access(new, at, True)
+            else:
+                self._sync_host(self.vc[s])
+                new.write = ("host", 0)
+            self.hst[h] = new
+            self.pinned[h] = bool(nb)
+        elif k == "D2D":  # (s, g1, v1, g2, v2, nb)
+            s, g1, _, g2, _, _ = a
+            if g1 == g2:
+                raise Illegal("a copy within one buffer", [])
+            b1, b2 = self._dev(g1), self._dev(g2)
+            self._check(s, b1, False, needs)
+            self._check(s, b2, True, needs)
+            self._raise(needs, op)
+            at = self._tick(s)
+            self._access(b1, at, False)
+            self._access(b2, at, True)
+        elif k == "WAIT_STREAM":  # (a, b)
+            waiter, producer = a
+            for key, v in self.vc[producer].items():
+                if self.vc[waiter].get(key, 0) < v:
+                    self.vc[waiter][key] = v
+        elif k == "RECORD":  # (e, s, form)
+            self.events[a[0]] = dict(self.vc[a[1]])
+        elif k == "WAIT_EVENT":  # (s, e, form)
+            clock = self.events[a[1]]
+            if clock is None:
+                raise Illegal("waiting for an event never recorded", [])
+            for key, v in clock.items():
+                if self.vc[a[0]].get(key, 0) < v:
+                    self.vc[a[0]][key] = v
+        elif k in ("EVENT_SYNC", "EVENT_SPIN"):  # (e,)
+            clock = self.events[a[0]]
+            if clock is None:
+                raise Illegal("synchronizing an event never recorded", [])
+            self._sync_host(clock)
+        elif k == "EVENT_QUERY":
+            pass
+        elif k == "STREAM_SYNC":  # (s,)
+            self._sync_host(self.vc[a[0]])
+        elif k == "DEVICE_SYNC":  # (form,)
+            for s in STREAMS:
+                self._sync_host(self.vc[s])
+        elif k == "HOST_READ":  # (h, view)
+            self._check("host", self.hst[a[0]], False, needs)
+            self._raise(needs, op)
+        elif k == "HOST_WRITE":  # (h, view, pattern)
+            hb = self.hst[a[0]]
+            self._check("host", hb, True, needs)
+            self._raise(needs, op)
+            self._access(hb, ("host", 0), True)
+        elif k == "RECORD_STREAM":  # (g, s)
+            self._dev(a[0]).recorded.add(a[1])
+        elif k == "FREE":  # (g,)
+            # The caching allocator hands the block to later allocations on the allocation stream: every use on
+            # another stream must be finished, ordered before that stream's later work, or record_stream'ed.
+            buf = self._dev(a[0])
+            for who, tick in buf.used_on.items():
+                if who == buf.alloc or who in buf.recorded or self.host.get(who, 0) >= tick:
+                    continue
+                if buf.alloc != INIT and self.vc[buf.alloc].get(who, 0) >= tick:
+                    continue
+                need = ("free", a[0], who, tick)
+                if need not in needs:
+                    needs.append(need)
+            self._raise(needs, op)
+            self.dev[a[0]] = None
+        elif k == "ALLOC":  # (s, g, dtype, value)
+            s, g, dtype = a[0], a[1], a[2]
+            if self.dev[g] is not None:
+                raise Illegal(f"device slot {g} is in use", [])
+            at = self._tick(s)
+            self.dev[g] = _Buf(write=at, alloc=s, used_on={s: at[1]}, dtype=dtype)
+        elif k == "REGISTER":  # (g, s)
+            self._dev(a[0]).registered = True
+        else:
+            raise ValueError(f"unknown op kind {k!r}")
+
+    @staticmethod
+    def _raise(needs: list, op: Op) -> None:
+        if needs:
+            raise Illegal(f"{op} is not ordered: {needs}", needs)
+
+
+def is_legal(spec: ProgramSpec) -> bool:
+    """Return whether every op of ``spec`` is correct under plain torch, in order, from the initial state."""
+    model = Model(spec)
+    try:
+        for op in spec.ops:
+            model.apply(op)
+    except Illegal:
+        return False
+    return True
+
+
+# -- the generator --------------------------------------------------------------------------------------------
+
+class Generator:
+    """Random legal programs, reproducible from a seed."""
+
+    def __init__(self, seed: int, n_ops: tuple[int, int] = (10, 32)):
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.n_ops = n_ops
+        self.long_sleeps = self.rng.random() < 0.03
+
+    def program(self) -> ProgramSpec:
+        rng = self.rng
+        spec = ProgramSpec(
+            seed=self.seed,
+            host_pinned=tuple(rng.random() < 0.7 for _ in range(N_HOST)),
+            host_dtypes=tuple(rng.choice(DTYPES) for _ in range(N_HOST)),
+            dev_dtypes=tuple(rng.choice(DTYPES) for _ in range(N_DEV)),
+        )
+        model = Model(spec)
+        target = rng.randint(*self.n_ops)
+        ops: list[Op] = []
+        attempts = 0
+        while len(ops) < target and attempts < target * 6:
+            attempts += 1
+            if rng.random() < 0.05 and len(ops) + 3 < target:
+                sub = self._thread_block(model)
+                if sub is not None:
+                    ops.append(sub)
+                continue
+            ops.extend(self._legal_step(model))
+        # End state: nothing is left unsynchronized (the runner reads every buffer after a device synchronize).
+        ops.append(Op("DEVICE_SYNC", (0,)))
+        model.apply(ops[-1])
+        spec.ops = ops
+        return spec
+
+    def _thread_block(self, model: Model) -> Op | None:
+        trial = model.clone()
+        body: list[Op] = []
+        for _ in range(self.rng.randint(1, 4)):
+            body.extend(self._legal_step(trial))
+        if not body:
+            return None
+        op = Op("THREAD", (), tuple(body))
+        model.apply(op)
+        return op
+
+    def _legal_step(self, model: Model) -> list[Op]:
+        """Propose one op; make it legal with up to three inserted orderings; return the ops added (maybe none)."""
+        op = self._propose(model)
+        if op is None:
+            return []
+        added: list[Op] = []
+        for _ in range(4):
+            try:
+                model.apply(op)
+                return added + [op]
+            except Illegal as err:
+                if not err.needs:
+                    return added
+                fix = self._fix(model, err.needs[0])
+                if fix is None:
+                    return added
+                for f in fix:
+                    model.apply(f)
+                added.extend(fix)
+        return added
+
+    def _fix(self, model: Model, need: tuple) -> list[Op] | None:
+        """Return ops that provide ``need`` (an ordering the model asked for), chosen at random among torch's ways."""
+        rng = self.rng
+        if need[0] == "stream":
+            _, s, p, _ = need
+            roll = rng.random()
+            if p == INIT or roll < 0.2:
+                return self._host_sync_for(p)
+            if roll < 0.6:
+                return [Op("WAIT_STREAM", (s, p))]
+            e = rng.randrange(N_EVENTS)
+            return [Op("RECORD", (e, p, rng.randrange(3))), Op("WAIT_EVENT", (s, e, rng.randrange(3)))]
+        if need[0] == "host":
+            return self._host_sync_for(need[1])
+        if need[0] == "free":
+            _, g, who, _ = need
+            if who != INIT and rng.random() < 0.7:
+                return [Op("RECORD_STREAM", (g, who))]
+            return self._host_sync_for(who)
+        return None
+
+    def _host_sync_for(self, p: str) -> list[Op]:
+        """Ops after which the host knows that stream ``p``'s work so far has finished."""
+        rng = self.rng
+        roll = rng.random()
+        if p == INIT or roll < 0.3:
+            return [Op("DEVICE_SYNC", (rng.randrange(2),))] if p == INIT or roll < 0.1 else [Op("STREAM_SYNC", (p,))]
+        e = rng.randrange(N_EVENTS)
+        ops = (Op("RECORD", (e, p, rng.randrange(3))), Op("EVENT_SPIN" if rng.random() < 0.3 else "EVENT_SYNC", (e,)))
+        if rng.random() < 0.1:  # the wait happens on the second host thread
+            return [Op("THREAD", (), ops)]
+        return list(ops)
+
+    def _sleep_cycles(self) -> int:
+        if self.long_sleeps and self.rng.random() < 0.3:
+            return LONG_SLEEP
+        return self.rng.choice(SHORT_SLEEPS)
+
+    def _propose(self, model: Model) -> Op | None:  # noqa: C901 - a weighted table of op kinds
+        rng = self.rng
+        s = rng.choice(STREAMS)
+        live = [i for i in range(N_DEV) if model.dev[i] is not None]
+        empty = [i for i in range(N_DEV) if model.dev[i] is None]
+        h = rng.randrange(N_HOST)
+        roll = rng.random()
+        if roll < 0.10:
+            return Op("SLEEP", (s, self._sleep_cycles()))
+        if roll < 0.18 and live:
+            g = rng.choice(live)
+            view, _ = random_view_pair(rng)
+            return Op("KERNEL", (s, g, view, rng.randrange(4), self._sleep_cycles()))
+        if roll < 0.22 and live:
+            g = rng.choice(live)
+            view, _ = random_view_pair(rng)
+            return Op("FILL", (s, g, view, rng.randint(-100, 100)))
+        if roll < 0.36 and live:
+            gv, hv = random_view_pair(rng)
+            return Op("H2D", (s, h, hv, rng.choice(live), gv, rng.random() < 0.8))
+        if roll < 0.42 and empty:
+            dtype = rng.choice((None, None) + DTYPES)
+            return Op("H2D_FRESH", (s, h, rng.choice(empty), rng.random() < 0.8, rng.randrange(3), dtype))
+        if roll < 0.58 and live:
+            hv, gv = random_view_pair(rng)
+            # Mostly on D2H streams: that is where the worker takes the copy.
+            s2 = rng.choice(("D2", "D3")) if rng.random() < 0.7 else s
+            return Op("D2H", (s2, rng.choice(live), gv, h, hv, rng.random() < 0.85))
+        if roll < 0.63 and live:
+            s2 = rng.choice(("D2", "D3")) if rng.random() < 0.7 else s
+            return Op("D2H_FRESH", (s2, rng.choice(live), h, rng.random() < 0.85, rng.choice((None, None) + DTYPES)))
+        if roll < 0.68 and len(live) >= 2:
+            g1, g2 = rng.sample(live, 2)
+            v2, v1 = random_view_pair(rng)
+            return Op("D2D", (s, g1, v1, g2, v2, rng.random() < 0.5))
+        if roll < 0.74:
+            a, b = rng.sample(STREAMS, 2)
+            return Op("WAIT_STREAM", (a, b))
+        if roll < 0.79:
+            return Op("RECORD", (rng.randrange(N_EVENTS), s, rng.randrange(3)))
+        if roll < 0.83:
+            recorded = [e for e, c in model.events.items() if c is not None]
+            return Op("WAIT_EVENT", (s, rng.choice(recorded), rng.randrange(3))) if recorded else None
+        if roll < 0.86:
+            recorded = [e for e, c in model.events.items() if c is not None]
+            if not recorded:
+                return None
+            return Op(rng.choice(("EVENT_SYNC", "EVENT_SPIN", "EVENT_QUERY")), (rng.choice(recorded),))
+        if roll < 0.88:
+            return Op("STREAM_SYNC", (s,)) if rng.random() < 0.7 else Op("DEVICE_SYNC", (rng.randrange(2),))
+        if roll < 0.93:
+            hv, _ = random_view_pair(rng)
+            return Op("HOST_READ", (h, hv))
+        if roll < 0.95:
+            hv, _ = random_view_pair(rng)
+            return Op("HOST_WRITE", (h, hv, rng.randrange(4)))
+        if roll < 0.975 and live:
+            return Op("FREE", (rng.choice(live),))
+        if roll < 0.99 and empty:
+            return Op("ALLOC", (s, rng.choice(empty), rng.choice(DTYPES), rng.randint(-100, 100)))
+        if live:
+            return Op("REGISTER", (rng.choice(live), s))
+        return None
+
+
+def program_for(seed: int, n_ops: tuple[int, int] = (10, 32)) -> ProgramSpec:
+    """The program of ``seed`` (the same on every machine and Python of the same version)."""
+    return Generator(seed, n_ops).program()
+
+
+# -- the minimizer --------------------------------------------------------------------------------------------
+
+def minimize(spec: ProgramSpec, still_fails: Callable[[ProgramSpec], bool], max_tries: int = 400) -> ProgramSpec:
+    """Drop ops (chunks, then one by one) while the program stays legal and ``still_fails``; return the smallest."""
+    ops = list(spec.ops)
+    tries = 0
+    chunk = max(1, len(ops) // 2)
+    while chunk >= 1 and tries < max_tries:
+        i, changed = 0, False
+        while i < len(ops) and tries < max_tries:
+            candidate = spec.copy_with(ops[:i] + ops[i + chunk:])
+            if candidate.ops and is_legal(candidate):
+                tries += 1
+                if still_fails(candidate):
+                    ops, changed = candidate.ops, True
+                    continue
+            i += chunk
+        if not changed:
+            chunk //= 2
+    # A THREAD block that still matters: try its ops inline (the failure may not need the second thread).
+    for i, op in enumerate(list(ops)):
+        if op.kind == "THREAD" and tries < max_tries:
+            candidate = spec.copy_with(ops[:i] + list(op.body) + ops[i + 1:])
+            if is_legal(candidate):
+                tries += 1
+                if still_fails(candidate):
+                    ops = candidate.ops
+    return spec.copy_with(ops)
+
+
+# -- running on torch -----------------------------------------------------------------------------------------
+
+def count_copies(ops: Sequence[Op]) -> int:
+    n = 0
+    for op in ops:
+        if op.kind == "THREAD":
+            n += count_copies(op.body)
+        elif op.kind in ("H2D", "H2D_FRESH", "D2H", "D2H_FRESH", "D2D"):
+            n += 1
+    return n
+
+
+def digest(t: Any) -> str:
+    """The dtype, shape and bytes of a CPU tensor, hashed."""
+    import torch
+
+    c = t.detach().contiguous()
+    raw = c.view(torch.uint8) if c.dim() else c.reshape(1).view(torch.uint8)
+    return f"{c.dtype}{tuple(c.shape)}:" + hashlib.sha1(raw.numpy().tobytes()).hexdigest()[:16]
+
+
+class TorchRunner:
+    """Runs programs on one GPU; the same streams for every program (D2H streams live as long as the process)."""
+
+    def __init__(self, cc: Any, device: Any):
+        import torch
+
+        self.torch = torch
+        self.cc = cc
+        self.dev = device
+        self.streams = {
+            "S0": torch.cuda.Stream(device),
+            "S1": torch.cuda.Stream(device),
+            "D2": cc.new_d2h_stream(device),
+            "D3": cc.new_d2h_stream(device),
+        }
+        # Read-only operands for KERNEL and HOST_WRITE, the same for every program (fresh data is in the buffers).
+        gen = torch.Generator().manual_seed(1234)
+        self.host_patterns = {
+            name: [self._values(gen, getattr(torch, name)) for _ in range(4)] for name in DTYPES
+        }
+        self.dev_patterns = {name: [p.to(device) for p in pats] for name, pats in self.host_patterns.items()}
+        torch.cuda.synchronize()
+
+    def _values(self, gen: Any, dtype: Any) -> Any:
+        torch = self.torch
+        return torch.randint(-64, 64, (SIDE, SIDE), generator=gen, dtype=torch.int32).to(dtype)
+
+    def run(self, spec: ProgramSpec) -> list[str]:
+        """Run ``spec``; return the digests of every host read, then of every buffer at the end."""
+        torch = self.torch
+        gen = torch.Generator().manual_seed(spec.seed)
+        dt = {name: getattr(torch, name) for name in DTYPES}
+        host = []
+        for i in range(N_HOST):
+            t = self._values(gen, dt[spec.host_dtypes[i]])
+            host.append(t.pin_memory() if spec.host_pinned[i] else t)
+        dev = [self._values(gen, dt[spec.dev_dtypes[i]]).to(self.dev) for i in range(N_DEV)]
+        self.events = [torch.cuda.Event() if i % 2 == 0 else torch.Event(device=self.dev) for i in range(N_EVENTS)]
+        self.host, self.dev_slots, self.reads = host, dev, []
+        torch.cuda.synchronize()  # the initial state is settled before the program starts (the model's INIT)
+        for op in spec.ops:
+            self._run(op)
+        torch.cuda.synchronize()
+        out = list(self.reads)
+        out += [digest(t) for t in self.host]
+        out += ["freed" if t is None else digest(t.cpu()) for t in self.dev_slots]
+        self.host = self.dev_slots = self.events = None
+        return out
+
+    def _run(self, op: Op) -> None:  # noqa: C901 - one branch per kind
+        torch, S, k, a = self.torch, self.streams, op.kind, op.args
+        if k == "THREAD":
+            errors: list[BaseException] = []
+
+            def body():
+                try:
+                    for inner in op.body:
+                        self._run(inner)
+                except BaseException as err:  # noqa: BLE001 - re-raised on the main thread below
+                    errors.append(err)
+
+            thread = threading.Thread(target=body, name="cc-fuzz-second-thread")
+            thread.start()
+            thread.join(60)
+            if thread.is_alive():
+                raise TimeoutError("the second host thread did not finish within 60 s")
+            if errors:
+                raise errors[0]
+            return
+        if k == "SLEEP":
+            with torch.cuda.stream(S[a[0]]):
+                torch.cuda._sleep(a[1])
+        elif k == "KERNEL":
+            s, g, view, pattern, cycles = a
+            with torch.cuda.stream(S[s]):
+                if cycles:
+                    torch.cuda._sleep(cycles)  # a slow producer
+                target = apply_view(self.dev_slots[g], view)
+                target.neg_()
+                target.add_(apply_view(self.dev_patterns[str(target.dtype).split(".")[1]][pattern], view))
+        elif k == "FILL":
+            with torch.cuda.stream(S[a[0]]):
+                apply_view(self.dev_slots[a[1]], a[2]).fill_(a[3])
+        elif k == "H2D":
+            s, h, hv, g, gv, nb = a
+            with torch.cuda.stream(S[s]):
+                apply_view(self.dev_slots[g], gv).copy_(apply_view(self.host[h], hv), non_blocking=nb)
+        elif k == "H2D_FRESH":
+            s, h, g, nb, form, dtype = a
+            src = self.host[h]
+            with torch.cuda.stream(S[s]):
+                if dtype is not None:
+                    out = src.to(self.dev, dtype=getattr(torch, dtype), non_blocking=nb)
+                elif form == 0:
+                    out = src.to(self.dev, non_blocking=nb)
+                elif form == 1:
+                    out = src.to(device="cuda", non_blocking=nb)
+                else:
+                    out = src.cuda(non_blocking=nb)
+            self.dev_slots[g] = out
+        elif k == "D2H":
+            s, g, gv, h, hv, nb = a
+            with torch.cuda.stream(S[s]):
+                apply_view(self.host[h], hv).copy_(apply_view(self.dev_slots[g], gv), non_blocking=nb)
+        elif k == "D2H_FRESH":
+            s, g, h, nb, dtype = a
+            with torch.cuda.stream(S[s]):
+                if dtype is None:
+                    self.host[h] = self.dev_slots[g].to("cpu", non_blocking=nb)
+                else:
+                    self.host[h] = self.dev_slots[g].to("cpu", dtype=getattr(torch, dtype), non_blocking=nb)
+        elif k == "D2D":
+            s, g1, v1, g2, v2, nb = a
+            with torch.cuda.stream(S[s]):
+                apply_view(self.dev_slots[g2], v2).copy_(apply_view(self.dev_slots[g1], v1), non_blocking=nb)
+        elif k == "WAIT_STREAM":
+            S[a[0]].wait_stream(S[a[1]])
+        elif k == "RECORD":
+            e, s, form = a
+            event = self.events[e]
+            if form == 0:
+                event.record(S[s])
+            elif form == 1 and isinstance(event, torch.cuda.Event):
+                S[s].record_event(event)
+            else:
+                with torch.cuda.stream(S[s]):
+                    event.record()
+        elif k == "WAIT_EVENT":
+            s, e, form = a
+            event = self.events[e]
+            if form == 0 and isinstance(event, torch.cuda.Event):
+                S[s].wait_event(event)
+            elif form == 1:
+                event.wait(S[s])
+            else:
+                with torch.cuda.stream(S[s]):
+                    event.wait()
+        elif k == "EVENT_SYNC":
+            self.events[a[0]].synchronize()
+        elif k == "EVENT_SPIN":
+            deadline = time.monotonic() + 60
+            while not self.events[a[0]].query():
+                if time.monotonic() > deadline:
+                    raise TimeoutError("an event never completed")
+                time.sleep(0)
+        elif k == "EVENT_QUERY":
+            self.events[a[0]].query()
+        elif k == "STREAM_SYNC":
+            S[a[0]].synchronize()
+        elif k == "DEVICE_SYNC":
+            accelerator = getattr(torch, "accelerator", None)
+            if a[0] == 1 and accelerator is not None and hasattr(accelerator, "synchronize"):
+                accelerator.synchronize()
+            else:
+                torch.cuda.synchronize()
+        elif k == "HOST_READ":
+            self.reads.append(digest(apply_view(self.host[a[0]], a[1]).clone()))
+        elif k == "HOST_WRITE":
+            h, hv, pattern = a
+            target = apply_view(self.host[h], hv)
+            target.copy_(apply_view(self.host_patterns[str(target.dtype).split(".")[1]][pattern], hv))
+        elif k == "RECORD_STREAM":
+            self.dev_slots[a[0]].record_stream(S[a[1]])
+        elif k == "FREE":
+            self.dev_slots[a[0]] = None
+        elif k == "ALLOC":
+            s, g, dtype, value = a
+            with torch.cuda.stream(S[s]):
+                self.dev_slots[g] = torch.full((SIDE, SIDE), value, dtype=getattr(torch, dtype), device=self.dev)
+        elif k == "REGISTER":
+            if self.cc.is_installed():  # plain torch has no such thing; the oracle runs without it
+                with torch.cuda.stream(S[a[1]]):
+                    self.cc.register_inplace_h2d_target(self.dev_slots[a[0]])
+        else:
+            raise ValueError(f"unknown op kind {k!r}")

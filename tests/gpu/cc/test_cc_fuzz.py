@@ -1,0 +1,131 @@
+"""The differential fuzzer for syncless.cc on one GPU: plain torch is the oracle (see cc_fuzz.py).
+
+``SYNCLESS_FUZZ_PROGRAMS`` programs (default 20,000), seeds
+``SYNCLESS_FUZZ_SEED + i``, spread round-robin over the four configurations
+shim x emulation (off/off runs the oracle's program a second time: a
+generator that made a racy program shows up there). Each run's host-visible
+results must be bit-identical to the oracle's. A failure prints its seed,
+its configuration, and a minimized program. Reproduce one program with
+``SYNCLESS_FUZZ_SEED=<seed> SYNCLESS_FUZZ_PROGRAMS=4`` (program 0 runs in
+the plain configuration; use ``<seed> - k`` to land it on configuration k).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+import time
+
+import pytest
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
+
+_spec = importlib.util.spec_from_file_location("cc_fuzz", pathlib.Path(__file__).with_name("cc_fuzz.py"))
+fuzz = importlib.util.module_from_spec(_spec)
+sys.modules["cc_fuzz"] = fuzz
+_spec.loader.exec_module(fuzz)
+
+# (name, shim, emulation)
+CONFIGS = (("plain", False, False), ("shim", True, False), ("emulation", False, True), ("shim+emulation", True, True))
+MAX_MINIMIZED = 3
+
+
+def _configure(cc, shim: bool, emulation: bool) -> None:
+    cc.uninstall()
+    if shim and emulation:
+        cc.install("emulate")
+    elif shim:
+        cc.install("on")
+    elif emulation:
+        cc.emulate()
+
+
+def _outcome(runner, spec):
+    try:
+        return runner.run(spec)
+    except Exception as err:  # noqa: BLE001 - an exception is an outcome to compare with the oracle's
+        return [f"raised {type(err).__name__}: {err}"]
+
+
+def _first_difference(expected, got) -> str:
+    if len(expected) != len(got):
+        return f"{len(got)} results instead of {len(expected)}: {got[-1] if got else ''}"
+    for i, (a, b) in enumerate(zip(expected, got)):
+        if a != b:
+            return f"result {i} differs: oracle {a} / got {b}"
+    return "no difference"
+
+
+def test_differential_fuzz():
+    import torch
+
+    import syncless.cc as cc
+    from syncless._core import config
+
+    n_programs = config.read("SYNCLESS_FUZZ_PROGRAMS")
+    seed0 = config.read("SYNCLESS_FUZZ_SEED")
+    dev = torch.device("cuda", 0)
+    cc.uninstall()
+    cc.reset_stats()
+    runner = fuzz.TorchRunner(cc, dev)
+    started = time.monotonic()
+    specs = [fuzz.program_for(seed0 + i) for i in range(n_programs)]
+    print(f"\ncc fuzz: generated {n_programs} programs (seeds {seed0}..{seed0 + n_programs - 1}) in "
+          f"{time.monotonic() - started:.1f} s", flush=True)
+
+    oracle = []
+    for i, spec in enumerate(specs):
+        oracle.append(_outcome(runner, spec))
+        if (i + 1) % 5000 == 0:
+            print(f"cc fuzz: oracle {i + 1}/{n_programs} ({time.monotonic() - started:.0f} s)", flush=True)
+    oracle_errors = [(specs[i].seed, out[0]) for i, out in enumerate(oracle) if out and out[0].startswith("raised")]
+
+    failures = []  # (index, config index, difference)
+    per_config = {}
+    copies = 0
+    try:
+        for c, (name, shim, emulation) in enumerate(CONFIGS):
+            _configure(cc, shim, emulation)
+            cc.reset_stats()
+            ran = 0
+            for i in range(c, n_programs, len(CONFIGS)):
+                got = _outcome(runner, specs[i])
+                ran += 1
+                copies += fuzz.count_copies(specs[i].ops)
+                if got != oracle[i]:
+                    failures.append((i, c, _first_difference(oracle[i], got)))
+            per_config[name] = (ran, cc.stats())
+            print(f"cc fuzz: {name}: {ran} programs, {sum(1 for f in failures if f[1] == c)} failures, "
+                  f"{cc.stats()} ({time.monotonic() - started:.0f} s)", flush=True)
+    finally:
+        cc.uninstall()
+
+    for i, c, difference in failures[:MAX_MINIMIZED]:
+        name, shim, emulation = CONFIGS[c]
+
+        def still_fails(candidate, shim=shim, emulation=emulation):
+            for _ in range(3):  # a race may need a few tries
+                cc.uninstall()
+                expected = _outcome(runner, candidate)
+                _configure(cc, shim, emulation)
+                got = _outcome(runner, candidate)
+                cc.uninstall()
+                if got != expected:
+                    return True
+            return False
+
+        small = fuzz.minimize(specs[i], still_fails)
+        print(f"\ncc fuzz FAILURE: seed {specs[i].seed}, configuration {name}: {difference}\n"
+              f"minimized program ({len(small.ops)} of {len(specs[i].ops)} ops):\n{small.describe()}", flush=True)
+
+    elapsed = time.monotonic() - started
+    print(f"cc fuzz: programs {n_programs}, runs compared {sum(r for r, _ in per_config.values())}, "
+          f"copies {copies}, configurations {len(CONFIGS)}, failures {len(failures)}, "
+          f"oracle exceptions {len(oracle_errors)}, {elapsed:.0f} s", flush=True)
+    assert not oracle_errors, f"the oracle itself raised (a generator bug): {oracle_errors[:3]}"
+    assert not failures, f"{len(failures)} programs differ from plain torch; first: seed {specs[failures[0][0]].seed}"
+    if n_programs >= 400:  # the fuzzer must reach every path of the shim, or it proves little
+        shim_stats = per_config["shim+emulation"][1]
+        assert shim_stats.offloaded > 0 and shim_stats.staged > 0 and shim_stats.in_place > 0, shim_stats
+        assert shim_stats.emulated_waits > 0, shim_stats
