@@ -12,19 +12,17 @@ the plain configuration; use ``<seed> - k`` to land it on configuration k).
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 import sys
 import time
 
 import pytest
 
-pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
+sys.path.insert(0, str(pathlib.Path(__file__).parent))  # cc_fuzz and cc_fuzz_run live next to this file
+import cc_fuzz as fuzz  # noqa: E402
+from cc_fuzz_run import Runner, TorchBackend  # noqa: E402
 
-_spec = importlib.util.spec_from_file_location("cc_fuzz", pathlib.Path(__file__).with_name("cc_fuzz.py"))
-fuzz = importlib.util.module_from_spec(_spec)
-sys.modules["cc_fuzz"] = fuzz
-_spec.loader.exec_module(fuzz)
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
 # (name, shim, emulation)
 CONFIGS = (("plain", False, False), ("shim", True, False), ("emulation", False, True), ("shim+emulation", True, True))
@@ -68,7 +66,7 @@ def test_differential_fuzz():
     dev = torch.device("cuda", 0)
     cc.uninstall()
     cc.reset_stats()
-    runner = fuzz.TorchRunner(cc, dev)
+    runner = Runner(TorchBackend(cc, dev))
     started = time.monotonic()
     specs = [fuzz.program_for(seed0 + i) for i in range(n_programs)]
     print(f"\ncc fuzz: generated {n_programs} programs (seeds {seed0}..{seed0 + n_programs - 1}) in "

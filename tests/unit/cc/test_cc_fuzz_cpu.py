@@ -1,0 +1,135 @@
+"""The cc fuzzer's CPU half: its programs are legal, its interpreter runs them, its minimizer shrinks.
+
+The key check: every generated program gives the same results under many
+random schedules of a simulated GPU (streams run in any order CUDA allows).
+A program that raced (a read not ordered after its write) would differ
+between schedules, and on the GPU would be a false alarm.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "gpu" / "cc"))
+import cc_fuzz as fuzz  # noqa: E402
+from cc_fuzz_run import Runner, SimBackend  # noqa: E402
+
+Op = fuzz.Op
+
+
+def _spec(ops, pinned=(True, True, False, True)):
+    return fuzz.ProgramSpec(seed=5, host_pinned=pinned, host_dtypes=("float32",) * fuzz.N_HOST,
+                            dev_dtypes=("float32",) * fuzz.N_DEV, ops=list(ops))
+
+
+def test_programs_are_reproducible_and_legal():
+    for seed in range(200):
+        a, b = fuzz.program_for(seed), fuzz.program_for(seed)
+        assert a.describe() == b.describe()
+        assert fuzz.is_legal(a), a.describe()
+
+
+def test_generated_programs_cover_every_kind_of_op():
+    seen = set()
+
+    def walk(ops):
+        for op in ops:
+            seen.add(op.kind)
+            walk(op.body)
+
+    for seed in range(400):
+        walk(fuzz.program_for(seed).ops)
+    kinds = {"SLEEP", "KERNEL", "FILL", "H2D", "H2D_FRESH", "D2H", "D2H_FRESH", "D2D", "WAIT_STREAM", "RECORD",
+             "WAIT_EVENT", "EVENT_SYNC", "EVENT_SPIN", "EVENT_QUERY", "STREAM_SYNC", "DEVICE_SYNC", "HOST_READ",
+             "HOST_WRITE", "RECORD_STREAM", "FREE", "ALLOC", "REGISTER", "THREAD"}
+    assert kinds <= seen, kinds - seen
+
+
+def test_every_schedule_of_the_simulated_gpu_gives_the_same_results():
+    sequential = Runner(SimBackend(None))
+    for seed in range(150):
+        spec = fuzz.program_for(seed)
+        expected = sequential.run(spec)
+        for schedule in range(4):
+            got = Runner(SimBackend(schedule_seed=seed * 10 + schedule)).run(spec)
+            assert got == expected, f"seed {seed}, schedule {schedule}:\n{spec.describe()}"
+
+
+def test_simulator_catches_a_racy_program():
+    """The check above can fail: an unordered host read of an async D2H differs between schedules."""
+    racy = _spec([
+        Op("SLEEP", ("D2", 10)),
+        Op("KERNEL", ("D2", 0, ("full",), 1, 0)),
+        Op("D2H", ("D2", 0, ("full",), 0, ("full",), True)),
+        Op("HOST_READ", (0, ("full",))),  # no synchronize: a race
+        Op("DEVICE_SYNC", (0,)),
+    ])
+    assert not fuzz.is_legal(racy)
+    outcomes = {tuple(Runner(SimBackend(schedule)).run(racy)) for schedule in range(40)}
+    assert len(outcomes) > 1
+
+
+@pytest.mark.parametrize("fix", [
+    [Op("STREAM_SYNC", ("D2",))],
+    [Op("DEVICE_SYNC", (1,))],
+    [Op("RECORD", (0, "D2", 1)), Op("EVENT_SYNC", (0,))],
+    [Op("WAIT_STREAM", ("S0", "D2")), Op("RECORD", (1, "S0", 0)), Op("EVENT_SPIN", (1,))],
+])
+def test_model_accepts_each_way_of_ordering_a_host_read(fix):
+    ops = [Op("KERNEL", ("S0", 0, ("full",), 1, 100)), Op("WAIT_STREAM", ("D2", "S0")),
+           Op("D2H", ("D2", 0, ("full",), 0, ("full",), True))]
+    assert not fuzz.is_legal(_spec(ops + [Op("HOST_READ", (0, ("full",)))]))
+    assert fuzz.is_legal(_spec(ops + fix + [Op("HOST_READ", (0, ("full",)))]))
+
+
+def test_model_orders_the_d2h_after_every_producer():
+    """Issue 14's pattern is legal only with both waits (the program the fuzzer must get right)."""
+    two_producers = [
+        Op("KERNEL", ("S0", 1, ("full",), 2, 40000)),  # slow write on p1
+        Op("WAIT_STREAM", ("D2", "S0")),
+        Op("WAIT_STREAM", ("D2", "S1")),
+        Op("D2H", ("D2", 1, ("full",), 0, ("full",), True)),
+        Op("RECORD", (0, "D2", 0)),
+        Op("EVENT_SYNC", (0,)),
+        Op("HOST_READ", (0, ("full",))),
+    ]
+    assert fuzz.is_legal(_spec(two_producers))
+    assert not fuzz.is_legal(_spec(two_producers[:1] + two_producers[2:]))  # only the idle producer
+
+
+def test_free_needs_record_stream_or_ordering():
+    base = [Op("FREE", (0,)), Op("ALLOC", ("S0", 0, "float32", 3)), Op("WAIT_STREAM", ("S1", "S0")),
+            Op("KERNEL", ("S1", 0, ("full",), 0, 0))]
+    assert not fuzz.is_legal(_spec(base + [Op("FREE", (0,))]))  # used on S1, allocated on S0
+    assert fuzz.is_legal(_spec(base + [Op("RECORD_STREAM", (0, "S1")), Op("FREE", (0,))]))
+    assert fuzz.is_legal(_spec(base + [Op("WAIT_STREAM", ("S0", "S1")), Op("FREE", (0,))]))
+
+
+def test_registered_target_needs_its_readers_finished():
+    ops = [Op("REGISTER", (1, "S0")), Op("D2D", ("S1", 1, ("full",), 2, ("full",), False))]
+    h2d = Op("H2D", ("S0", 0, ("full",), 1, ("full",), True))
+    assert not fuzz.is_legal(_spec(ops + [Op("WAIT_STREAM", ("S0", "S1")), h2d]))  # ordered, not finished
+    assert fuzz.is_legal(_spec(ops + [Op("STREAM_SYNC", ("S1",)), h2d]))
+
+
+def test_minimizer_keeps_what_the_failure_needs_and_stays_legal():
+    spec = fuzz.program_for(11, n_ops=(30, 30))
+    d2h_on_d2h_stream = [op for op in spec.ops if op.kind == "D2H" and op.args[0] in ("D2", "D3")]
+    assert d2h_on_d2h_stream, "seed 11 has an offloadable copy"
+    culprit = d2h_on_d2h_stream[0]
+
+    def still_fails(candidate):  # a stand-in failure: "any program with this copy fails"
+        return culprit in candidate.ops
+
+    small = fuzz.minimize(spec, still_fails)
+    assert culprit in small.ops and fuzz.is_legal(small)
+    assert len(small.ops) < len(spec.ops) // 2
+    assert small.seed == spec.seed
+
+
+def test_copies_are_counted_inside_threads():
+    body = (Op("D2H", ("D2", 0, ("full",), 0, ("full",), True)), Op("SLEEP", ("S0", 0)))
+    assert fuzz.count_copies([Op("THREAD", (), body), Op("D2D", ("S0", 0, ("full",), 1, ("full",), True))]) == 2
