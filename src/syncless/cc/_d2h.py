@@ -62,7 +62,7 @@ from typing import Any
 from syncless._core import patching
 from syncless._core.errors import MissingDependencyError
 from syncless._core.layouts import is_dense_layout
-from syncless.cc import _streams
+from syncless.cc import _host_writes, _streams
 from syncless.cc._layers import SHIM_KEY
 from syncless.cc._worker import OrderedWorker
 
@@ -205,6 +205,7 @@ def offload(record: _D2HStream, dst: Any, src: Any, what: str) -> int:
         _streams.record_event_raw(ready, stream)
         seq = WORKER.submit_numbered(lambda n: _bind(make_job(index, ready, record.gate_address, dst, src), n), what)
         _streams.wait_flag_geq(stream, record.gate_address, seq)
+    _host_writes.note_offloaded_d2h(dst, index, record.gate_address, seq)  # a staged H2D of dst waits for it
     return seq
 
 

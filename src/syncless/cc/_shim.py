@@ -19,7 +19,7 @@ from typing import Any
 from syncless._core import config, patching
 from syncless._core.compiling import is_compiling
 from syncless._core.tensor_calls import maybe_non_blocking_to, parse_to
-from syncless.cc import _d2h, _emulation, _routing, _staging, _streams, _sync_patches
+from syncless.cc import _d2h, _emulation, _host_writes, _routing, _staging, _streams, _sync_patches
 from syncless.cc._d2h import WORKER
 from syncless.cc._layers import SHIM_KEY, TENSOR_ATTRS, UNSET, forward_copy, forward_cuda
 from syncless.cc._stats import COUNTERS
@@ -104,6 +104,19 @@ def _check_broadcastable(dst: Any, src: Any) -> None:
         )
 
 
+def _note_plain_d2h(dst: Any, src: Any) -> None:
+    """After torch's own ``non_blocking`` D2H into ``dst``: note it, so a staged H2D of ``dst`` waits for it.
+
+    Skipped while a graph is captured (the copy is then a graph node, not work on the stream).
+    """
+    import torch
+
+    index = src.device.index
+    if dst is src or _streams.any_current_capture(index):
+        return
+    _host_writes.note_plain_d2h(dst, torch.cuda.current_stream(index))
+
+
 def _describe(verb: str, t: Any) -> str:
     return f"{verb} of a {tuple(t.shape)} {t.dtype} tensor from {t.device}"
 
@@ -143,7 +156,10 @@ def _wrap_to(next_to):
             dst = _d2h.pinned_like(self, dtype, memory_format)
             _d2h.offload(record, dst, self, _describe(".to('cpu', non_blocking=True)", self))
             return dst
-        return next_to(self, *args, **kwargs)
+        result = next_to(self, *args, **kwargs)
+        if route == _routing.ORIGINAL and device.type == "cpu" and self.device.type == "cuda":
+            _note_plain_d2h(result, self)
+        return result
 
     return to
 
@@ -222,7 +238,10 @@ def _wrap_copy(next_copy):
             COUNTERS.add("offloaded")
             _d2h.offload(record, self, src, _describe("copy_(non_blocking=True)", src))
             return self
-        return next_copy(self, src, non_blocking)
+        result = next_copy(self, src, non_blocking)
+        if self.device.type == "cpu" and src.device.type == "cuda":
+            _note_plain_d2h(self, src)
+        return result
 
     return copy_
 

@@ -19,7 +19,7 @@ import weakref
 from typing import Any
 
 from syncless._core import patching
-from syncless.cc import _streams
+from syncless.cc import _host_writes, _streams
 from syncless.cc._layers import SHIM_KEY
 
 # Registered targets by (device index, storage address). The values are weak: an entry lapses when its
@@ -96,13 +96,14 @@ def land(src: Any, index: int, next_fn=None, **kwargs: Any) -> Any:
     recycled before the current stream is done with it.
 
     Ordering: the staging copy needs nothing from the current stream (the
-    source is host memory and the destination is new); the current stream's
-    later work waits for the copy.
+    destination is new), only the D2H copies still writing the host source
+    (:mod:`._host_writes`); the current stream's later work waits for the copy.
     """
     import torch
 
     current = torch.cuda.current_stream(index)
     staging = _streams.staging_stream(index)
+    _host_writes.order_after_pending_writes(staging, src)
     with torch.cuda.stream(staging):
         if next_fn is None:
             landed = _beneath("to")(src, device=torch.device("cuda", index), non_blocking=True)
@@ -145,6 +146,7 @@ def copy_in_place(dst: Any, src: Any, next_copy) -> Any:
     index = dst.device.index
     current = torch.cuda.current_stream(index)
     staging = _streams.staging_stream(index)
+    _host_writes.order_after_pending_writes(staging, src)
     with torch.cuda.stream(staging):
         next_copy(dst, src, non_blocking=True)
     dst.record_stream(staging)

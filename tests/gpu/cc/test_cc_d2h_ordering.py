@@ -173,3 +173,28 @@ def test_streams_ordered_after_the_d2h_stream_wait_for_the_copy(shim, cycles_per
         _assert_bits(host, old)
         _assert_bits(back.cpu(), old)
         _assert_bits(src.cpu(), new)
+
+
+def test_staged_h2d_reads_host_memory_after_the_d2h_that_writes_it(shim, cycles_per_ms):
+    """D2H x -> pinned h (offloaded, or torch's own on an ordinary stream), then a stream ordered after it uploads h.
+
+    The shim's H2D runs on its idle staging stream; it must still read h after the D2H has written it.
+    """
+    import torch
+
+    cc = shim
+    for trial in range(TRIALS):
+        dev, src, new, _, host = _setup()
+        producer, consumer = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+        stream = cc.new_d2h_stream(dev) if trial % 2 == 0 else torch.cuda.Stream(dev)
+        _slow_write(producer, src, new, 20 * cycles_per_ms)
+        stream.wait_stream(producer)
+        with torch.cuda.stream(stream):
+            host.copy_(src, non_blocking=True)
+        consumer.wait_stream(stream)
+        with torch.cuda.stream(consumer):
+            up = host.to(dev, non_blocking=True) if trial % 4 < 2 else torch.empty(N, device=dev).copy_(
+                host, non_blocking=True)
+            result = up * 1
+        torch.cuda.synchronize()
+        _assert_bits(result.cpu(), new)
