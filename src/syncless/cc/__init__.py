@@ -19,6 +19,7 @@ from syncless.cc._detect import ModeDecision, cc_mode, decide_mode, is_confident
 from syncless.cc._emulation import Emulation, emulate, is_emulating
 from syncless.cc._shim import install_shim, is_shim_installed, uninstall_all
 from syncless.cc._staging import is_registered_target, register_inplace_h2d_target
+from syncless.cc._streams import check_bindings
 from syncless.cc._stats import COUNTERS, LEFT_ALONE_REASONS, CopyStats
 from syncless.cc._worker import D2HCopyError, D2HTimeoutError
 
@@ -60,17 +61,39 @@ def install(mode: str | None = None, *, max_staged_bytes: int | None = None) -> 
 
     Returns:
         whether the shim is installed after the call. Idempotent: a second
-        call changes nothing but the size bound. Enqueues nothing and does
-        not block the host.
+        call changes nothing but the size bound. On a torch without a usable
+        CUDA GPU (``torch.cuda.is_available()`` is False) nothing is patched,
+        whatever the mode (there is no host<->device copy to reroute or to
+        emulate): a warning says so once and the call returns False. Enqueues
+        nothing and does not block the host.
+
+    Raises:
+        MissingDependencyError: cuda-bindings older than 12.9.1 is installed
+            (its driver calls hold the GIL; the message gives the pip command).
     """
     decision = decide_mode(mode)
     if decision.mode == "off":
         log_once(_log, logging.INFO, "cc-install-off", "syncless.cc not installed: %s", decision.reason)
         return is_shim_installed()
+    if not _cuda_available():
+        import torch
+
+        log_once(_log, logging.WARNING, "cc-install-no-cuda",
+                 "syncless.cc not installed: mode %r needs a CUDA GPU, but torch.cuda.is_available() is False (torch "
+                 "%s, CUDA %s); host<->device copies stay torch's own", decision.mode, torch.__version__,
+                 torch.version.cuda)
+        return is_shim_installed()
+    check_bindings()
     if decision.mode == "emulate":
         _emulation_install()
     install_shim(max_staged_bytes)
     return True
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _emulation_install() -> None:

@@ -6,23 +6,67 @@ torch's sync debug mode, which the hidden-sync detector arms, flags torch's
 ``Stream.synchronize`` but cannot see a driver call, so the CC emulator's
 waits (which stand for the driver's own behaviour under CC) and the D2H
 worker's waits are never reported as the user's syncs. cuda-bindings releases
-the GIL around every driver call (since 12.9.1/13.0), so other Python threads
-run while a wait blocks.
+the GIL around every driver call since 12.9.1 (and 13.0.0), so other Python
+threads run while a wait blocks; with an older release the D2H worker's
+waits would stall every Python thread (and a caller blocked in a driver wait
+while the worker needs the GIL would never wake), so :func:`check_bindings`
+refuses it at ``install()``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from typing import Any
 
 from syncless._core import cuda as _cuda
+
+BINDINGS_FLOOR = (12, 9, 1)
+_BINDINGS_FIX = "pip install -U 'cuda-bindings>=12.9.1'  (or: pip install -U 'syncless[cuda]')"
 
 _lock = threading.Lock()
 _worker_streams: dict[int, Any] = {}
 _staging: dict[int, Any] = {}
 _order_events = threading.local()  # per thread: {device index: event}
 _gates: dict[int, tuple[Any, int]] = {}  # device index -> (flag tensor, its device address)
+
+
+def bindings_problem(version: str) -> str | None:
+    """Return why cuda-bindings ``version`` cannot serve the shim (its driver calls hold the GIL), or None."""
+    parts = []
+    for piece in version.split(".")[:3]:
+        digits = "".join(itertools.takewhile(str.isdigit, piece))
+        if not digits:
+            break
+        parts.append(int(digits))
+    if tuple(parts) >= BINDINGS_FLOOR:
+        return None
+    return (
+        f"cuda-bindings {version} is installed, but syncless.cc needs >= 12.9.1: older releases hold the GIL during "
+        "driver calls, so the D2H worker's waits would stall every Python thread. Upgrade with: " + _BINDINGS_FIX
+    )
+
+
+def check_bindings() -> None:
+    """Raise if the installed cuda-bindings holds the GIL in driver calls; do nothing if it is absent.
+
+    (Without cuda-bindings, the first driver call raises its own error naming the package.)
+
+    Raises:
+        MissingDependencyError: cuda-bindings older than 12.9.1.
+    """
+    from importlib import metadata
+
+    from syncless._core.errors import MissingDependencyError
+
+    try:
+        version = metadata.version("cuda-bindings")
+    except metadata.PackageNotFoundError:
+        return
+    problem = bindings_problem(version)
+    if problem is not None:
+        raise MissingDependencyError(problem)
 
 
 def device_index(device: Any) -> int:

@@ -122,3 +122,42 @@ def test_register_target_rejects_bad_input():
         cc.register_inplace_h2d_target([1, 2])
     with pytest.raises(ValueError, match="CUDA tensor"):
         cc.register_inplace_h2d_target(torch.zeros(3))
+
+
+def test_install_without_cuda_patches_nothing_and_says_so(monkeypatch, caplog):
+    from syncless._core import logs
+
+    monkeypatch.setattr(cc, "_cuda_available", lambda: False)
+    monkeypatch.setattr(logs, "_seen_keys", set())
+    before = _snapshot()
+    with caplog.at_level("WARNING", logger="syncless.cc"):
+        assert cc.install("emulate") is False
+        assert cc.install("on") is False
+    assert not cc.is_installed() and not cc.is_emulating()
+    assert all(_snapshot()[k] is before[k] for k in before)
+    assert "torch.cuda.is_available() is False" in caplog.text
+
+
+@pytest.mark.parametrize(("version", "ok"), [
+    ("12.6.2.post1", False), ("12.9.0", False), ("12.9.1", True), ("12.9.10", True), ("13.0.0", True),
+    ("13.3.1", True), ("11.8.7", False),
+])
+def test_bindings_floor(version, ok):
+    from syncless.cc import _streams
+
+    problem = _streams.bindings_problem(version)
+    assert (problem is None) is ok
+    if not ok:
+        assert version in problem and "pip install -U 'cuda-bindings>=12.9.1'" in problem
+
+
+def test_install_refuses_bindings_that_hold_the_gil(monkeypatch):
+    from importlib import metadata
+
+    from syncless._core.errors import MissingDependencyError
+
+    real = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda name: "12.6.0" if name == "cuda-bindings" else real(name))
+    with pytest.raises(MissingDependencyError, match=r"cuda-bindings 12\.6\.0 is installed.*GIL"):
+        cc.install("on")
+    assert not cc.is_installed()

@@ -5,13 +5,19 @@ import torch
 
 import syncless.cc as cc
 from syncless.cc import _sync_patches
-from syncless.cc._d2h import WORKER
+from syncless.cc._worker import OrderedWorker
 
 
 @pytest.fixture(autouse=True)
 def _clean():
     yield
     cc.uninstall()
+
+
+def _worker_with_submitted(n):
+    worker = OrderedWorker("test-marks")
+    worker._submitted = n
+    return worker
 
 
 def _a_cuda_event():
@@ -25,7 +31,7 @@ def _a_cuda_event():
 def test_event_record_goes_to_the_stream_asked_for_and_is_stamped(monkeypatch):
     recorded_on = []
     record = _sync_patches._wrap_event_record(lambda event, stream=None: recorded_on.append(stream))
-    monkeypatch.setattr(WORKER, "_submitted", 7)  # seven copies submitted so far
+    monkeypatch.setattr(_sync_patches, "WORKER", _worker_with_submitted(7))  # seven copies submitted so far
     d2h, other = object(), object()
     for stream in (d2h, other, None):
         event = _a_cuda_event()
@@ -42,7 +48,7 @@ def test_torch_event_subclass_records_where_asked(monkeypatch):
             seen.append(stream)
 
     event_type = _sync_patches._wrap_torch_event(FakeTorchEvent)
-    monkeypatch.setattr(WORKER, "_submitted", 3)
+    monkeypatch.setattr(_sync_patches, "WORKER", _worker_with_submitted(3))
     event = event_type()
     marker = object()
     event.record(marker)
