@@ -11,7 +11,11 @@ Each step uploads small ``non_blocking`` inputs (token ids, positions), runs a
 few ms of GPU work (embedding, a stack of matmuls, an argmax) and reads the
 sampled tokens back on a D2H stream; the host consumes a step's tokens one
 step later (async scheduling). A second measurement times how long a 1 MiB
-``non_blocking`` H2D takes to return to the host with 20 ms of GPU work queued.
+``non_blocking`` H2D takes to return to the host with 20 ms of GPU work queued,
+in every setup of the same run; the goal compares emulated CC with the shim to
+plain no-CC (at most 1.5x): under CC the host must wait for the transfer
+itself, and the shim's own cost (staging stream, events, Python) is the rest.
+``tests/gpu/cc/probe_h2d_cost.py`` breaks that cost down.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from syncless._core.errors import MissingDependencyError
 from syncless.bench._report import BenchOutput, Goal
 
 SETUPS = ("plain", "shim", "emulated", "emulated+shim")
+H2D_GOAL_VS_PLAIN = 1.5  # emulated CC with the shim, vs no CC at all: host time for the 1 MiB H2D to return
 BATCH = 64
 HIDDEN = 4096
 VOCAB = 32000
@@ -158,7 +163,7 @@ def run(args: Any, progress) -> BenchOutput:
                 stats[setup] = cc.stats().__dict__ | {"left_alone": dict(cc.stats().left_alone)}
                 progress(f"round {round_index + 1}/{rounds} {setup}: {rate:,.0f} tokens/s")
         h2d_us: dict[str, float] = {}
-        for setup in ("plain", "emulated", "emulated+shim"):
+        for setup in SETUPS:
             _enter(setup)
             h2d_us[setup] = _h2d_return_us(torch, dev, cycles, 5 if quick else 21)
             progress(f"1 MiB H2D behind 20 ms, {setup}: {h2d_us[setup]:,.0f} us to return")
@@ -168,12 +173,14 @@ def run(args: Any, progress) -> BenchOutput:
     median = {s: statistics.median(v) for s, v in tokens_per_s.items()}
     plain = median["plain"]
     rows = [[s, median[s], median[s] / plain, min(tokens_per_s[s]), max(tokens_per_s[s])] for s in SETUPS]
-    h2d_rows = [[s, h2d_us[s], h2d_us[s] / h2d_us["emulated"]] for s in h2d_us]
+    h2d_rows = [[s, h2d_us[s], h2d_us[s] / h2d_us["plain"], h2d_us[s] / h2d_us["emulated"]] for s in h2d_us]
     goals = [
         Goal("emulated CC with the shim vs plain no-CC, tokens/s", median["emulated+shim"] / plain, 0.95, "x", True),
         Goal("shim installed without CC vs plain, tokens/s", median["shim"] / plain, 0.98, "x", True),
         Goal("1 MiB H2D behind 20 ms: host return with shim / without (emulated CC)",
              h2d_us["emulated+shim"] / h2d_us["emulated"], 0.02, "x", False),
+        Goal("1 MiB H2D behind 20 ms: host return, emulated CC with the shim / no CC (same run)",
+             h2d_us["emulated+shim"] / h2d_us["plain"], H2D_GOAL_VS_PLAIN, "x", False),
     ]
 
     def plot(path):
@@ -188,10 +195,11 @@ def run(args: Any, progress) -> BenchOutput:
         left.set_title(f"decode loop, batch {BATCH}, ~{target_ms:g} ms/step")
         left.tick_params(axis="x", labelrotation=15)
         names = list(h2d_us)
-        right.bar(names, [h2d_us[n] for n in names], color=["#555", "#c44", "#4a4"])
+        right.bar(names, [h2d_us[n] for n in names], color=["#555", "#888", "#c44", "#4a4"])
         right.set_yscale("log")
         right.set_ylabel("host time to return (us, log)")
         right.set_title("1 MiB non_blocking H2D behind 20 ms of GPU work")
+        right.tick_params(axis="x", labelrotation=15)
         fig.tight_layout()
         fig.savefig(path, dpi=120)
         plt.close(fig)
@@ -204,7 +212,7 @@ def run(args: Any, progress) -> BenchOutput:
         tables=[
             ("Decode loop throughput", ["setup", "tokens/s (median)", "vs plain", "min", "max"], rows),
             ("1 MiB non_blocking H2D behind 20 ms of queued GPU work (median host time)",
-             ["setup", "us to return", "vs emulated"], h2d_rows),
+             ["setup", "us to return", "vs plain (no CC)", "vs emulated"], h2d_rows),
         ],
         goals=goals,
         plot=plot,

@@ -21,7 +21,7 @@ TOKENS_PER_S = {
     "emulated": [400.0, 410.0, 390.0, 5000.0, 405.0],
     "emulated+shim": [960.0, 950.0, 970.0, 10.0, 965.0],
 }
-H2D_US = {"plain": 50.0, "emulated": 20_000.0, "emulated+shim": 100.0}
+H2D_US = {"plain": 50.0, "shim": 55.0, "emulated": 20_000.0, "emulated+shim": 100.0}
 
 
 @pytest.fixture
@@ -55,15 +55,19 @@ def test_tables_and_goals_use_medians_against_the_right_setup(fake_gpu):
     (_, _, throughput), (_, _, h2d) = output.tables
     assert throughput == [[setup, median[setup], pytest.approx(median[setup] / 1000.0), min(TOKENS_PER_S[setup]),
                            max(TOKENS_PER_S[setup])] for setup in _cc.SETUPS]
-    assert h2d == [["plain", 50.0, pytest.approx(50 / 20_000)], ["emulated", 20_000.0, 1.0],
-                   ["emulated+shim", 100.0, pytest.approx(100 / 20_000)]]
+    assert h2d == [[setup, H2D_US[setup], pytest.approx(H2D_US[setup] / 50.0), pytest.approx(H2D_US[setup] / 20_000)]
+                   for setup in _cc.SETUPS]
     assert output.data["median_tokens_per_s"] == median and output.data["h2d_return_us"] == H2D_US
 
-    with_shim, shim_alone, h2d_goal = output.goals
+    with_shim, shim_alone, h2d_goal, h2d_vs_plain = output.goals
     assert (with_shim.measured, with_shim.target, with_shim.higher_is_better) == (pytest.approx(0.96), 0.95, True)
     assert (shim_alone.measured, shim_alone.target, shim_alone.higher_is_better) == (pytest.approx(0.97), 0.98, True)
     assert (h2d_goal.measured, h2d_goal.target, h2d_goal.higher_is_better) == (pytest.approx(0.005), 0.02, False)
-    assert [g.met for g in output.goals] == [True, False, True]
+    # The shim's own cost: emulated CC with the shim against no CC at all, in the same run (100 / 50 us).
+    assert (h2d_vs_plain.measured, h2d_vs_plain.target, h2d_vs_plain.higher_is_better) == (pytest.approx(2.0), 1.5,
+                                                                                            False)
+    assert "no CC" in h2d_vs_plain.description
+    assert [g.met for g in output.goals] == [True, False, True, False]
     assert "emulated CC with the shim" in with_shim.description and "without CC" in shim_alone.description
 
 
