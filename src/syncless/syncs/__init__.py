@@ -140,7 +140,8 @@ def disable() -> None:
     """Close the gate and put back everything :func:`enable` changed.
 
     ``Tensor.to``/``cuda``/``copy_`` and the waits come back by identity (or
-    to the layer beneath, if another syncless capability patched them too);
+    to the layer beneath, if another syncless capability patched them too; a
+    patch another library put over ours stays, and ours passes through);
     the warnings hook and filter are removed. Regions still open keep their
     bookkeeping and restore torch's debug mode when they close.
     """
