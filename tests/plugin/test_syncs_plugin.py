@@ -146,3 +146,50 @@ def test_error_with_a_real_gpu_sync(pytester, isolated):
     result = pytester.runpytest_subprocess(*PLUGIN, "--sync-check=error")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*SyncViolation: hidden GPU sync in a checked region at *test_gpu.py:6 (in test_item)*"])
+
+
+# ---- a bad SYNCLESS_SYNC_CHECK in the environment ------------------------------------
+
+
+@pytest.fixture
+def bad_env(isolated, monkeypatch):
+    monkeypatch.setenv("SYNCLESS_SYNC_CHECK", "sometimes")
+
+
+BAD_ENV_TEXT = "SYNCLESS_SYNC_CHECK='sometimes' is not valid; allowed: off, warn, error, record"
+
+
+def test_a_bad_env_value_only_warns_in_a_run_without_sync_check(pytester, bad_env):
+    _fake_project(pytester)
+    result = pytester.runpytest_subprocess(*PLUGIN)
+    result.assert_outcomes(passed=3)
+    output = result.stdout.str() + result.stderr.str()
+    assert output.count(BAD_ENV_TEXT) == 1, output
+    assert "the hidden-sync detector stays off" in output
+
+
+def test_a_bad_env_value_fails_a_run_with_sync_check_as_a_usage_error(pytester, bad_env):
+    _fake_project(pytester)
+    result = pytester.runpytest_subprocess(*PLUGIN, "--sync-check=error")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: --sync-check=error: {BAD_ENV_TEXT}; fix or unset it"])
+    assert "Traceback" not in result.stderr.str()
+
+
+def test_a_bad_env_value_never_breaks_the_import(pytester, bad_env):
+    # Even with every warning turned into an error: the message is logged instead.
+    probe = "import syncless.syncs as s; print('mode', s.mode()); print('error', s.env_error())"
+    for warnings_flag in ("default", "error"):
+        result = pytester.run(sys.executable, "-W", warnings_flag, "-c", probe)
+        assert result.ret == 0, result.stderr.str()
+        result.stdout.fnmatch_lines(["mode off", f"error {BAD_ENV_TEXT}"])
+        assert result.stderr.str().count(BAD_ENV_TEXT) == 1, result.stderr.str()
+        assert "Traceback" not in result.stderr.str()
+
+
+def test_a_good_env_value_has_no_error(pytester, isolated, monkeypatch):
+    monkeypatch.setenv("SYNCLESS_SYNC_CHECK", " Record ")
+    result = pytester.run(sys.executable, "-W", "error", "-c",
+                          "import syncless.syncs as s; print('mode', s.mode()); print('error', s.env_error())")
+    assert result.ret == 0, result.stderr.str()
+    result.stdout.fnmatch_lines(["mode record", "error None"])

@@ -1,21 +1,42 @@
-"""Reversible, composable patches of torch attributes.
+"""Reversible, composable patches of torch attributes that leave other libraries' patches alone.
 
 ``syncless.syncs`` and ``syncless.cc`` both wrap ``Tensor.to``,
-``Tensor.cuda`` and ``Tensor.copy_``. Each patch is a *layer* with a rank;
-the attribute is rebuilt as ``layer_n(...layer_1(base))`` in rank order, so
-two capabilities compose whichever installs first, and either can leave
-without undoing the other. ``base`` is whatever the attribute was when the
-first layer arrived; it comes back (by identity) when the last layer leaves.
+``Tensor.cuda``, ``Tensor.copy_`` and the synchronize calls. Each patch is a
+*layer* with a rank; the layers compose as ``layer_n(...layer_1(base))`` in
+rank order, so two capabilities compose whichever installs first, and either
+can leave without undoing the other. ``base`` is whatever the attribute was
+when the first layer arrived; it comes back (by identity) when the last layer
+leaves.
 
 Ranks: lower is closer to the base. The CC emulator sits lowest (it stands
 for the driver), the CC shim above it, the sync detector on top (it sees the
 user's call, not syncless's internal copies).
+
+Another library may patch the same attribute after syncless (it saves what
+it finds, our function, and calls it from its own). So that its patch keeps
+working and survives us, the attribute holds one *entry* per chain for the
+chain's whole life: a small function that calls the current composition.
+Adding or removing a layer re-points the entry and never reassigns the
+attribute. When the last layer leaves:
+
+* the attribute is still our entry: the base comes back by identity;
+* someone else's function is there: it stays; our entry, which it may call,
+  becomes a plain pass-through to the base.
+
+An entry costs one Python call per use. Attributes that are classes (cc's
+``torch.Event``) or static/class methods cannot be fronted by a function
+without changing what they are; they are replaced directly, as before, and a
+layer change under another library's later patch of them is refused with a
+warning (see ``docs/_incoming/syncs.md``).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import threading
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +51,39 @@ _log = logging.getLogger(__name__)
 _lock = threading.RLock()
 _MISSING = object()
 
+# Plain callables a function can stand in for: as a module attribute, or as a class attribute that binds
+# like a method (Tensor.to is a method descriptor, Stream.synchronize a function).
+_FRONTABLE = (types.FunctionType, types.BuiltinFunctionType, types.MethodDescriptorType, types.WrapperDescriptorType)
+
+
+def _current(owner: Any, name: str) -> Any:
+    """The attribute as it is set now (on a class: in its own ``__dict__`` only, not inherited)."""
+    if isinstance(owner, type):
+        return owner.__dict__.get(name, _MISSING)
+    return getattr(owner, name, _MISSING)
+
+
+def _can_front(owner: Any, name: str) -> bool:
+    raw = inspect.getattr_static(owner, name)
+    return isinstance(raw, _FRONTABLE)
+
+
+def _make_entry(base: Any) -> tuple[Callable[..., Any], Callable[[Any], None]]:
+    """Return (entry, retarget): entry calls whatever retarget last pointed it at (first: ``base``)."""
+    target = base
+
+    # Named like the base ("to", "copy_", "synchronize", ...) with __wrapped__ set to it, so that
+    # inspect.signature and torch.compile see the torch callable.
+    @functools.wraps(base)
+    def entry(*args: Any, **kwargs: Any) -> Any:
+        return target(*args, **kwargs)
+
+    def retarget(fn: Any) -> None:
+        nonlocal target
+        target = fn
+
+    return entry, retarget
+
 
 @dataclass
 class _Chain:
@@ -38,30 +92,57 @@ class _Chain:
     base: Any
     base_was_own: bool
     layers: dict[str, tuple[int, Wrapper]] = field(default_factory=dict)
-    installed: Any = None
     below: dict[str, Any] = field(default_factory=dict)
+    entry: Any = None  # what the attribute was set to
+    retarget: Callable[[Any], None] | None = None  # None: replaced directly, no entry
 
-    def rebuild(self) -> None:
-        current = self.owner.__dict__.get(self.name, _MISSING) if isinstance(self.owner, type) else getattr(self.owner, self.name, _MISSING)
-        if self.installed is not None and current is not self.installed:
-            _log.warning("%s.%s was replaced by someone else; syncless re-applies its layers over the saved original",
-                         getattr(self.owner, "__name__", self.owner), self.name)
+    def compose(self) -> Any:
         fn = self.base
         self.below = {}
         for key, (_, wrap) in sorted(self.layers.items(), key=lambda item: item[1][0]):
             self.below[key] = fn
             fn = wrap(fn)
-        self.installed = fn
-        setattr(self.owner, self.name, fn)
+        return fn
+
+    def rebuild(self) -> None:
+        composed = self.compose()
+        if self.retarget is not None:
+            # Whoever holds the entry (the attribute, or a library that patched over it) sees the change.
+            self.retarget(composed)
+            return
+        current = _current(self.owner, self.name)
+        if self.entry is not None and current is not self.entry:
+            _log.warning("%s.%s was patched by another library after syncless; syncless leaves that patch in place "
+                         "and cannot change its own layers beneath it", _label(self.owner), self.name)
+            return
+        self.entry = composed
+        setattr(self.owner, self.name, composed)
 
     def restore(self) -> None:
+        current = _current(self.owner, self.name)
+        if current is not self.entry:
+            # Another library patched over us: keep its patch; our entry, which it calls, passes straight through.
+            if self.retarget is not None:
+                self.retarget(self.base)
+                _retired[id(self.entry)] = (self.entry, self.base, self.base_was_own)
+            else:
+                _log.warning("%s.%s was patched by another library after syncless; syncless leaves that patch "
+                             "in place, with syncless's layers still beneath it", _label(self.owner), self.name)
+            return
         if self.base_was_own:
             setattr(self.owner, self.name, self.base)
         else:
             delattr(self.owner, self.name)
 
 
+def _label(owner: Any) -> str:
+    return getattr(owner, "__qualname__", None) or getattr(owner, "__name__", None) or repr(owner)
+
+
 _chains: dict[tuple[int, str], _Chain] = {}
+# Entries whose chain ended under another library's patch: id -> (entry, base, base_was_own). If that library
+# later puts our entry back, the next chain on the attribute starts from the base, not from the pass-through.
+_retired: dict[int, tuple[Any, Any, bool]] = {}
 
 
 def add_layer(owner: Any, name: str, key: str, rank: int, wrap: Wrapper) -> None:
@@ -74,8 +155,17 @@ def add_layer(owner: Any, name: str, key: str, rank: int, wrap: Wrapper) -> None
         chain_key = (id(owner), name)
         chain = _chains.get(chain_key)
         if chain is None:
-            own = isinstance(owner, type) and name in owner.__dict__ or not isinstance(owner, type)
-            chain = _Chain(owner, name, getattr(owner, name), own)
+            own = not isinstance(owner, type) or name in owner.__dict__
+            base = getattr(owner, name)
+            retired = _retired.get(id(base))
+            if retired is not None and retired[0] is base:
+                # Our own pass-through, put back by a library that patched over us: start from what it passes to.
+                del _retired[id(base)]
+                base, own = retired[1], retired[2]
+            chain = _Chain(owner, name, base, own)
+            if _can_front(owner, name):
+                chain.entry, chain.retarget = _make_entry(base)
+                setattr(owner, name, chain.entry)
             _chains[chain_key] = chain
         if key in chain.layers:
             return

@@ -12,7 +12,8 @@ Typical use::
     for batch in stream: decode_step(batch)
 
 The mode comes from ``SYNCLESS_SYNC_CHECK`` (``off``, ``warn``, ``error``,
-``record``), read once at import. With ``off`` everything is free:
+``record``), read once at import; a bad value warns once and leaves it ``off``
+(:func:`env_error` says why). With ``off`` everything is free:
 :func:`checked` returns the function itself and :func:`allowed` returns one
 shared no-op context manager.
 
@@ -38,10 +39,11 @@ from syncless._core.errors import SyncViolation
 from syncless._core.logs import log_once
 from syncless.syncs import _copies, _debugmode, _hook, _state, _waits
 from syncless.syncs._report import SyncReport, SyncSite, SyncWarning, Violation, recorder
-from syncless.syncs._state import MODES, settings
+from syncless.syncs._state import MODES, SyncCheckConfigWarning, env_error, settings
 
 __all__ = [
     "MODES",
+    "SyncCheckConfigWarning",
     "SyncReport",
     "SyncSite",
     "SyncViolation",
@@ -52,6 +54,7 @@ __all__ = [
     "checking",
     "disable",
     "enable",
+    "env_error",
     "is_enabled",
     "mode",
     "print_report",
@@ -137,7 +140,8 @@ def disable() -> None:
     """Close the gate and put back everything :func:`enable` changed.
 
     ``Tensor.to``/``cuda``/``copy_`` and the waits come back by identity (or
-    to the layer beneath, if another syncless capability patched them too);
+    to the layer beneath, if another syncless capability patched them too; a
+    patch another library put over ours stays, and ours passes through);
     the warnings hook and filter are removed. Regions still open keep their
     bookkeeping and restore torch's debug mode when they close.
     """

@@ -21,7 +21,10 @@ and ``copy_requires_temporaries``):
 The wrappers of ``Tensor.to``, ``Tensor.cuda`` and ``Tensor.copy_`` are
 installed through :mod:`syncless._core.patching` (layer key ``"syncs"``, the
 top rank), so they see the user's call and never syncless's internal copies.
-Outside a checked region a wrapper costs one ContextVar read.
+They take and pass on the caller's arguments untouched, so torch parses every
+call itself (the contract is in ``docs/_incoming/syncs.md``). Outside a
+checked region a wrapper costs the patch layer's entry call and one
+ContextVar read.
 """
 
 from __future__ import annotations
@@ -234,11 +237,27 @@ def _report_copy(reason: str, api: str) -> None:
         _report.handle(violation)
 
 
+def _planned(src: Any, to_cuda: bool, dtype: Any, memory_format: Any, non_blocking: bool) -> TensorFacts | None:
+    """:func:`planned_to_result`, or None for a memory format torch refuses for this tensor (it raises then)."""
+    try:
+        return planned_to_result(src, to_cuda, dtype, memory_format, non_blocking)
+    except RuntimeError:  # e.g. channels_last for a tensor that is not 4-d
+        return None
+
+
 def _check_to(self: Any, args: tuple, kwargs: dict) -> None:
-    if not maybe_non_blocking_to(args, kwargs):
+    """Check ``self.to(*args, **kwargs)`` before it runs (``args`` without the tensor).
+
+    Reads the call with torch's own parser; a call the parser refuses is left
+    alone, so torch raises its own error for it.
+    """
+    if not maybe_non_blocking_to(args, kwargs) or _stepping_aside(self):
         return
-    device, dtype, non_blocking, memory_format = parse_to(args, kwargs)
-    if not non_blocking or device is None or _stepping_aside(self):
+    try:
+        device, dtype, non_blocking, memory_format = parse_to(args, kwargs)
+    except (TypeError, RuntimeError, ValueError):
+        return
+    if non_blocking is not True or device is None:
         return
     if self.is_cpu and device.type == "cuda":
         to_cuda = True
@@ -246,27 +265,82 @@ def _check_to(self: Any, args: tuple, kwargs: dict) -> None:
         to_cuda = False
     else:
         return
-    result = planned_to_result(self, to_cuda, dtype, memory_format, non_blocking)
-    reason = classify_copy(result, self, non_blocking)
+    result = _planned(self, to_cuda, dtype, memory_format, non_blocking)
+    reason = None if result is None else classify_copy(result, self, non_blocking)
     if reason is not None:
         _report_copy(reason, f"Tensor.to({device.type})")
 
 
+_CUDA_KEYWORDS = frozenset(("device", "non_blocking", "memory_format"))
+
+
+def _is_cuda_device(device: Any) -> bool:
+    """Whether torch reads ``device`` as a CUDA device in ``Tensor.cuda(device)`` (None: the current one)."""
+    import torch
+
+    if device is None or (type(device) is int and device >= 0):
+        return True
+    if isinstance(device, str):
+        try:
+            device = torch.device(device)
+        except RuntimeError:
+            return False
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
 def _check_cuda(self: Any, args: tuple, kwargs: dict) -> None:
-    non_blocking = args[1] if len(args) > 1 else kwargs.get("non_blocking", False)
-    if not non_blocking or not self.is_cpu or _stepping_aside(self):
+    """Check ``self.cuda(*args, **kwargs)`` before it runs (``args`` without the tensor).
+
+    torch's signature is ``cuda(device=None, non_blocking=False, *,
+    memory_format=torch.preserve_format)``; any other form (the deprecated
+    ``async=``, a repeated or unknown argument, a non-bool ``non_blocking``)
+    is left alone, so torch accepts or refuses it itself.
+    """
+    import torch
+
+    if len(args) > 2 or not kwargs.keys() <= _CUDA_KEYWORDS:
+        return
+    if (len(args) >= 1 and "device" in kwargs) or (len(args) == 2 and "non_blocking" in kwargs):
+        return
+    non_blocking = args[1] if len(args) == 2 else kwargs.get("non_blocking", False)
+    if non_blocking is not True or _stepping_aside(self) or not self.is_cpu:
+        return
+    if not _is_cuda_device(args[0] if args else kwargs.get("device")):
         return
     memory_format = kwargs.get("memory_format")
-    result = planned_to_result(self, True, None, memory_format, non_blocking)
-    reason = classify_copy(result, self, non_blocking)
+    if memory_format is not None and not isinstance(memory_format, torch.memory_format):
+        return
+    result = _planned(self, True, None, memory_format, non_blocking)
+    reason = None if result is None else classify_copy(result, self, non_blocking)
     if reason is not None:
         _report_copy(reason, "Tensor.cuda()")
 
 
+_COPY_KEYWORDS = frozenset(("other", "non_blocking"))
+
+
 def _check_copy(self: Any, args: tuple, kwargs: dict) -> None:
-    src = args[0] if args else kwargs.get("src")
-    non_blocking = args[1] if len(args) > 1 else kwargs.get("non_blocking", False)
-    if not non_blocking or src is None or _stepping_aside(self, src):
+    """Check ``self.copy_(*args, **kwargs)`` before it runs (``args`` without the destination).
+
+    torch's signature is ``copy_(other, non_blocking=False)``; any other form
+    (the deprecated ``async=``, a repeated or unknown argument, a non-bool
+    ``non_blocking``) and a source that does not broadcast to the
+    destination are left alone, so torch accepts or refuses them itself.
+    """
+    import torch
+
+    if len(args) > 2 or not kwargs.keys() <= _COPY_KEYWORDS:
+        return
+    if (len(args) >= 1 and "other" in kwargs) or (len(args) == 2 and "non_blocking" in kwargs):
+        return
+    src = args[0] if args else kwargs.get("other")
+    non_blocking = args[1] if len(args) == 2 else kwargs.get("non_blocking", False)
+    if non_blocking is not True or src is None or _stepping_aside(self, src):
+        return
+    try:
+        if tuple(torch.broadcast_shapes(tuple(src.shape), tuple(self.shape))) != tuple(self.shape):
+            return
+    except RuntimeError:
         return
     reason = classify_copy(self, src, non_blocking)
     if reason is not None:
@@ -275,27 +349,20 @@ def _check_copy(self: Any, args: tuple, kwargs: dict) -> None:
 
 
 def _make_wrapper(check, beneath):
-    # Outside a checked region: one ContextVar read, then straight through.
-    # The wrapper keeps the name of what it wraps ("to", "cuda", "copy_"): dynamo
-    # then treats the bound method as a plain tensor method and puts the call in
-    # the graph instead of tracing into this function, so fullgraph=True holds.
+    # Takes and passes on exactly what the caller gave (*args, **kwargs, the tensor included), so torch
+    # parses every call itself: its forms, defaults, errors and deprecation warnings stay its own. Outside a
+    # checked region this costs one ContextVar read; inside, ``check`` reads the call defensively and never
+    # raises for a form it does not understand.
+    # The wrapper keeps the name of what it wraps ("to", "cuda", "copy_"): dynamo then treats the bound
+    # method as a plain tensor method and puts the call in the graph instead of tracing into this function,
+    # so fullgraph=True holds.
     depth = checked_depth.get
 
-    if check is _check_copy:
-
-        @functools.wraps(beneath)
-        def copy_(self, src, non_blocking=False):
-            if depth():
-                _check_copy(self, (src, non_blocking), {})
-            return beneath(self, src, non_blocking)
-
-        return copy_
-
     @functools.wraps(beneath)
-    def wrapper(self, *args, **kwargs):
-        if depth():
-            check(self, args, kwargs)
-        return beneath(self, *args, **kwargs)
+    def wrapper(*args, **kwargs):
+        if args and depth():
+            check(args[0], args[1:], kwargs)
+        return beneath(*args, **kwargs)
 
     return wrapper
 

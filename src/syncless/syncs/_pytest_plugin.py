@@ -10,6 +10,10 @@ Registered through the ``pytest11`` entry point ``syncless``. Without
   region (fixtures' set-up and tear-down are not);
 * the terminal report ends with the table of sync sites found.
 
+A bad ``SYNCLESS_SYNC_CHECK`` fails only a run with ``--sync-check`` (a usage
+error naming the variable, the value and the allowed values); every other
+run gets the one warning issued when :mod:`syncless.syncs` is imported.
+
 Everything it changes is put back at the end of the session; per-session
 state lives in ``config.stash``, not in module globals. Load it from a
 source tree with ``-p no:syncless -p syncless.syncs._pytest_plugin``: the
@@ -56,6 +60,10 @@ def _start(config: pytest.Config, wanted: str | None) -> None:
         return
     if wanted is None:
         return
+    bad_env = syncs.env_error()
+    if bad_env is not None:
+        # Only a run that asks for the detector fails; any other run got the one warning at import.
+        raise pytest.UsageError(f"--sync-check={wanted}: {bad_env}; fix or unset it")
     session = _Session(wanted, syncs.mode(), syncs.is_enabled())
     config.stash[_SESSION] = session
     syncs.set_mode(wanted)

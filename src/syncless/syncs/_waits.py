@@ -4,8 +4,8 @@
 host (``cudaDeviceSynchronize``/``cudaEventSynchronize``) without passing
 through torch's sync check, so the detector wraps them, and
 ``torch.cuda.Stream.synchronize()`` and ``torch.accelerator.synchronize()``
-with them. A wrapper reports, then runs the wait inside an allow scope, so a
-wait that torch does report is not reported twice.
+with them. A wrapper runs the wait inside an allow scope, so a wait that
+torch does report is not reported twice, then reports it.
 
 Not covered: the generic ``torch.Stream``/``torch.Event`` C types (they cannot
 be patched in place), and raw driver calls.
@@ -39,20 +39,27 @@ def _targets() -> list[tuple[object, str, str]]:
 
 
 def _make_wrapper(operation: str, beneath):
+    # Takes and passes on exactly what the caller gave: torch reads the arguments, so its forms, defaults and
+    # errors stay its own. The violation is handled after the wait returns, so a call torch refuses raises
+    # torch's error and nothing else (in error mode the SyncViolation comes after the host waited).
     @functools.wraps(beneath)
     def wrapper(*args, **kwargs):
         # is_compiling() first: dynamo folds it to a constant, so tracing this
         # wrapper never reaches the ContextVar read.
         if is_compiling() or not _state.checked_depth.get() or not _state.is_violation_context():
             return beneath(*args, **kwargs)
-        violation = _report.locate(_report.KIND_WAIT, f"{operation} blocks the host until the GPU catches up", _report.FIX_WAIT, sys._getframe(1))
-        if violation is not None:
-            _report.handle(violation)
+        caller = sys._getframe(1)
+        # Inside an allow scope, so that a wait torch's debug mode does report is not reported twice.
         token = _state.enter_allowed(None)
         try:
-            return beneath(*args, **kwargs)
+            result = beneath(*args, **kwargs)
         finally:
             _state.exit_allowed(token)
+        violation = _report.locate(_report.KIND_WAIT, f"{operation} blocks the host until the GPU catches up",
+                                   _report.FIX_WAIT, caller)
+        if violation is not None:
+            _report.handle(violation)
+        return result
 
     return wrapper
 

@@ -154,3 +154,136 @@ def test_beneath_a_key_that_is_not_layered_is_the_original(target):
     assert patching.beneath(target, "greet", "b") is original
     assert patching.beneath(target, "greet", "c") is original
     assert target().greet("z") == "c(hello z)"
+
+
+# -- another library patches the same attribute after syncless -------------------------
+
+
+class ForeignPatch:
+    """What another library does: save the attribute, put its own function over it, later put the saved one back."""
+
+    def __init__(self, owner, name, tag="f"):
+        self.owner, self.name = owner, name
+        self.saved = owner.__dict__.get(name, _ABSENT) if isinstance(owner, type) else getattr(owner, name)
+        below = getattr(owner, name)
+
+        def patched(*args, **kwargs):
+            return f"{tag}({below(*args, **kwargs)})"
+
+        self.patched = patched
+        setattr(owner, name, patched)
+
+    def undo(self):
+        if self.saved is _ABSENT:
+            delattr(self.owner, self.name)
+        else:
+            setattr(self.owner, self.name, self.saved)
+
+
+_ABSENT = object()
+
+
+def test_a_later_foreign_patch_keeps_working_and_survives_our_removal(target):
+    original = target.__dict__["greet"]
+    patching.add_layer(target, "greet", "a", 1, tagging("a"))
+    foreign = ForeignPatch(target, "greet")
+    assert target().greet("x") == "f(a(hello x))"
+    patching.remove_layer(target, "greet", "a")
+    assert target.__dict__["greet"] is foreign.patched  # not deleted, not overwritten
+    assert target().greet("x") == "f(hello x)"  # our layer is out of its way
+    foreign.undo()  # it puts back what it saw: our entry, now a pass-through
+    assert target().greet("x") == "hello x"
+    patching.add_layer(target, "greet", "b", 1, tagging("b"))
+    assert patching.original(target, "greet") is original  # a new chain starts from the real base
+    assert target().greet("x") == "b(hello x)"
+    patching.remove_layer(target, "greet", "b")
+    assert target.__dict__["greet"] is original
+
+
+@pytest.mark.parametrize("order", [("a", "b", "c"), ("c", "a", "b"), ("b", "c", "a")])
+def test_layers_change_beneath_a_foreign_patch(target, order):
+    patching.add_layer(target, "greet", "a", 1, tagging("a"))
+    foreign = ForeignPatch(target, "greet")
+    patching.add_layer(target, "greet", "c", 3, tagging("c"))
+    patching.add_layer(target, "greet", "b", 2, tagging("b"))
+    assert target().greet("x") == "f(c(b(a(hello x))))"
+    left = ["a", "b", "c"]
+    for key in order:
+        patching.remove_layer(target, "greet", key)
+        left.remove(key)
+        inner = "hello x"
+        for tag in left:
+            inner = f"{tag}({inner})"
+        assert target().greet("x") == f"f({inner})"
+        assert target.__dict__["greet"] is foreign.patched
+
+
+def test_a_foreign_patch_undone_while_we_are_installed_lets_us_restore_by_identity(target):
+    original = target.__dict__["greet"]
+    patching.add_layer(target, "greet", "a", 1, tagging("a"))
+    foreign = ForeignPatch(target, "greet")
+    foreign.undo()
+    assert target().greet("x") == "a(hello x)"
+    patching.remove_layer(target, "greet", "a")
+    assert target.__dict__["greet"] is original
+
+
+def test_a_foreign_patch_before_us_is_our_base(target):
+    foreign = ForeignPatch(target, "greet")
+    patching.add_layer(target, "greet", "a", 1, tagging("a"))
+    assert target().greet("x") == "a(f(hello x))"
+    patching.remove_layer(target, "greet", "a")
+    assert target.__dict__["greet"] is foreign.patched
+
+
+def test_a_foreign_patch_of_an_inherited_torch_method_survives_and_is_undone_cleanly():
+    own_before = "copy_" in torch.Tensor.__dict__
+    before = torch.Tensor.copy_
+    patching.add_layer(torch.Tensor, "copy_", "test", 1, lambda next_fn: lambda *a, **k: next_fn(*a, **k))
+    seen = []
+    below = torch.Tensor.copy_
+
+    def foreign_copy(*args, **kwargs):
+        seen.append(1)
+        return below(*args, **kwargs)
+
+    torch.Tensor.copy_ = foreign_copy
+    try:
+        patching.remove_layer(torch.Tensor, "copy_", "test")
+        assert torch.Tensor.copy_ is foreign_copy
+        dst, src = torch.full((3,), float("nan")), torch.randn(3)
+        dst.copy_(other=src)
+        assert torch.equal(dst, src) and seen == [1]
+    finally:
+        torch.Tensor.copy_ = below  # the foreign library undoes its patch: our pass-through is back
+        patching.add_layer(torch.Tensor, "copy_", "test", 1, lambda next_fn: next_fn)
+        patching.remove_layer(torch.Tensor, "copy_", "test")
+    assert torch.Tensor.copy_ is before
+    assert ("copy_" in torch.Tensor.__dict__) == own_before
+
+
+def test_a_class_attribute_is_replaced_directly_and_a_foreign_patch_over_it_is_kept():
+    module = types.ModuleType("fake")
+
+    class Event:
+        pass
+
+    module.Event = Event
+
+    def subclassing(base):
+        return type("Event", (base,), {})
+
+    patching.add_layer(module, "Event", "k", 1, subclassing)
+    assert issubclass(module.Event, Event) and module.Event is not Event  # still a class, not a function
+    foreign = type("ForeignEvent", (module.Event,), {})
+    module.Event = foreign
+    patching.remove_layer(module, "Event", "k")
+    assert module.Event is foreign
+
+
+def test_the_entry_looks_like_the_base(target):
+    original = target.__dict__["greet"]
+    patching.add_layer(target, "greet", "a", 1, tagging("a"))
+    entry = target.__dict__["greet"]
+    assert entry.__name__ == "greet" and entry.__qualname__ == original.__qualname__
+    assert entry.__wrapped__ is original

@@ -138,7 +138,7 @@ def test_copy_into_pageable_from_gpu_is_d2h(error_mode):
 def test_copy_check_reads_keyword_arguments(error_mode):
     gpu, pageable = on_gpu((4, 8)), torch.randn(4, 8)
     with pytest.raises(SyncViolation), syncs.checking():
-        _copies._check_copy(gpu, (), {"src": pageable, "non_blocking": True})
+        _copies._check_copy(gpu, (), {"other": pageable, "non_blocking": True})  # torch names it other
     syncs.reset()
     assert_no_report(_copies._check_copy, gpu, (pageable,), {})  # blocking by default
 
