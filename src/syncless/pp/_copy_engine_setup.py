@@ -72,6 +72,7 @@ def open_copy_engine(
     """
     what = f"{stages.name()} copy-engine set-up"
     stack = Teardown()
+    outcome = _Outcome()
     try:
         # Step 1: what each rank can tell alone (CUDA, memory ops).
         def local_checks() -> StageDevice:
@@ -85,7 +86,7 @@ def open_copy_engine(
                 raise CopyEngineUnavailable(problem)
             return local_stage_device(device.index)
 
-        devices = agree(side_group, stages, "copy-engine set-up", local_checks)
+        devices = outcome.agree(side_group, stages, local_checks)
 
         ctx = drv.PrimaryContext(device.index)
         # Dropped last, and only if nothing was leaked (the retain keeps a leaked buffer's context alive).
@@ -145,7 +146,7 @@ def open_copy_engine(
             stack.local(parts.listener.close)
             return _Export(handle, parts.listener.name, parts.listener.token, targets, target_handles)
 
-        exported: list[_Export] = agree(side_group, stages, "copy-engine set-up", local_allocate)
+        exported: list[_Export] = outcome.agree(side_group, stages, local_allocate)
         handles = [export.buffer_handle for export in exported]
 
         # Step 3: map the neighbours' buffers.
@@ -186,7 +187,7 @@ def open_copy_engine(
                     raise CopyEngineUnavailable(str(err)) from err
                 stack.local(parts.meta_out.close)
 
-        agree(side_group, stages, "copy-engine set-up", local_open)
+        outcome.agree(side_group, stages, local_open)
 
         # Step 4: take the previous stage's metadata connection (made in step 3, so it is waiting).
         def local_accept() -> None:
@@ -200,9 +201,9 @@ def open_copy_engine(
             stack.local(parts.meta_in.close)
             parts.listener.close()  # nobody else may connect later (closing twice is harmless)
 
-        agree(side_group, stages, "copy-engine set-up", local_accept)
+        outcome.agree(side_group, stages, local_accept)
     except BaseException as err:
-        _unwind(stack, what, err)
+        _unwind(stack, what, err, collective=outcome.uniform)
         raise
     try:
         return CopyEngineTransport(
@@ -217,18 +218,44 @@ def open_copy_engine(
             timeout_s=timeout_s,
         )
     except BaseException as err:
-        _unwind(stack, what, err)  # nothing stays allocated or mapped if the object itself cannot be built
+        _unwind(stack, what, err, collective=False)  # nothing stays allocated or mapped, unless a peer may map it
         raise
 
 
-def _unwind(stack: Teardown, what: str, err: BaseException) -> None:
-    """Release what a failed set-up made (every stage does, so the barrier in it is entered alike).
+class _Outcome:
+    """Runs the set-up exchanges and remembers whether the last failure was the same on every stage."""
 
-    Set-up waited for its private stream each time it used it, so this GPU is idle. A failure while
-    releasing is logged, never raised over ``err``.
+    def __init__(self) -> None:
+        self.uniform = False
+
+    def agree(self, side_group: Any, stages: StageMap, local: Any) -> Any:
+        """``agree`` one set-up step; on failure note whether every stage raises the same error.
+
+        ``agree`` raises either the failure every stage shares (after a complete exchange: every
+        stage unwinds and enters the tear-down barrier alike), or ``PeerTimeoutError`` when the
+        exchange itself broke, or an interrupt before it: then the stages' collectives no longer
+        line up, and a barrier could pair with a peer's other collective.
+        """
+        try:
+            return agree(side_group, stages, "copy-engine set-up", local)
+        except PeerTimeoutError:
+            raise
+        except Exception:
+            self.uniform = True
+            raise
+
+
+def _unwind(stack: Teardown, what: str, err: BaseException, *, collective: bool) -> None:
+    """Release what a failed set-up made; leak by design what a peer may map unless ``collective``.
+
+    ``collective``: every stage failed alike and unwinds alike, so the barrier in ``stack`` pairs up.
+    Otherwise (a broken exchange, an interrupt, a local error between exchanges) no barrier is
+    entered and this stage's buffer is kept (``_teardown``). Set-up waited for its private stream
+    each time it used it, so this GPU is idle. A failure while releasing is logged, never raised
+    over ``err``.
     """
     try:
-        stack.run(collective=True, gpu_idle=True)
+        stack.run(collective=collective, gpu_idle=True)
     except Exception as release_err:  # noqa: BLE001 - logged; the set-up error is the one raised
         logger.warning("%s failed (%s); releasing what it made also failed: %s", what, err, release_err)
     if stack.leaked:

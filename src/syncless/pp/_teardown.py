@@ -65,6 +65,7 @@ class Teardown:
     def __init__(self) -> None:
         self._entries: list[_Entry] = []
         self._barrier: _Entry | None = None
+        self._exposed = False  # a barrier was registered: from then on a peer may map our memory
         self._peers_clear = True  # every barrier run so far succeeded
         self._running = False
         self.leaked_nbytes = 0
@@ -88,6 +89,7 @@ class Teardown:
     def barrier(self, fn: Callable[..., bool], *args: Any) -> None:
         """Run ``fn(*args)`` (True: every stage got there) after every local release and unmap, before the frees."""
         self._barrier = _Entry("barrier", fn, args)
+        self._exposed = True
 
     # -- releasing ---------------------------------------------------------------------------
 
@@ -103,7 +105,8 @@ class Teardown:
 
     def skip_barriers(self) -> None:
         """Treat every barrier not yet run as failed (``abort()``: nothing collective any more)."""
-        self._peers_clear = False
+        if self._exposed:
+            self._peers_clear = False
 
     def run(self, *, collective: bool, gpu_idle: bool) -> None:
         """Release everything left, last registered first; see the module docstring.
@@ -118,7 +121,7 @@ class Teardown:
             stays for the next call).
         """
         if not collective:
-            self._peers_clear = False
+            self.skip_barriers()
         first_error: Exception | None = None
         self._running = True
         try:
