@@ -10,8 +10,9 @@ Each row runs two pipeline stages (ranks 0 and 1, one per GPU) through
 between two steps, injected by this harness):
 
 - ``sigkill``: the victim kills itself; a standby rank (rank 2, on the
-  victim's GPU) then takes its stage in the rebuilt transport, on a new
-  process group (``dist.new_group`` over the survivor and the standby);
+  victim's GPU) then takes its stage in the rebuilt transport, in a new
+  world (the survivor and the standby destroy their process groups and
+  ``init_process_group`` again, as an elastic restart does);
 - ``sigint``: the victim interrupts itself (``KeyboardInterrupt``), closes its
   transport (a second ``close()`` if the first was interrupted) and rebuilds;
 - ``stall``: the victim sleeps for the timeout + 2 s, then goes on, fails,
@@ -197,11 +198,8 @@ def fault_row(rank: int, world: int, row: dict[str, Any]) -> dict[str, Any]:
         return dist.new_group(ranks=ranks, use_local_synchronization=True)
 
     if rank == 2:  # the standby: waits for the survivor's call, then takes the dead victim's stage
-        survivor = 1 - victim
-        _meet(sync_dir, "rebuild", [survivor, 2], 2, timeout_s=90)
-        group = fresh_group(sorted([survivor, 2]))
-        order = [2, survivor] if victim == 0 else [survivor, 2]
-        out.update(_rebuild(torch, make_transport, group, order, 2, device, row))
+        _meet(sync_dir, "rebuild", [1 - victim, 2], 2, timeout_s=90)
+        out.update(_rebuild(torch, make_transport, _new_world(dist, row, victim), [0, 1], victim, device, row))
         return out
 
     stage = rank
@@ -272,14 +270,27 @@ def fault_row(rank: int, world: int, row: dict[str, Any]) -> dict[str, Any]:
         if rank != survivor:
             raise AssertionError("a killed victim cannot get here")
         _meet(sync_dir, "rebuild", [survivor, 2], rank, timeout_s=90)
-        group = fresh_group(sorted([survivor, 2]))
-        order = [2, survivor] if victim == 0 else [survivor, 2]
-    else:
-        _meet(sync_dir, "rebuild", [0, 1], rank, timeout_s=90)
-        group = pair if transport_kind == "copy_engine" else fresh_group([0, 1])
-        order = [0, 1]
-    out.update(_rebuild(torch, make_transport, group, order, rank, device, row))
+        out.update(_rebuild(torch, make_transport, _new_world(dist, row, survivor), [0, 1], stage, device, row))
+        return out
+    _meet(sync_dir, "rebuild", [0, 1], rank, timeout_s=90)
+    group = pair if transport_kind == "copy_engine" else fresh_group([0, 1])
+    out.update(_rebuild(torch, make_transport, group, [0, 1], rank, device, row))
     return out
+
+
+def _new_world(dist: Any, row: dict[str, Any], new_rank: int) -> Any:
+    """After a SIGKILL: a new process group of the survivor and the standby (new rank = its stage); returns it.
+
+    The standby made fewer groups than the survivor, and torch names a group made with
+    ``use_local_synchronization`` by how many this process holds, so the two would never meet in a
+    ``new_group``: they start a new world instead, as an elastic restart would.
+    """
+    import datetime
+
+    dist.destroy_process_group()
+    dist.init_process_group(row["backend"], init_method=f"file://{row['sync_dir']}/world2", rank=new_rank,
+                            world_size=2, timeout=datetime.timedelta(seconds=60))
+    return None
 
 
 def _steps_until_failure(torch: Any, transport: Any, stage: int, device: Any, fault: _Fault | None,
@@ -357,12 +368,12 @@ def run_row(row: dict[str, Any], timeout_s: float, steps: int) -> dict[str, Any]
     from syncless._core.launch import RankFailed, run_ranks
 
     sync_dir = tempfile.mkdtemp(prefix="syncless-fault-")
-    plan = {**row, "timeout_s": timeout_s, "sync_dir": sync_dir, "steps": steps}
     world = 3 if row["fault"] == "sigkill" else 2
     victim = VICTIM[row["phase"]]
     cuda = row["device"] == "cuda"
     devices = [0, 1, victim][:world] if cuda else None
     backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+    plan = {**row, "timeout_s": timeout_s, "sync_dir": sync_dir, "steps": steps, "backend": backend}
     started = time.monotonic()
     try:
         results = run_ranks(fault_row, world, args=(plan,), backend=backend, init="file", devices=devices,
