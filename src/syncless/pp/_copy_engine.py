@@ -167,7 +167,7 @@ import torch
 
 from syncless._core.errors import PeerTimeoutError, TransportClosedError, TransportFailedError
 from syncless.pp import _driver as drv
-from syncless.pp import _faults
+from syncless.pp import _faults, _fork
 from syncless.pp._base import Transport, refuse_graph_capture
 from syncless.pp._group import StageMap
 from syncless.pp._layout import Ring, StepCheck, dense_spans
@@ -270,6 +270,7 @@ class CopyEngineTransport(Transport):
         self._finalizer = weakref.finalize(self, _release_dropped, teardown, self._watchdog, self._ctx, self._release,
                                            stages.name())
         self._finalizer.atexit = False  # at interpreter exit the process's memory goes anyway
+        _fork.forget_in_child(self)
         # Per-step constants, worked out once so send() and recv() do only what changes per step.
         self.batched_copies = parts.batch_problem is None
         self._hot = drv.Hot(batch=self.batched_copies)
@@ -559,6 +560,16 @@ class CopyEngineTransport(Transport):
         0 after a clean ``close()``. See ``docs/pp.md`` (failure model).
         """
         return self._teardown.leaked_nbytes
+
+    def _forked(self) -> None:
+        """In a forked child (``_fork``): nothing here is usable; release nothing (it is the parent's)."""
+        self._closed = True
+        self._failure = TransportFailedError(
+            f"{self._stages.name()}: this transport belongs to the process that forked this one; CUDA and the "
+            "metadata sockets do not survive a fork. Build a transport in the child instead"
+        )
+        self._finalizer.detach()
+        self._teardown.abandon()
 
     def _on_timeout(self, what: str, waited_s: float) -> None:
         """Watchdog thread: record the error and release every wait on our flags (once per stuck wait)."""

@@ -32,7 +32,7 @@ import torch
 from syncless._core import cuda as cuda_core
 from syncless._core.errors import CopyEngineUnavailable, CudaError, PeerTimeoutError
 from syncless.pp import _driver as drv
-from syncless.pp import _faults
+from syncless.pp import _faults, _fork
 from syncless.pp import _meta_channel as meta_channel
 from syncless.pp._copy_engine import REGION_OFFSET, SCRATCH_NBYTES, SCRATCH_OFFSET, CopyEngineTransport
 from syncless.pp._eligibility import StageDevice, local_stage_device, mem_ops_problem, query_nvlink, topology_problem
@@ -144,6 +144,7 @@ def open_copy_engine(
             except OSError as err:
                 raise CopyEngineUnavailable(f"could not create a local socket for the step metadata: {err}") from err
             stack.local(parts.listener.close)
+            _fork.close_in_child(parts.listener)
             return _Export(handle, parts.listener.name, parts.listener.token, targets, target_handles)
 
         exported: list[_Export] = outcome.agree(side_group, stages, local_allocate)
@@ -186,6 +187,7 @@ def open_copy_engine(
                 except PeerTimeoutError as err:
                     raise CopyEngineUnavailable(str(err)) from err
                 stack.local(parts.meta_out.close)
+                _fork.close_in_child(parts.meta_out)
 
         outcome.agree(side_group, stages, local_open)
 
@@ -199,6 +201,7 @@ def open_copy_engine(
             except PeerTimeoutError as err:
                 raise CopyEngineUnavailable(str(err)) from err
             stack.local(parts.meta_in.close)
+            _fork.close_in_child(parts.meta_in)
             parts.listener.close()  # nobody else may connect later (closing twice is harmless)
 
         outcome.agree(side_group, stages, local_accept)

@@ -103,6 +103,11 @@ class Teardown:
         """Whether :meth:`run` is in progress (on any thread, or below us on this one)."""
         return self._running
 
+    def abandon(self) -> None:
+        """Forget every entry without running it (a forked child: everything belongs to the parent)."""
+        self._entries.clear()
+        self._barrier = None
+
     def skip_barriers(self) -> None:
         """Treat every barrier not yet run as failed (``abort()``: nothing collective any more)."""
         if self._exposed:

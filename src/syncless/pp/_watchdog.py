@@ -165,9 +165,10 @@ class Watchdog:
     def _run(self) -> None:
         try:
             self._bind_context()
+            owner = self._on_timeout if isinstance(self._on_timeout, weakref.WeakMethod) else None
             while not self._stop.wait(self.poll_s):
-                if not self._poll_once():
-                    return  # the transport is gone
+                if (owner is not None and owner() is None) or not self._poll_once():
+                    return  # the transport is gone (its finalizer releases what it held)
         except Exception:  # noqa: BLE001 - a dying watchdog must say so; wait_idle then polls itself
             logger.exception("syncless pp watchdog stopped")
 
