@@ -113,7 +113,7 @@ def open_copy_engine(
             if problem:
                 raise CopyEngineUnavailable(problem)
             with ctx:
-                parts.private_stream = drv.stream_create()
+                parts.private_stream = drv.stream_create(highest_priority=True)  # the watchdog's releases
                 stack.local(_in(ctx, drv.stream_destroy), parts.private_stream)
                 relays = next_ring is not None and next_ring.depth > 0  # depth >= 1 sends through a relay
                 if relays:

@@ -27,6 +27,7 @@ queues any number of posted sends itself, and every send owns its clones.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Mapping
 from datetime import timedelta
@@ -270,6 +271,23 @@ class TorchDistTransport(Transport):
             else:
                 work.wait()
 
+    def _wait_delivered(self, works: list[Any]) -> None:
+        """Block the host until one step's sends completed (at most the timeout); close() uses it.
+
+        For NCCL, ``wait()`` only orders a stream: a stage that closed and exited at once could leave
+        its last data unsent, and the next stage's receive (posted after the metadata) waiting for ever.
+        """
+        if self._host_waits:
+            self._wait_sent(works)
+            return
+        works[0].wait(timeout=timedelta(seconds=self._timeout_s))
+        deadline = time.monotonic() + self._timeout_s
+        for work in works[1:]:
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the data did not go out within {self._timeout_s:g} s")
+                time.sleep(0.0005)
+
     def _check_usable(self) -> None:
         if self._failure is not None:
             raise self._failure
@@ -284,8 +302,8 @@ class TorchDistTransport(Transport):
     def close(self) -> None:
         """Finish this stage's sends, then refuse further calls; never waits for the peer to call close().
 
-        Blocks the host until every posted send completed (gloo: at most the
-        timeout each; NCCL: the current stream is made to wait instead); after
+        Blocks the host until every posted send completed (at most the
+        timeout each); after
         a failure, or once one send did not complete, it waits for none (their
         buffers are dropped: the backend holds what it still needs). Local: no
         collective. Resumable: an interrupted close() is finished by the next.
@@ -295,11 +313,13 @@ class TorchDistTransport(Transport):
             works, _buffers = self._pending[0]
             if self._failure is None:
                 try:
-                    self._wait_sent(works)
+                    self._wait_delivered(works)
                 except RuntimeError as err:
                     logger.warning("%s: a send did not complete before close(): %s", self._stages.name(), err)
                     self._failure = PeerTimeoutError(f"{self._stages.name()}: a send did not complete: {err}")
             self._pending.popleft()
+        if _faults.hook is not None:
+            _faults.hook("close")
 
     def abort(self) -> int:
         """Refuse every later call on this stage (local, no collective; waits for nothing); return 0.

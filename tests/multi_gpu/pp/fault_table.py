@@ -244,7 +244,10 @@ def fault_row(rank: int, world: int, row: dict[str, Any]) -> dict[str, Any]:
     out["raised"] = None if raised is None else f"{type(raised).__name__}: {str(raised)[:300]}"
     out["raised_type"] = None if raised is None else type(raised).__name__
     out["is_transport_error"] = isinstance(raised, TransportError)
-    out["seconds_after_fault"] = None if since is None else round(now - since, 2)
+    if since is None and phase == "close" and raised is None:
+        out["seconds_after_fault"] = 0.0  # this stage's close() ended before the victim's fault
+    else:
+        out["seconds_after_fault"] = None if since is None else round(max(now - since, 0.0), 2)
     out["seconds_in_call"] = round(time.monotonic() - start, 2)
     say(f"stage {stage}: raised {out['raised']!r} ({out['seconds_after_fault']} s after the fault)")
     # Close (the survivor, and a victim that lived through its fault); a close() interrupted by the fault
@@ -398,7 +401,7 @@ def judge(row: dict[str, Any]) -> dict[str, Any]:
         return row
     s = ranks[survivor_index]
     if row["phase"] == "close":
-        raised = f"close() returned in {s.get('close_s', s.get('close_total_s'))} s"
+        raised = f"close() returned in {s.get('close_s', s.get('close_total_s')):.2f} s"
         seconds = s.get("seconds_after_fault")
         if s.get("raised") is not None:
             problems.append(f"close() raised {s['raised']}")
