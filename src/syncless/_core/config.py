@@ -68,6 +68,37 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+#: Bounds of a pipeline timeout: below, the host would poll its peer in a busy loop (and a healthy step
+#: could not finish in time); above, the deadlines overflow what the socket and gloo timeouts accept.
+PP_TIMEOUT_MIN_S = 0.1
+PP_TIMEOUT_MAX_S = 86400.0
+
+
+def check_pp_timeout(value: object, name: str) -> float:
+    """Return ``value`` as seconds if it is a number in [:data:`PP_TIMEOUT_MIN_S`, :data:`PP_TIMEOUT_MAX_S`].
+
+    Raises:
+        ConfigError: it is not a number (bool included), not finite, or out of bounds; the message
+            names ``name``, the value and the bounds.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} must be a number of seconds; got {value!r}")
+    seconds = float(value)
+    if not PP_TIMEOUT_MIN_S <= seconds <= PP_TIMEOUT_MAX_S:  # NaN fails both comparisons
+        raise ConfigError(
+            f"{name}={value!r} is out of bounds: a pipeline timeout is {PP_TIMEOUT_MIN_S:g} to "
+            f"{PP_TIMEOUT_MAX_S:g} seconds (one day)"
+        )
+    return seconds
+
+
+def _pp_timeout_seconds(text: str) -> float:
+    try:
+        return check_pp_timeout(float(text), "SYNCLESS_PP_TIMEOUT_S")
+    except ConfigError as err:
+        raise ValueError(text) from err
+
+
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
 _SIZE_PATTERN = re.compile(r"^\s*(\d+)\s*([a-z]*)\s*$")
 
@@ -126,9 +157,9 @@ _declare(
 )
 _declare(
     "SYNCLESS_PP_TIMEOUT_S",
-    _positive_seconds,
+    _pp_timeout_seconds,
     "60",
-    "a positive number of seconds",
+    "a number of seconds from 0.1 to 86400 (one day)",
     "How long a pipeline stage waits for its peer before raising instead of hanging.",
 )
 _declare(

@@ -49,7 +49,20 @@ class SyncViolation(SynclessError):
     """Raised in ``error`` mode when code marked hot synchronizes with the GPU."""
 
 
-class CopyEngineUnavailable(SynclessError):
+class TransportError(SynclessError):
+    """Root of every error a pipeline transport (:mod:`syncless.pp`) raises on purpose.
+
+    Bad arguments still raise ``ValueError``/``TypeError``. See
+    ``docs/pp.md`` (failure model) for what each subclass means and how to
+    rebuild a transport after one.
+    """
+
+
+class TransportSetupError(TransportError, RuntimeError):
+    """``make_transport`` could not build the transport (raised alike on every stage)."""
+
+
+class CopyEngineUnavailable(TransportSetupError):
     """The copy-engine pipeline transport cannot be used on this group.
 
     Raised identically on every rank of the group, with the first rank's
@@ -57,5 +70,17 @@ class CopyEngineUnavailable(SynclessError):
     """
 
 
-class PeerTimeoutError(SynclessError, TimeoutError):
+class PeerTimeoutError(TransportError, TimeoutError):
     """A pipeline peer sent nothing within the configured timeout (it may have died)."""
+
+
+class TransportFailedError(TransportError, RuntimeError):
+    """The transport is unusable: an earlier step failed, it was aborted, or it is closed.
+
+    Every later ``send``/``recv`` raises it (or the :class:`PeerTimeoutError`
+    that broke the transport). Close or abort it and build a new one.
+    """
+
+
+class TransportClosedError(TransportFailedError):
+    """``send``/``recv`` on a transport after ``close()`` or ``abort()``."""

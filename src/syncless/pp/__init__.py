@@ -4,11 +4,19 @@
     transport.send({"hidden": h, "residual": r})       # stage i
     out = transport.recv()                             # stage i+1: views of `persistent`
     transport.backend, transport.fallback_reason
+    transport.error, transport.abort(), transport.leaked_nbytes   # failure model: docs/pp.md
 
 Importing this package touches no CUDA API.
 """
 
-from syncless._core.errors import CopyEngineUnavailable, PeerTimeoutError
+from syncless._core.errors import (
+    CopyEngineUnavailable,
+    PeerTimeoutError,
+    TransportClosedError,
+    TransportError,
+    TransportFailedError,
+    TransportSetupError,
+)
 from syncless.pp._base import Transport
 from syncless.pp._eligibility import describe_local_choice
 from syncless.pp._layout import TensorSpec
@@ -19,6 +27,10 @@ __all__ = [
     "PeerTimeoutError",
     "TensorSpec",
     "Transport",
+    "TransportClosedError",
+    "TransportError",
+    "TransportFailedError",
+    "TransportSetupError",
     "describe_local_choice",
     "make_transport",
 ]

@@ -8,9 +8,29 @@ from collections.abc import Mapping
 
 import torch
 
-from syncless._core.errors import SynclessError
+from syncless._core.errors import SynclessError, TransportError
 
 logger = logging.getLogger(__name__)
+
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+
+
+def refuse_graph_capture(stage: str, call: str) -> None:
+    """Raise :class:`~syncless.TransportError` if the current CUDA stream is capturing a graph.
+
+    A step's host-side part (the metadata, the step counters, the
+    watchdog's brackets) happens once, at capture; a replay would repeat
+    only the GPU part, with stale step numbers, and wait forever. Costs one
+    call into torch (no CUDA call when CUDA was never initialised).
+    """
+    if _capturing is None or not torch.cuda.is_initialized():
+        return
+    if _capturing():
+        raise TransportError(
+            f"{stage}: {call}() was called while the current CUDA stream is capturing a graph; a pipeline "
+            "transport cannot be captured (its host-side bookkeeping would not replay). Call it outside "
+            "torch.cuda.graph(...) and capture only the compute around it"
+        )
 
 
 class Transport(abc.ABC):
@@ -26,6 +46,24 @@ class Transport(abc.ABC):
     backend: str = ""
     fallback_reason: str | None = None
     device: torch.device
+
+    @property
+    def error(self) -> BaseException | None:
+        """The error that made this transport unusable (raised again by every later call); None while healthy."""
+        return None
+
+    @property
+    def leaked_nbytes(self) -> int:
+        """Device bytes kept allocated on purpose after a failure (a peer may still map them); 0 otherwise."""
+        return 0
+
+    @abc.abstractmethod
+    def abort(self) -> int:
+        """Stop at once, on this stage only (no collective); return :attr:`leaked_nbytes`.
+
+        Usable from a signal handler or another thread. Every later call
+        raises. See each implementation for what it releases.
+        """
 
     @abc.abstractmethod
     def send(self, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -63,5 +101,5 @@ class Transport(abc.ABC):
         # Never mask the error that ended the block with one from tearing down.
         try:
             self.close()
-        except (SynclessError, RuntimeError) as close_err:
+        except (SynclessError, TransportError, RuntimeError) as close_err:
             logger.warning("closing the %s transport after an error also failed: %s", self.backend, close_err)

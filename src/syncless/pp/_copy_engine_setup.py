@@ -15,12 +15,12 @@ Each step runs through :func:`~syncless.pp._group.agree`: any rank's failure
 makes every rank raise the same exception (:class:`CopyEngineUnavailable`
 when copy engines cannot be used, which ``make_transport`` may fall back
 from; any other error as itself, naming the stage), after every rank has
-unmapped and freed what it made.
+unmapped and freed what it made (or, where a peer may still map it because
+the tear-down barrier failed, leaked it by design: ``_teardown``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from collections import deque
@@ -32,11 +32,13 @@ import torch
 from syncless._core import cuda as cuda_core
 from syncless._core.errors import CopyEngineUnavailable, CudaError, PeerTimeoutError
 from syncless.pp import _driver as drv
+from syncless.pp import _faults, _fork
 from syncless.pp import _meta_channel as meta_channel
 from syncless.pp._copy_engine import REGION_OFFSET, SCRATCH_NBYTES, SCRATCH_OFFSET, CopyEngineTransport
 from syncless.pp._eligibility import StageDevice, local_stage_device, mem_ops_problem, query_nvlink, topology_problem
 from syncless.pp._group import StageMap, agree, barrier
 from syncless.pp._layout import Layout, Ring, TensorSpec
+from syncless.pp._teardown import Teardown, keep_forever
 
 logger = logging.getLogger(__name__)
 
@@ -69,10 +71,12 @@ def open_copy_engine(
         RuntimeError, ValueError, TypeError: another failure on some stage, raised alike everywhere.
     """
     what = f"{stages.name()} copy-engine set-up"
-    stack = contextlib.ExitStack()
-    with stack:
+    stack = Teardown()
+    outcome = _Outcome()
+    try:
         # Step 1: what each rank can tell alone (CUDA, memory ops).
         def local_checks() -> StageDevice:
+            _faults.reach("setup:check")
             if inject_failure == "mem_ops":
                 raise CopyEngineUnavailable("64-bit stream memory operations refused (injected failure for tests)")
             if device.type != "cuda":
@@ -82,17 +86,24 @@ def open_copy_engine(
                 raise CopyEngineUnavailable(problem)
             return local_stage_device(device.index)
 
-        devices = agree(side_group, stages, "copy-engine set-up", local_checks)
+        devices = outcome.agree(side_group, stages, local_checks)
 
         ctx = drv.PrimaryContext(device.index)
-        stack.callback(ctx.release)
+        # Dropped last, and only if nothing was leaked (the retain keeps a leaked buffer's context alive).
+        stack.shared(ctx.release, nbytes=0, what="the primary-context retain")
         parts = Parts(ctx)
         recv_ring = Ring(Layout.from_specs(specs[stages.index]), depth)
         next_ring = Ring(Layout.from_specs(specs[stages.index + 1]), depth) if stages.next_rank is not None else None
 
         # Step 2: topology (every pair of GPUs on NVLink), then allocate and export (with the name of
         # the socket the previous stage will send metadata to).
+        # From here peers may map our buffer: nobody frees before every stage unmapped. Registered on
+        # every rank before step 2 (even one whose step fails before it allocates), so that every rank
+        # unwinding a failed set-up enters the barrier alike.
+        stack.barrier(barrier, side_group, timeout_s, "copy-engine tear-down")
+
         def local_allocate() -> _Export:
+            _faults.reach("setup:allocate")
             try:
                 problem = topology_problem(devices, query_nvlink)
             except cuda_core.nvml_errors() as err:
@@ -102,19 +113,20 @@ def open_copy_engine(
             if problem:
                 raise CopyEngineUnavailable(problem)
             with ctx:
-                parts.private_stream = drv.stream_create()
-                stack.callback(_in(ctx, drv.stream_destroy), parts.private_stream)
+                parts.private_stream = drv.stream_create(highest_priority=True)  # the watchdog's releases
+                stack.local(_in(ctx, drv.stream_destroy), parts.private_stream)
                 relays = next_ring is not None and next_ring.depth > 0  # depth >= 1 sends through a relay
                 if relays:
                     parts.relay_stream = drv.stream_create()
-                    stack.callback(_in(ctx, drv.stream_destroy), parts.relay_stream)
-                stack.callback(_in(ctx, parts.destroy_events))
+                    stack.local(_in(ctx, drv.stream_destroy), parts.relay_stream)
+                stack.local(_in(ctx, parts.destroy_events))
                 if next_ring is not None and not relays:
                     parts.sent = parts.acquire_event()
                 if stages.prev_rank is not None:
                     parts.received = parts.acquire_event()
                 parts.buffer = drv.mem_alloc(REGION_OFFSET + recv_ring.nbytes)
-                stack.callback(_in(ctx, drv.mem_free), parts.buffer)
+                stack.shared(_in(ctx, drv.mem_free), parts.buffer, nbytes=REGION_OFFSET + recv_ring.nbytes,
+                             what=f"{stages.name()}'s receive buffer")
                 drv.mem_zero(parts.buffer, REGION_OFFSET + recv_ring.nbytes, parts.private_stream)
                 # The flags must read 0 before any peer can see the handle.
                 drv.stream_synchronize(parts.private_stream)
@@ -122,27 +134,32 @@ def open_copy_engine(
             if stages.prev_rank is None:
                 return _Export(handle)
             targets, target_handles = _share_persistent(ctx, persistent, recv_ring.layout) if depth == 0 else ([], [])
+            if depth == 0:
+                exposed = dict(persistent)
+                stack.shared(_nothing, nbytes=sum(t.untyped_storage().nbytes() for t in exposed.values()),
+                             what=f"{stages.name()}'s persistent tensors (mapped by the previous stage at depth 0)",
+                             on_leak=lambda: keep_forever(exposed))
             try:
                 parts.listener = meta_channel.Listener()
             except OSError as err:
                 raise CopyEngineUnavailable(f"could not create a local socket for the step metadata: {err}") from err
-            stack.callback(parts.listener.close)
+            stack.local(parts.listener.close)
+            _fork.close_in_child(parts.listener)
             return _Export(handle, parts.listener.name, parts.listener.token, targets, target_handles)
 
-        exported: list[_Export] = agree(side_group, stages, "copy-engine set-up", local_allocate)
+        exported: list[_Export] = outcome.agree(side_group, stages, local_allocate)
         handles = [export.buffer_handle for export in exported]
-        # From here peers may map our buffer: nobody frees before everybody unmapped.
-        stack.callback(barrier, side_group, timeout_s, "copy-engine tear-down")
 
         # Step 3: map the neighbours' buffers.
         def local_open() -> None:
+            _faults.reach("setup:open")
             if inject_failure == "peer_open":
                 raise CopyEngineUnavailable("opening the peer's CUDA IPC handle failed (injected failure for tests)")
             with ctx:
                 for neighbour in (stages.index - 1, stages.index + 1):
                     if 0 <= neighbour < len(stages.ranks):
                         base = drv.ipc_open(handles[neighbour])
-                        stack.callback(_in(ctx, drv.ipc_close), base)
+                        stack.unmap(_in(ctx, drv.ipc_close), base, what=f"{stages.name(neighbour)}'s buffer")
                         parts.peer_base[neighbour] = base
                 if _sends_several_tensors(next_ring):
                     # Try a batch on the path send() takes, into the next stage's mapped buffer: the first
@@ -159,7 +176,7 @@ def open_copy_engine(
                     bases = []
                     for target_handle in nxt.target_handles:
                         bases.append(drv.ipc_open(target_handle))
-                        stack.callback(_in(ctx, drv.ipc_close), bases[-1])
+                        stack.unmap(_in(ctx, drv.ipc_close), bases[-1], what="the next stage's persistent tensors")
                     parts.next_targets = [bases[which] + offset if which >= 0 else 0 for which, offset in nxt.targets]
             if next_ring is not None:
                 nxt = exported[stages.index + 1]
@@ -169,26 +186,31 @@ def open_copy_engine(
                     )
                 except PeerTimeoutError as err:
                     raise CopyEngineUnavailable(str(err)) from err
-                stack.callback(parts.meta_out.close)
+                stack.local(parts.meta_out.close)
+                _fork.close_in_child(parts.meta_out)
 
-        agree(side_group, stages, "copy-engine set-up", local_open)
+        outcome.agree(side_group, stages, local_open)
 
         # Step 4: take the previous stage's metadata connection (made in step 3, so it is waiting).
         def local_accept() -> None:
+            _faults.reach("setup:accept")
             if parts.listener is None:
                 return
             try:
                 parts.meta_in = parts.listener.accept(1 + len(recv_ring.layout.specs), timeout_s, what)
             except PeerTimeoutError as err:
                 raise CopyEngineUnavailable(str(err)) from err
-            stack.callback(parts.meta_in.close)
+            stack.local(parts.meta_in.close)
+            _fork.close_in_child(parts.meta_in)
             parts.listener.close()  # nobody else may connect later (closing twice is harmless)
 
-        agree(side_group, stages, "copy-engine set-up", local_accept)
-        owned = stack.pop_all()
+        outcome.agree(side_group, stages, local_accept)
+    except BaseException as err:
+        _unwind(stack, what, err, collective=outcome.uniform)
+        raise
     try:
         return CopyEngineTransport(
-            stack=owned,
+            teardown=stack,
             parts=parts,
             side_group=side_group,
             stages=stages,
@@ -198,9 +220,53 @@ def open_copy_engine(
             device=device,
             timeout_s=timeout_s,
         )
-    except BaseException:
-        owned.close()  # nothing stays allocated or mapped if the object itself cannot be built
+    except BaseException as err:
+        _unwind(stack, what, err, collective=False)  # nothing stays allocated or mapped, unless a peer may map it
         raise
+
+
+class _Outcome:
+    """Runs the set-up exchanges and remembers whether the last failure was the same on every stage."""
+
+    def __init__(self) -> None:
+        self.uniform = False
+
+    def agree(self, side_group: Any, stages: StageMap, local: Any) -> Any:
+        """``agree`` one set-up step; on failure note whether every stage raises the same error.
+
+        ``agree`` raises either the failure every stage shares (after a complete exchange: every
+        stage unwinds and enters the tear-down barrier alike), or ``PeerTimeoutError`` when the
+        exchange itself broke, or an interrupt before it: then the stages' collectives no longer
+        line up, and a barrier could pair with a peer's other collective.
+        """
+        try:
+            return agree(side_group, stages, "copy-engine set-up", local)
+        except PeerTimeoutError:
+            raise
+        except Exception:
+            self.uniform = True
+            raise
+
+
+def _unwind(stack: Teardown, what: str, err: BaseException, *, collective: bool) -> None:
+    """Release what a failed set-up made; leak by design what a peer may map unless ``collective``.
+
+    ``collective``: every stage failed alike and unwinds alike, so the barrier in ``stack`` pairs up.
+    Otherwise (a broken exchange, an interrupt, a local error between exchanges) no barrier is
+    entered and this stage's buffer is kept (``_teardown``). Set-up waited for its private stream
+    each time it used it, so this GPU is idle. A failure while releasing is logged, never raised
+    over ``err``.
+    """
+    try:
+        stack.run(collective=collective, gpu_idle=True)
+    except Exception as release_err:  # noqa: BLE001 - logged; the set-up error is the one raised
+        logger.warning("%s failed (%s); releasing what it made also failed: %s", what, err, release_err)
+    if stack.leaked:
+        logger.warning("%s failed; kept by design (a peer may still map them): %s", what, "; ".join(stack.leaked))
+
+
+def _nothing() -> None:
+    """The release of tensors the caller owns: nothing to do here, the caller frees them."""
 
 
 def _sends_several_tensors(next_ring: Ring | None) -> bool:

@@ -365,10 +365,19 @@ def ipc_close(ptr: int) -> None:
 # Streams, events, flags ------------------------------------------------------------
 
 
-def stream_create() -> int:
-    """Create a stream that never waits for the legacy default stream; return its handle."""
+def stream_create(highest_priority: bool = False) -> int:
+    """Create a stream that never waits for the legacy default stream; return its handle.
+
+    ``highest_priority``: at the context's greatest stream priority (the watchdog's release writes go
+    there, so that the hardware scheduler prefers them over the waits they release).
+    """
     drv = _drv()
-    stream = cuda.call("cuStreamCreate", int(drv.CUstream_flags.CU_STREAM_NON_BLOCKING))
+    flags = int(drv.CUstream_flags.CU_STREAM_NON_BLOCKING)
+    if highest_priority:
+        _least, greatest = cuda.call("cuCtxGetStreamPriorityRange")
+        stream = cuda.call("cuStreamCreateWithPriority", flags, int(greatest))
+    else:
+        stream = cuda.call("cuStreamCreate", flags)
     _count("stream", 1)
     return int(stream)
 

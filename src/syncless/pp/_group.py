@@ -10,7 +10,6 @@ already gave up.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -18,13 +17,15 @@ from typing import Any
 
 import torch
 
-from syncless._core.errors import CopyEngineUnavailable, CudaError, MissingDependencyError, PeerTimeoutError
+from syncless._core.errors import (
+    CopyEngineUnavailable,
+    CudaError,
+    MissingDependencyError,
+    PeerTimeoutError,
+    TransportSetupError,
+)
 
 logger = logging.getLogger(__name__)
-
-_side_groups: dict[tuple[tuple[int, ...], float], Any] = {}
-_tag_counters: dict[int, int] = {}
-_cache_lock = threading.Lock()
 
 #: Tags of one transport: base + 0 carries metadata, base + 1 carries data (torch.distributed only).
 TAGS_PER_TRANSPORT = 8
@@ -83,50 +84,40 @@ def resolve_stages(group_ranks: Sequence[int], my_rank: int, stage_ranks: Sequen
 
 
 def cpu_group(ranks: Sequence[int], timeout_s: float) -> Any:
-    """Return this process's private gloo group over ``ranks`` (made on first use, then cached).
+    """Create a private gloo group over ``ranks`` for one transport; collective over ``ranks``.
 
     The transports never use the caller's own group for CPU messages: gloo
     closes a connection whose receive timed out, and a timeout must break
     only syncless's group, never the caller's. Its gloo timeout is
-    ``timeout_s``, which bounds every set-up exchange too. One group serves
-    every transport over the same ranks and timeout (distinct tags keep them
-    apart); it is never destroyed, because a later group could reuse its
-    rendezvous keys. Collective over ``ranks`` the first time (blocks the
-    host for the rendezvous).
+    ``timeout_s``, which bounds every set-up exchange too.
+
+    Every ``make_transport`` makes a new one, and none is cached or reused:
+    after a failure one rank may know its group is broken while another does
+    not, and a cache would then hand one rank the broken group and the other
+    a new one (whose rendezvous waits for a peer that never comes). A new
+    group per transport keeps every rank's sequence of groups the same,
+    whoever saw the failure (torch names a group over the same ranks by how
+    many this process made before, so none is ever destroyed either: that
+    would shift the names on one rank only). Blocks the host for the
+    rendezvous (a few milliseconds over the store).
     """
     import torch.distributed as dist
 
-    key = (tuple(sorted(int(r) for r in ranks)), float(timeout_s))
-    with _cache_lock:
-        cached = _side_groups.get(key)
-    if cached is not None:
-        return cached
-    side = dist.new_group(
-        ranks=list(key[0]), backend="gloo", timeout=timedelta(seconds=timeout_s), use_local_synchronization=True
+    members = sorted(int(r) for r in ranks)
+    return dist.new_group(
+        ranks=members, backend="gloo", timeout=timedelta(seconds=timeout_s), use_local_synchronization=True
     )
-    with _cache_lock:
-        _side_groups[key] = side
-    return side
 
 
 def discard_cpu_group(side_group: Any) -> None:
-    """Stop handing out ``side_group`` (a timeout or a dead peer broke its connections)."""
-    with _cache_lock:
-        for key, value in list(_side_groups.items()):
-            if value is side_group:
-                del _side_groups[key]
+    """Kept for callers of the old cache: side groups are never reused, so there is nothing to discard."""
+    del side_group
 
 
 def next_tag(side_group: Any) -> int:
-    """Return the tag base of the next transport on ``side_group``.
-
-    Every rank creates transports on a group in the same (collective) order,
-    so the counters agree without a message.
-    """
-    with _cache_lock:
-        count = _tag_counters.get(id(side_group), 0)
-        _tag_counters[id(side_group)] = count + 1
-    return 1000 + TAGS_PER_TRANSPORT * count
+    """Return the tag base of the transport on ``side_group`` (one transport per side group)."""
+    del side_group
+    return 1000
 
 
 # Uniform outcomes ---------------------------------------------------------------
@@ -166,7 +157,7 @@ def first_failure(statuses: Sequence[tuple[str, str] | None], stages: StageMap, 
             return ValueError(message)
         if kind == "TypeError":
             return TypeError(message)
-        return RuntimeError(message)
+        return TransportSetupError(message)
     return None
 
 

@@ -11,6 +11,7 @@ import torch
 from syncless._core import config
 from syncless._core.errors import CopyEngineUnavailable
 from syncless._core.logs import log_once
+from syncless.pp import _faults
 from syncless.pp._base import Transport
 from syncless.pp._copy_engine_setup import INJECTABLE_FAILURES, open_copy_engine
 from syncless.pp._group import agree, cpu_group, next_tag, resolve_stages
@@ -54,9 +55,11 @@ def make_transport(
     """Build the transport between this stage and its neighbours; collective over ``group``.
 
     Every stage calls it with the same ``group``, ``stage_ranks``,
-    ``backend`` and ``depth``. Blocks the host for a few exchanges over a
-    private gloo group over the stages' ranks (made on first use, then
-    cached), and on the copy-engine path until a private stream has zeroed
+    ``backend`` and ``depth``, and the same number of times (each call makes
+    a new private gloo group over the stages' ranks, never reused: after a
+    failure every stage simply calls ``make_transport`` again, on the same
+    group or a new one; ``docs/pp.md``: rebuilding). Blocks the host for the
+    group's rendezvous and a few exchanges over it, and on the copy-engine path until a private stream has zeroed
     this stage's buffer and run a 16-byte trial of batched copies into the
     next stage's scratch bytes. Enqueues nothing on the caller's streams.
 
@@ -72,7 +75,8 @@ def make_transport(
             ``"copy_engine"`` or ``"torch_distributed"``; None reads
             ``SYNCLESS_PP_TRANSPORT``.
         timeout_s: how long a stage waits for its peer before raising
-            :class:`~syncless.PeerTimeoutError`; None reads ``SYNCLESS_PP_TIMEOUT_S``.
+            :class:`~syncless.PeerTimeoutError`, from 0.1 s to one day; None reads
+            ``SYNCLESS_PP_TIMEOUT_S``.
         device: this stage's device when ``persistent`` does not say it
             (the first stage); default the current CUDA device, else the CPU.
         depth: how many steps may be in flight on each link (an int >= 0).
@@ -101,7 +105,9 @@ def make_transport(
             use copy engines; raised on every stage with the same message.
         ValueError, TypeError: bad arguments (on every stage, naming the stage),
             stages passing different ``depth`` included.
+        ConfigError: ``timeout_s`` (or ``SYNCLESS_PP_TIMEOUT_S``) is out of bounds (also a ``ValueError``).
         PeerTimeoutError: a stage did not take part in set-up.
+        TransportSetupError: set-up failed otherwise on some stage (raised alike everywhere).
     """
     import torch.distributed as dist
 
@@ -112,15 +118,16 @@ def make_transport(
     if _inject_failure is not None and _inject_failure not in INJECTABLE_FAILURES:
         raise ValueError(f"_inject_failure must be one of {INJECTABLE_FAILURES}; got {_inject_failure!r}")
     choice = config.resolve("SYNCLESS_PP_TRANSPORT", backend)
-    if timeout_s is not None and (isinstance(timeout_s, bool) or not (
-            isinstance(timeout_s, (int, float)) and 0 < timeout_s < float("inf"))):
-        raise ValueError(f"timeout_s must be a positive number of seconds; got {timeout_s!r}")
-    timeout = float(config.resolve("SYNCLESS_PP_TIMEOUT_S", timeout_s))
+    if timeout_s is None:
+        timeout = float(config.read("SYNCLESS_PP_TIMEOUT_S"))
+    else:
+        timeout = config.check_pp_timeout(timeout_s, "timeout_s")
     if group is None:
         group = dist.group.WORLD
     stages = resolve_stages(dist.get_process_group_ranks(group), dist.get_rank(), stage_ranks)
-    side = cpu_group(stages.ranks, timeout)
+    side = cpu_group(stages.ranks, timeout)  # a new one for every transport: see cpu_group
     tag = next_tag(side)
+    _faults.reach("setup:layout")
 
     resolved: dict[str, Any] = {}
 

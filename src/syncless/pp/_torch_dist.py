@@ -9,7 +9,11 @@ that keeps NCCL-less set-ups working, not a fast path.
 
 Ordering: the sender clones each tensor's rows on its current stream before
 handing them to the backend, so the caller may overwrite its tensors as soon
-as send() returns; the clones stay referenced until their sends complete. For
+as send() returns; the clones stay referenced until their sends complete.
+The step's metadata is posted only once its clones exist (an allocation
+failure or an interrupt in a clone sends nothing, and the step number is not
+used), and the data sends follow at once; anything that stops a step after
+its metadata was posted poisons the transport (every later call raises). For
 NCCL the receiver's current stream is made to wait for the receive
 (``work.wait()`` without a timeout does not block the host); for gloo the
 host waits, bounded by the timeout. An NCCL receive whose peer died after its
@@ -23,6 +27,7 @@ queues any number of posted sends itself, and every send owns its clones.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Mapping
 from datetime import timedelta
@@ -30,9 +35,10 @@ from typing import Any
 
 import torch
 
-from syncless._core.errors import PeerTimeoutError
-from syncless.pp._base import Transport
-from syncless.pp._group import StageMap, discard_cpu_group, recv_meta
+from syncless._core.errors import PeerTimeoutError, TransportClosedError, TransportFailedError
+from syncless.pp import _faults
+from syncless.pp._base import Transport, refuse_graph_capture
+from syncless.pp._group import StageMap, recv_meta
 from syncless.pp._layout import StepCheck, TensorSpec
 
 logger = logging.getLogger(__name__)
@@ -125,11 +131,12 @@ class TorchDistTransport(Transport):
         self._check_usable()
         if self._send_specs is None:
             raise RuntimeError(f"{self._stages.name()} is the last stage: it has no next stage to send to")
+        if self.device.type == "cuda":
+            refuse_graph_capture(self._stages.name(), "send")
         rows = self._send_check.rows(tensors)  # in layout order
         self._reap()
         step = self._send_step + 1
-        meta = torch.tensor([step, *rows], dtype=torch.int64)
-        meta_work = dist.isend(meta, dst=self._stages.next_rank, group=self._side_group, tag=self._meta_tag)
+        # The data first: an out-of-memory error or an interrupt here sends nothing and uses no step number.
         payloads = []
         for name, count in zip(self._send_specs, rows):
             if count:
@@ -138,9 +145,27 @@ class TorchDistTransport(Transport):
                     payloads.append(source.to("cpu", copy=True).contiguous())
                 else:
                     payloads.append(source.clone(memory_format=torch.contiguous_format))
-        works = [meta_work, *self._post(dist.isend, payloads, self._stages.next_rank)]
+        meta = torch.tensor([step, *rows], dtype=torch.int64)
+        works: list[Any] = []
+        try:
+            if _faults.hook is not None:
+                _faults.hook("step:before_meta")
+            works.append(dist.isend(meta, dst=self._stages.next_rank, group=self._side_group, tag=self._meta_tag))
+            works.extend(self._post(dist.isend, payloads, self._stages.next_rank))
+        except BaseException as err:
+            # Part of the step may be posted (its metadata without its data): the peers' views of the step
+            # numbers may differ from here on, so nothing more may go out.
+            self._failure = TransportFailedError(
+                f"{self._stages.name()} sending step {step}: stopped while posting it ({err!r}); this transport "
+                "is unusable: close() or abort() it"
+            )
+            if works:
+                self._pending.append((works, [meta, *payloads]))
+            raise self._failure from err
         self._pending.append((works, [meta, *payloads]))
         self._send_step = step
+        if _faults.hook is not None:
+            _faults.hook("step:after_meta")
 
     def recv(self) -> dict[str, torch.Tensor]:
         """Receive the next step into the persistent tensors; return views with this step's rows.
@@ -156,6 +181,8 @@ class TorchDistTransport(Transport):
         self._check_usable()
         if self._stages.prev_rank is None:
             raise RuntimeError(f"{self._stages.name()} is the first stage: it has no previous stage to receive from")
+        if self.device.type == "cuda":
+            refuse_graph_capture(self._stages.name(), "recv")
         import torch.distributed as dist
 
         step = self._recv_step + 1
@@ -165,13 +192,25 @@ class TorchDistTransport(Transport):
             meta = recv_meta(
                 self._side_group, self._stages.prev_rank, self._meta_tag, 1 + len(names), self._timeout_s, what
             ).tolist()
-        except PeerTimeoutError as err:
-            self._failure = err
+        except BaseException as err:  # an interrupt too: whether the metadata was consumed is unknown
+            self._failure = err if isinstance(err, PeerTimeoutError) else TransportFailedError(
+                f"{what}: interrupted while receiving its metadata ({err!r}); this transport is unusable")
             raise
         rows = dict(zip(names, meta[1:]))
         if meta[0] != step or any(not 0 <= r <= self._recv_specs[n].max_rows for n, r in rows.items()):
-            self._failure = RuntimeError(f"{what}: the peer's metadata {meta} does not match (protocol error)")
+            self._failure = TransportFailedError(f"{what}: the peer's metadata {meta} does not match (protocol error)")
             raise self._failure
+        try:
+            return self._recv_data(step, what, names, rows)
+        except BaseException as err:
+            if self._failure is None:
+                self._failure = TransportFailedError(
+                    f"{what}: stopped after its metadata arrived ({err!r}); this transport is unusable")
+            raise
+
+    def _recv_data(self, step: int, what: str, names: list[str], rows: dict[str, int]) -> dict[str, torch.Tensor]:
+        import torch.distributed as dist
+
         targets = [self._persistent[n][: rows[n]] for n in names if rows[n]]
         if self._stage_via_host:
             landing = [torch.empty(t.shape, dtype=t.dtype) for t in targets]
@@ -185,7 +224,6 @@ class TorchDistTransport(Transport):
                 else:
                     work.wait()
         except RuntimeError as err:
-            discard_cpu_group(self._side_group)
             self._failure = PeerTimeoutError(f"{what}: the data did not arrive within {self._timeout_s:g} s: {err}")
             raise self._failure from err
         if self._stage_via_host:
@@ -233,26 +271,67 @@ class TorchDistTransport(Transport):
             else:
                 work.wait()
 
+    def _wait_delivered(self, works: list[Any]) -> None:
+        """Block the host until one step's sends completed (at most the timeout); close() uses it.
+
+        For NCCL, ``wait()`` only orders a stream: a stage that closed and exited at once could leave
+        its last data unsent, and the next stage's receive (posted after the metadata) waiting for ever.
+        """
+        if self._host_waits:
+            self._wait_sent(works)
+            return
+        works[0].wait(timeout=timedelta(seconds=self._timeout_s))
+        deadline = time.monotonic() + self._timeout_s
+        for work in works[1:]:
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the data did not go out within {self._timeout_s:g} s")
+                time.sleep(0.0005)
+
     def _check_usable(self) -> None:
-        if self._closed:
-            raise RuntimeError("this transport is closed")
         if self._failure is not None:
             raise self._failure
+        if self._closed:
+            raise TransportClosedError(f"{self._stages.name()}: this transport is closed")
+
+    @property
+    def error(self) -> BaseException | None:
+        """The error that made this transport unusable; None while healthy."""
+        return self._failure
 
     def close(self) -> None:
         """Finish this stage's sends, then refuse further calls; never waits for the peer to call close().
 
-        Blocks the host until every posted send completed (gloo: at most the
-        timeout each; NCCL: the current stream is made to wait instead).
-        Local: no collective.
+        Blocks the host until every posted send completed (at most the
+        timeout each); after
+        a failure, or once one send did not complete, it waits for none (their
+        buffers are dropped: the backend holds what it still needs). Local: no
+        collective. Resumable: an interrupted close() is finished by the next.
         """
-        if self._closed:
-            return
         self._closed = True
-        pending, self._pending = self._pending, deque()
-        for works, _buffers in pending:
-            try:
-                self._wait_sent(works)
-            except RuntimeError as err:
-                logger.warning("%s: a send did not complete before close(): %s", self._stages.name(), err)
-                return
+        while self._pending:
+            works, _buffers = self._pending[0]
+            if self._failure is None:
+                try:
+                    self._wait_delivered(works)
+                except RuntimeError as err:
+                    logger.warning("%s: a send did not complete before close(): %s", self._stages.name(), err)
+                    self._failure = PeerTimeoutError(f"{self._stages.name()}: a send did not complete: {err}")
+            self._pending.popleft()
+        if _faults.hook is not None:
+            _faults.hook("close")
+
+    def abort(self) -> int:
+        """Refuse every later call on this stage (local, no collective; waits for nothing); return 0.
+
+        Usable from a signal handler or another thread. Posted sends are left
+        to the backend. On NCCL a receive whose peer is gone stays queued on
+        the stream it was ordered on (the process group's own timeout and
+        ``torch.distributed``'s abort handle that group): rebuild on a new
+        group (``docs/pp.md``: rebuilding).
+        """
+        self._closed = True
+        if self._failure is None:
+            self._failure = TransportFailedError(f"{self._stages.name()}: this transport was aborted")
+        self._pending = deque()
+        return 0

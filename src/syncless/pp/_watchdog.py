@@ -34,6 +34,19 @@ fires once per stuck bracket, not once per transport: a peer that is alive
 but late may write its flag after the release, over the release value, and a
 later wait that blocks again is released in its turn after its own timeout
 (so ``close()`` always ends).
+
+The thread holds the transport only weakly (``on_timeout`` may be a
+:class:`weakref.WeakMethod`): a transport dropped without ``close()`` is
+collected, and the thread ends. A bracket counts as released only once
+``on_timeout`` returned; if it raises, the error is logged and the call is
+tried again at the next poll, and :meth:`Watchdog.wait_idle` has a deadline,
+so a failing release can delay ``close()`` but never hang it.
+
+Which hardware queue the release write goes through: the private stream's.
+A blocked ``cuStreamWaitValue64`` holds the hardware queue its stream is
+mapped to, and under ``CUDA_DEVICE_MAX_CONNECTIONS=1`` every stream of the
+context shares one queue. ``docs/pp.md`` (failure model) says what that means
+for the timeout and how the GPU test checks it.
 """
 
 from __future__ import annotations
@@ -41,6 +54,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -82,7 +96,8 @@ class Watchdog:
 
     Args:
         timeout_s: how long the GPU may sit in one wait.
-        on_timeout: called on the watchdog thread, once per stuck bracket, with a description of it.
+        on_timeout: called on the watchdog thread, once per stuck bracket, with a description of it; or a
+            :class:`weakref.WeakMethod` of such a method (the thread ends once its object is gone).
         recycle: called with each finished bracket's events (from the watchdog thread).
         bind_context: called first on the watchdog thread (makes the transport's CUDA context current).
     """
@@ -90,7 +105,7 @@ class Watchdog:
     def __init__(
         self,
         timeout_s: float,
-        on_timeout: Callable[[str, float], None],
+        on_timeout: Callable[[str, float], None] | weakref.WeakMethod,
         recycle: Callable[[Event], None],
         bind_context: Callable[[], None],
     ):
@@ -105,6 +120,11 @@ class Watchdog:
         self._thread = threading.Thread(target=self._run, name="syncless-pp-watchdog", daemon=True)
         self._thread.start()
 
+    @property
+    def thread(self) -> threading.Thread:
+        """The watchdog's thread."""
+        return self._thread
+
     def watch(self, bracket: Bracket) -> None:
         """Start watching ``bracket`` (its events must already be recorded)."""
         with self._lock:
@@ -115,33 +135,59 @@ class Watchdog:
         with self._lock:
             return sum(len(lane) for lane in self._lanes.values())
 
-    def wait_idle(self, poll_s: float = 0.002) -> None:
-        """Block the host until every bracket finished; stuck waits are released after the timeout."""
+    def wait_idle(self, deadline_s: float | None = None, poll_s: float = 0.002) -> bool:
+        """Block the host until every bracket finished (stuck waits are released after the timeout).
+
+        Returns True once idle, False if ``deadline_s`` (seconds from now; None: no deadline) passed first.
+        When the thread is not running (stopped or dead) this polls itself.
+        """
+        end = None if deadline_s is None else time.monotonic() + deadline_s
         while self.pending():
+            if end is not None and time.monotonic() > end:
+                return False
             if not self._thread.is_alive():
                 self._poll_once()
             time.sleep(poll_s)
+        return True
 
-    def stop(self) -> None:
-        """Stop the thread and hand back the events of any bracket still listed."""
+    def stop(self, join: bool = True) -> None:
+        """Stop the thread (wait for it unless ``join`` is False); stopping twice is harmless.
+
+        Brackets stay listed: :meth:`wait_idle` then polls them itself (their events are the
+        transport's, destroyed with it).
+        """
         self._stop.set()
-        self._thread.join()
-        with self._lock:
-            leftovers = [b for lane in self._lanes.values() for b in lane]
-            self._lanes.clear()
-        for bracket in leftovers:
-            for event in bracket.events():
-                self._recycle(event)
+        if not join:
+            return
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join()
 
     def _run(self) -> None:
         try:
             self._bind_context()
+            owner = self._on_timeout if isinstance(self._on_timeout, weakref.WeakMethod) else None
             while not self._stop.wait(self.poll_s):
-                self._poll_once()
+                if (owner is not None and owner() is None) or not self._poll_once():
+                    return  # the transport is gone (its finalizer releases what it held)
         except Exception:  # noqa: BLE001 - a dying watchdog must say so; wait_idle then polls itself
             logger.exception("syncless pp watchdog stopped")
 
-    def _poll_once(self) -> None:
+    def _call_on_timeout(self, what: str, waited_s: float) -> bool:
+        """Call ``on_timeout``; return False if its transport is gone. Its own error is logged, not raised."""
+        target = self._on_timeout
+        if isinstance(target, weakref.WeakMethod):
+            target = target()
+            if target is None:
+                return False
+        try:
+            target(what, waited_s)
+        except Exception:  # noqa: BLE001 - logged; the bracket stays unreleased, so the next poll tries again
+            logger.exception("syncless pp watchdog: releasing %s failed; trying again", what)
+            raise _ReleaseFailed from None
+        return True
+
+    def _poll_once(self) -> bool:
+        """Look at the head of every lane once; return False if the transport is gone."""
         now = time.monotonic()
         with self._lock:
             heads = [(stream, lane) for stream, lane in self._lanes.items() if lane]
@@ -153,6 +199,8 @@ class Watchdog:
                     head = lane[0]
                 if head.post.query():
                     with self._lock:
+                        if not lane or lane[0] is not head:
+                            break  # wait_idle() polling on another thread took it first
                         lane.popleft()
                     for event in head.events():
                         self._recycle(event)
@@ -163,6 +211,15 @@ class Watchdog:
                 elif head.waited is not None and head.waited.query():
                     pass  # the flag wait is over; the stream now runs the caller's work
                 elif now - head.reached_at > self.timeout_s and not head.released:
-                    head.released = True
-                    self._on_timeout(head.what(), now - head.reached_at)
+                    try:
+                        if not self._call_on_timeout(head.what(), now - head.reached_at):
+                            return False
+                    except _ReleaseFailed:
+                        break
+                    head.released = True  # only once the release was enqueued
                 break
+        return True
+
+
+class _ReleaseFailed(Exception):
+    """``on_timeout`` raised (already logged)."""

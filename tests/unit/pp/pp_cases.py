@@ -461,3 +461,41 @@ def bounded_sends(rank: int, world_size: int, steps: int) -> int:
                 raise AssertionError(f"step {step}: got {got}")
     transport.close()
     return most
+
+
+def graph_capture_refused(rank, world, backend):
+    """send()/recv() under CUDA graph capture raise TransportError before touching anything; steps go on after."""
+    from syncless.pp import TransportError
+
+    device = _device("cuda")
+    max_rows = 8
+    transport = make_transport(None, None if rank == 0 else _persistent(device, max_rows), backend=backend,
+                               device=device, timeout_s=30)
+    messages = []
+    for step in range(1, 7):
+        if step == 4:  # between steps 3 and 4, each stage tries its call inside a capture
+            torch.cuda.synchronize()
+            time.sleep(0.2)  # the watchdog has seen every bracket finish: nothing of ours runs during capture
+            graph = torch.cuda.CUDAGraph()
+            stream = torch.cuda.Stream(device)
+            data = expected(21, step, max_rows, device)  # made outside the capture
+            try:
+                with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                    if rank == 0:
+                        transport.send(data)
+                    else:
+                        transport.recv()
+            except TransportError as err:
+                messages.append(str(err))
+            else:
+                raise AssertionError("a call under graph capture was accepted")
+        if rank == 0:
+            transport.send(expected(21, step, max_rows, device))
+        elif int(_mismatches(transport.recv(), expected(21, step, max_rows, device))) != 0:
+            raise AssertionError(f"step {step} arrived wrong after the refused capture")
+    torch.cuda.synchronize()
+    dist.barrier()
+    transport.close()
+    if transport.error is not None:
+        raise AssertionError(f"the refusal broke the transport: {transport.error!r}")
+    return messages

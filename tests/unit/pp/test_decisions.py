@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from syncless._core.errors import CopyEngineUnavailable
+from syncless._core.errors import CopyEngineUnavailable, TransportSetupError
 from syncless.pp import describe_local_choice
 from syncless.pp._eligibility import LocalFacts, StageDevice, decide, topology_problem, uuid_string
 from syncless.pp._group import StageMap, first_failure, resolve_stages
@@ -121,4 +121,4 @@ def test_first_failure_is_the_earliest_stage_and_keeps_its_kind():
     err = first_failure([None, None, ("ValueError", "bad key")], stages, "set-up")
     assert type(err) is ValueError and "stage 2 (rank 2)" in str(err)
     err = first_failure([("error", "RuntimeError: boom"), ("unavailable", "x"), None], stages, "set-up")
-    assert type(err) is RuntimeError and "boom" in str(err)
+    assert type(err) is TransportSetupError and isinstance(err, RuntimeError) and "boom" in str(err)

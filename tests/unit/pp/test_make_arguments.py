@@ -12,7 +12,7 @@ from syncless.pp import make_transport
 
 pytestmark = pytest.mark.timeout(120)
 
-BAD_TIMEOUTS = [0, -1.0, math.inf, math.nan, True]  # True is an int to Python, not a number of seconds
+BAD_TIMEOUTS = [0, -1.0, math.inf, math.nan, True, 1e-300, 0.09, 86401, 1e300]  # True is an int to Python
 
 
 def _refusal(**kwargs):
@@ -41,6 +41,10 @@ def test_bad_backend_timeout_or_device_raise_value_errors_naming_them():
     assert "backend must be one of auto, copy_engine, torch_distributed" in backend and "'bogus'" in backend
     assert len(timeouts) == len(BAD_TIMEOUTS)
     for message, timeout_s in zip(timeouts, BAD_TIMEOUTS):
-        assert message == f"timeout_s must be a positive number of seconds; got {timeout_s!r}"
+        if timeout_s is True:
+            assert message == "timeout_s must be a number of seconds; got True"
+        else:
+            assert message == (f"timeout_s={timeout_s!r} is out of bounds: a pipeline timeout is 0.1 to 86400 "
+                               "seconds (one day)")
     assert "stage 1 (rank 1)" in device and "device=cuda:0 but the persistent tensors are on cpu" in device
     assert results[1] == results[0]  # the device refusal, found on stage 1, is raised on stage 0 too

@@ -15,8 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from syncless._core.errors import PeerTimeoutError
-from syncless.pp import _group
+from syncless._core.errors import PeerTimeoutError, TransportClosedError, TransportFailedError
 from syncless.pp import _torch_dist
 from syncless.pp._group import StageMap
 from syncless.pp._layout import TensorSpec
@@ -26,7 +25,7 @@ CALLERS_GROUP = object()
 SIDE_GROUP = object()
 MAX_ROWS = 4
 ROW = (3,)
-TIMEOUT_S = 5.25  # an unusual value, so the side-group cache key is this file's own
+TIMEOUT_S = 5.25  # an unusual value, easy to spot in messages
 
 
 class _Work:
@@ -170,19 +169,14 @@ def test_gloo_traffic_never_uses_the_callers_group(wire):
     assert all(group is SIDE_GROUP for _, group, _, _ in wire.posted)
 
 
-def test_a_failed_data_receive_raises_peer_timeout_and_retires_the_side_group(wire, monkeypatch):
-    key = ((0, 1), TIMEOUT_S)
-    monkeypatch.setitem(_group._side_groups, key, SIDE_GROUP)
-    replacement = object()
-    monkeypatch.setattr(dist, "new_group", lambda **kwargs: replacement)
+def test_a_failed_data_receive_raises_peer_timeout_and_poisons_the_transport(wire, monkeypatch):
     receiver = _receiver()
     wire.metas.append([1, 2])
     wire.data.append(torch.randn(2, *ROW))
     wire.fail_waits = True
     with pytest.raises(PeerTimeoutError, match="did not arrive") as first:
         receiver.recv()
-    # The broken group is not handed to the next transport over the same ranks.
-    assert _group.cpu_group([1, 0], TIMEOUT_S) is replacement
+    assert receiver.error is first.value
     with pytest.raises(PeerTimeoutError) as again:
         receiver.recv()
     assert again.value is first.value
@@ -195,3 +189,66 @@ def test_a_failed_data_receive_raises_peer_timeout_and_retires_the_side_group(wi
 def test_backend_for_picks_the_backend_of_the_device_type(monkeypatch, name, device_type, expected):
     monkeypatch.setattr(dist, "get_backend", lambda group: name)
     assert backend_for(CALLERS_GROUP, device_type) == expected
+
+
+class _CloneFails(torch.Tensor):
+    """A tensor whose clone fails the way an out-of-memory error does (or an interrupt during it)."""
+
+    error: BaseException = RuntimeError("CUDA out of memory (stand-in)")
+
+    def clone(self, *args, **kwargs):
+        raise type(self).error
+
+
+@pytest.mark.parametrize("error", [RuntimeError("CUDA out of memory (stand-in)"), KeyboardInterrupt()])
+def test_a_failed_clone_posts_nothing_and_uses_no_step_number(wire, error):
+    sender = _sender()
+    bad = torch.randn(2, *ROW).as_subclass(_CloneFails)
+    _CloneFails.error = error
+    with pytest.raises(type(error)):
+        sender.send({"x": bad})
+    assert wire.posted == []  # no metadata went out for data that never existed
+    assert sender.error is None
+    good = torch.randn(3, *ROW)
+    sender.send({"x": good})
+    meta = [t for kind, _, tag, t in wire.posted if kind == "send" and tag == 1000]
+    assert [m.tolist() for m in meta] == [[1, 3]]  # the failed attempt did not use step 1
+
+
+def test_a_step_stopped_after_its_metadata_poisons_the_transport(wire, monkeypatch):
+    sender = _sender()
+    calls = []
+
+    def isend(tensor, dst=None, group=None, tag=0):
+        calls.append(tag)
+        if tag == 1001:  # the data, right after the metadata
+            raise KeyboardInterrupt
+        return wire.isend(tensor, dst=dst, group=group, tag=tag)
+
+    monkeypatch.setattr(dist, "isend", isend)
+    monkeypatch.setattr(sender, "_batch", False)
+    with pytest.raises(TransportFailedError, match="sending step 1: stopped while posting it") as first:
+        sender.send({"x": torch.randn(2, *ROW)})
+    assert calls == [1000, 1001] and sender.error is first.value
+    with pytest.raises(TransportFailedError) as again:
+        sender.send({"x": torch.randn(2, *ROW)})
+    assert again.value is first.value and calls == [1000, 1001]
+
+
+def test_abort_is_local_and_every_later_call_raises(wire):
+    sender, receiver = _sender(), _receiver()
+    assert sender.abort() == 0 and receiver.abort() == 0
+    with pytest.raises(TransportFailedError, match="aborted"):
+        sender.send({"x": torch.randn(1, *ROW)})
+    with pytest.raises(TransportFailedError, match="aborted"):
+        receiver.recv()
+    assert wire.posted == [] and wire.meta_calls == 0
+    sender.close()  # after abort, close() is harmless
+
+
+def test_close_refuses_later_calls_with_the_closed_error(wire):
+    sender = _sender()
+    sender.close()
+    assert sender.error is None
+    with pytest.raises(TransportClosedError):
+        sender.send({"x": torch.randn(1, *ROW)})

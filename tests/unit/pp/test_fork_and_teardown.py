@@ -1,0 +1,170 @@
+"""A forked child drops its copies of the metadata sockets; the tear-down order that never frees under a peer.
+
+CPU only: real sockets and a real fork; the tear-down over recorded callables.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from syncless._core.errors import PeerTimeoutError
+from syncless.pp import _fork, _meta_channel
+from syncless.pp._teardown import Teardown
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _pair(timeout_s):
+    listener = _meta_channel.Listener()
+    sender = _meta_channel.connect(listener.name, listener.token, 2, timeout_s, "test")
+    receiver = listener.accept(2, timeout_s, "test")
+    listener.close()
+    return sender, receiver
+
+
+def test_a_forked_child_does_not_keep_a_dead_senders_socket_open():
+    # Before: the child held a copy of the sender's socket, so when the sender's process "died" (here:
+    # closed its end) the receiver saw nothing until its timeout.
+    timeout_s = 20.0
+    sender, receiver = _pair(timeout_s)
+    _fork.close_in_child(sender)
+    pid = os.fork()
+    if pid == 0:  # the child: outlives the parent's close by far, doing nothing
+        time.sleep(8)
+        os._exit(0)
+    try:
+        sender.send(1, [3])
+        assert receiver.recv(timeout_s, "step 1") == (1, 3)
+        sender.close()  # the sending process is gone, as far as the receiver should tell
+        start = time.monotonic()
+        with pytest.raises(PeerTimeoutError, match="closed its metadata socket"):
+            receiver.recv(timeout_s, "step 2")
+        assert time.monotonic() - start < 5.0
+    finally:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        receiver.close()
+
+
+def test_a_forked_child_marks_registered_transports_unusable():
+    class Stub:
+        def __init__(self):
+            self.forked = False
+
+        def _forked(self):
+            self.forked = True
+
+    stub = Stub()
+    _fork.forget_in_child(stub)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.write(write_end, b"1" if stub.forked else b"0")
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(read_end, 1) == b"1"
+    assert stub.forked is False  # the parent's own transport is untouched
+    os.close(read_end)
+    os.close(write_end)
+
+
+class Log:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, name, result=None):
+        def run(*args):
+            self.calls.append(name)
+            return result
+
+        return run
+
+
+def _made(log, barrier_ok=True):
+    """What set-up makes, in its order: context, barrier, streams, buffer, socket, mappings."""
+    teardown = Teardown()
+    teardown.shared(log("release context"), nbytes=0, what="context")
+    teardown.barrier(log("barrier", barrier_ok))
+    teardown.local(log("destroy stream"))
+    teardown.shared(log("free buffer"), nbytes=4096, what="buffer")
+    teardown.local(log("close socket"))
+    teardown.unmap(log("unmap peer"), what="peer buffer")
+    return teardown
+
+
+def test_everything_local_and_unmapped_first_then_the_barrier_then_the_frees():
+    log = Log()
+    teardown = _made(log)
+    teardown.run(collective=True, gpu_idle=True)
+    assert log.calls == ["unmap peer", "close socket", "destroy stream", "barrier", "free buffer", "release context"]
+    assert teardown.finished and teardown.leaked_nbytes == 0
+
+
+def test_a_failed_barrier_keeps_what_a_peer_may_map_and_reports_its_bytes():
+    # Before: close() unmapped, barriered again and freed its buffer even after a failed barrier.
+    log = Log()
+    teardown = _made(log, barrier_ok=False)
+    teardown.run(collective=True, gpu_idle=True)
+    assert "free buffer" not in log.calls and "release context" not in log.calls
+    assert teardown.leaked_nbytes == 4096 and any("buffer" in line for line in teardown.leaked)
+
+
+def test_without_the_collective_or_an_idle_gpu_nothing_shared_is_freed():
+    for collective, idle in ((False, True), (True, False)):
+        log = Log()
+        teardown = _made(log)
+        teardown.run(collective=collective, gpu_idle=idle)
+        assert "free buffer" not in log.calls
+        assert ("barrier" in log.calls) == collective
+        assert ("unmap peer" in log.calls) == idle  # a queued copy may still write through a mapping
+        assert teardown.leaked_nbytes == 4096
+
+
+def test_an_interrupted_teardown_resumes_and_never_reruns_a_step():
+    # Before: close() set _closed first, so an interrupt in its first barrier skipped the unwinding
+    # and a second close() did nothing.
+    calls = []
+
+    def interrupted_barrier():
+        calls.append("barrier")
+        raise KeyboardInterrupt
+
+    teardown = Teardown()
+    teardown.shared(lambda: calls.append("free"), nbytes=64, what="buffer")
+    teardown.barrier(interrupted_barrier)
+    teardown.local(lambda: calls.append("close socket"))
+    with pytest.raises(KeyboardInterrupt):
+        teardown.run(collective=True, gpu_idle=True)
+    assert calls == ["close socket", "barrier"] and not teardown.finished
+    teardown.run(collective=True, gpu_idle=True)
+    assert calls == ["close socket", "barrier"]  # an interrupted barrier counts as failed: no free
+    assert teardown.finished and teardown.leaked_nbytes == 64
+
+
+def test_a_failing_release_does_not_stop_the_others_and_is_raised_after():
+    calls = []
+
+    def broken():
+        raise RuntimeError("[fake driver] cuStreamDestroy failed")
+
+    teardown = Teardown()
+    teardown.local(lambda: calls.append("first made"))
+    teardown.local(broken)
+    teardown.local(lambda: calls.append("last made"))
+    with pytest.raises(RuntimeError, match="cuStreamDestroy"):
+        teardown.run(collective=True, gpu_idle=True)
+    assert calls == ["last made", "first made"] and teardown.finished
+
+
+def test_kept_tensors_stay_referenced():
+    from syncless.pp import _teardown
+
+    kept = object()
+    teardown = Teardown()
+    teardown.barrier(lambda: False)
+    teardown.shared(lambda: None, nbytes=8, what="tensors", on_leak=lambda: _teardown.keep_forever(kept))
+    teardown.run(collective=True, gpu_idle=True)
+    assert any(obj is kept for obj in _teardown._KEPT)
