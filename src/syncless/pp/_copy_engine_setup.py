@@ -33,6 +33,7 @@ from syncless._core import cuda as cuda_core
 from syncless._core.errors import CopyEngineUnavailable, CudaError, PeerTimeoutError
 from syncless.pp import _driver as drv
 from syncless.pp import _meta_channel as meta_channel
+from syncless.pp import _wire as wire
 from syncless.pp._copy_engine import REGION_OFFSET, SCRATCH_NBYTES, SCRATCH_OFFSET, CopyEngineTransport
 from syncless.pp._eligibility import StageDevice, local_stage_device, mem_ops_problem, query_nvlink, topology_problem
 from syncless.pp._group import StageMap, agree, barrier
@@ -216,6 +217,18 @@ class _Export(NamedTuple):
     token: bytes | None = None  # what that connection must present first
     targets: Sequence[tuple[int, int]] = ()  # depth 0: (handle index, offset) per persistent tensor
     target_handles: Sequence[bytes] = ()  # depth 0: one IPC handle per allocation holding persistent tensors
+
+
+# What may come back from a peer in step 2, checked field by field (set-up messages carry no pickles).
+wire.register_record(
+    _Export,
+    buffer_handle=(wire.is_bytes_of(drv.IPC_HANDLE_NBYTES), f"{drv.IPC_HANDLE_NBYTES} bytes (a CUDA IPC handle)"),
+    socket_name=(wire.is_optional(wire.is_str), "None or an abstract socket name"),
+    token=(wire.is_optional(wire.is_bytes_of(meta_channel.TOKEN_NBYTES)), f"None or {meta_channel.TOKEN_NBYTES} bytes"),
+    targets=(wire.is_sequence_of(wire.is_tuple_of(wire.is_int_at_least(-1), wire.is_int_at_least(0))),
+             "a list of (handle index, byte offset) pairs"),
+    target_handles=(wire.is_sequence_of(wire.is_bytes_of(drv.IPC_HANDLE_NBYTES)), "a list of CUDA IPC handles"),
+)
 
 
 def _share_persistent(
