@@ -307,7 +307,8 @@ def _read_outcome(data: bytes | None, rank: int, stages: StageMap, what: str) ->
             type(status) is tuple and len(status) == 2 and type(status[0]) is str and type(status[1]) is str
             and len(status[0]) <= _STATUS_KINDS_MAX_CHARS and len(status[1]) <= _STATUS_TEXT_MAX_CHARS
         ):
-            raise wire.WireFormatError(f"its status is not None or a (kind, text) pair of short strings: {status!r:.80}")
+            raise wire.WireFormatError(f"its status is not None or a (kind, text) pair of short strings: "
+                                       f"{status!r:.80}")
     except wire.WireFormatError as err:
         raise RuntimeError(f"{what}: {who} sent a set-up message syncless cannot accept: {err}") from err
     return status, envelope["value"]

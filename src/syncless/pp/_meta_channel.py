@@ -143,7 +143,7 @@ if hasattr(os, "register_at_fork"):
 class _Candidate:
     """A pending connection: who it is, when its time is up, and the bytes of its answer so far."""
 
-    __slots__ = ("conn", "pid", "deadline", "nonce", "got")
+    __slots__ = ("conn", "deadline", "got", "nonce", "pid")
 
     def __init__(self, conn: socket.socket, pid: int, deadline: float, nonce: bytes):
         self.conn = conn

@@ -95,10 +95,10 @@ def _export_tree(**changes):
     (b'{"object": "subprocess.Popen"}', "unexpected 'object' form"),
     (b'{"record": "Popen", "fields": {}}', "not a record type that can cross"),
     (b'{"record": "TensorSpec", "fields": {"dtype": {"dtype": "float32"}}}', "needs the fields"),
-    (b'{"record": "TensorSpec", "fields": {"dtype": {"dtype": "float32"}, "row_shape": {"list": [4]}, '
-     b'"max_rows": 8}}', "TensorSpec.row_shape must be a tuple"),
-    (b'{"record": "TensorSpec", "fields": {"dtype": {"dtype": "float32"}, "row_shape": {"tuple": [-4]}, '
-     b'"max_rows": 8}}', "TensorSpec.row_shape must be"),
+    ((b'{"record": "TensorSpec", "fields": {"dtype": {"dtype": "float32"}, "row_shape": {"list": [4]}, '
+      b'"max_rows": 8}}'), "TensorSpec.row_shape must be a tuple"),
+    ((b'{"record": "TensorSpec", "fields": {"dtype": {"dtype": "float32"}, "row_shape": {"tuple": [-4]}, '
+      b'"max_rows": 8}}'), "TensorSpec.row_shape must be"),
     (b'{"record": "StageDevice", "fields": {"host": "h", "uuid": "u", "ordinal": true}}', "StageDevice.ordinal"),
     (_export_tree(buffer_handle={"bytes": "ab" * 63}), "_Export.buffer_handle must be 64 bytes"),
     (_export_tree(token={"bytes": "00" * 16}), "_Export.token must be None or 32 bytes"),
