@@ -286,8 +286,9 @@ def _share_persistent(
                 names = ", ".join(repr(span.name) for span in allocations[base][1])
                 raise CopyEngineUnavailable(
                     f"depth=0 copies straight into the persistent tensors, but persistent[{names}] is in memory "
-                    f"legacy CUDA IPC cannot share ({err}); allocate the persistent tensors with "
-                    "syncless.pp.alloc_persistent(...) (always shareable) or use depth >= 1"
+                    f"legacy CUDA IPC cannot share ({err}: torch's expandable_segments, cudaMallocAsync or a custom "
+                    "pool); allocate the persistent tensors with syncless.pp.alloc_persistent(...) (always "
+                    "shareable) or use depth >= 1"
                 ) from err
     return targets, handles
 

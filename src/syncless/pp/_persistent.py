@@ -288,20 +288,22 @@ def _cuda_allocate(ordinal: int, nbytes: int) -> tuple[int, Callable[[], None]]:
 
 def exposure_problem(
     allocations: Mapping[int, tuple[int, Sequence[Span]]],
-    carved: Callable[[int], list[Span] | None] = carved_spans,
+    carved: Callable[[int], list[Span] | None] | None = None,
 ) -> str | None:
     """Return why sharing these allocations would expose memory beyond the persistent tensors, or None.
 
     Args:
         allocations: base address -> ``(size, spans of the persistent tensors in it)``, the size being
             what the driver reports for the allocation (``cuMemGetAddressRange``).
-        carved: the tensors :func:`alloc_persistent` carved from an allocation (None: not made there).
+        carved: the tensors :func:`alloc_persistent` carved from an allocation (None: not made there);
+            default :func:`carved_spans`.
 
     An allocation of :func:`alloc_persistent` is safe when every tensor carved
     from it is persistent here (the padding between them holds nothing). Any
     other allocation is safe only when the persistent tensors cover every
     byte of it (while they live, nothing else can be placed there).
     """
+    carved = carved or carved_spans
     for base, (size, spans) in allocations.items():
         names = ", ".join(repr(span.name) for span in spans)
         owned = carved(base)
