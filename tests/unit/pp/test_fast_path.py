@@ -329,9 +329,8 @@ class _FakeTensor:
 
 
 def test_share_persistent_gives_one_handle_per_allocation_and_each_tensor_its_offset(monkeypatch):
-    from syncless.pp._copy_engine_setup import _share_persistent
-
     from syncless.pp import _persistent
+    from syncless.pp._copy_engine_setup import _share_persistent
 
     exported = _fake_allocations(monkeypatch, {0x10000: 0x10000, 0x40000: 0x1000})
     specs = {name: TensorSpec(torch.float32, (4,), 2) for name in ("a", "b", "c", "empty")}
