@@ -167,11 +167,19 @@ def make_payload(rows: int, seed: int, device: Any) -> dict[str, Any]:
     }
 
 
-def empty_payload(rows: int, device: Any) -> dict[str, Any]:
-    """Return poisoned (all bits set) bf16 ``[rows, HIDDEN]`` tensors to receive into."""
+def empty_payload(rows: int, device: Any, own_allocation: bool = False) -> dict[str, Any]:
+    """Return poisoned (all bits set) bf16 ``[rows, HIDDEN]`` tensors to receive into.
+
+    ``own_allocation``: in an allocation that holds nothing else (what ``depth=0`` needs).
+    """
     import torch
 
-    tensors = {name: torch.empty(rows, HIDDEN, dtype=torch.bfloat16, device=device) for name in TENSOR_NAMES}
+    if own_allocation:
+        from syncless.pp import alloc_persistent
+
+        tensors = alloc_persistent({name: ((rows, HIDDEN), torch.bfloat16) for name in TENSOR_NAMES}, device)
+    else:
+        tensors = {name: torch.empty(rows, HIDDEN, dtype=torch.bfloat16, device=device) for name in TENSOR_NAMES}
     poison(tensors)
     return tensors
 

@@ -160,7 +160,7 @@ def _make_transports(rig: Rig) -> None:
         ("bwd0", [1, 0], 0, plan.latency_max_rows, 0),
     )
     for name, order, receiver, rows, depth in specs:
-        tensors = empty_payload(rows, rig.device) if rig.rank == receiver else None
+        tensors = empty_payload(rows, rig.device, own_allocation=depth == 0) if rig.rank == receiver else None
         transport = error = None
         # depth=0 is measured only on copy engines: without them there is nothing of it to measure.
         extra = {} if depth is None else {"depth": depth, "backend": "copy_engine"}

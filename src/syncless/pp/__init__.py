@@ -21,6 +21,7 @@ from syncless.pp._base import Transport
 from syncless.pp._eligibility import describe_local_choice
 from syncless.pp._layout import TensorSpec
 from syncless.pp._make import make_transport
+from syncless.pp._persistent import alloc_persistent
 
 __all__ = [
     "CopyEngineUnavailable",
@@ -31,6 +32,7 @@ __all__ = [
     "TransportError",
     "TransportFailedError",
     "TransportSetupError",
+    "alloc_persistent",
     "describe_local_choice",
     "make_transport",
 ]

@@ -34,6 +34,8 @@ from syncless._core.errors import CopyEngineUnavailable, CudaError, PeerTimeoutE
 from syncless.pp import _driver as drv
 from syncless.pp import _faults, _fork
 from syncless.pp import _meta_channel as meta_channel
+from syncless.pp import _persistent as persistent_memory
+from syncless.pp import _wire as wire
 from syncless.pp._copy_engine import REGION_OFFSET, SCRATCH_NBYTES, SCRATCH_OFFSET, CopyEngineTransport
 from syncless.pp._eligibility import StageDevice, local_stage_device, mem_ops_problem, query_nvlink, topology_problem
 from syncless.pp._group import StageMap, agree, barrier
@@ -284,6 +286,18 @@ class _Export(NamedTuple):
     target_handles: Sequence[bytes] = ()  # depth 0: one IPC handle per allocation holding persistent tensors
 
 
+# What may come back from a peer in step 2, checked field by field (set-up messages carry no pickles).
+wire.register_record(
+    _Export,
+    buffer_handle=(wire.is_bytes_of(drv.IPC_HANDLE_NBYTES), f"{drv.IPC_HANDLE_NBYTES} bytes (a CUDA IPC handle)"),
+    socket_name=(wire.is_optional(wire.is_str), "None or an abstract socket name"),
+    token=(wire.is_optional(wire.is_bytes_of(meta_channel.TOKEN_NBYTES)), f"None or {meta_channel.TOKEN_NBYTES} bytes"),
+    targets=(wire.is_sequence_of(wire.is_tuple_of(wire.is_int_at_least(-1), wire.is_int_at_least(0))),
+             "a list of (handle index, byte offset) pairs"),
+    target_handles=(wire.is_sequence_of(wire.is_bytes_of(drv.IPC_HANDLE_NBYTES)), "a list of CUDA IPC handles"),
+)
+
+
 def _share_persistent(
     ctx: drv.PrimaryContext, persistent: Mapping[str, torch.Tensor], layout: Layout
 ) -> tuple[list[tuple[int, int]], list[bytes]]:
@@ -294,30 +308,54 @@ def _share_persistent(
     one legacy IPC handle per distinct allocation (tensors that share one
     allocation share its handle, so the sender maps each allocation once).
 
+    The previous stage maps each allocation whole, so every allocation must
+    hold nothing but persistent tensors (``_persistent.exposure_problem``:
+    one from ``alloc_persistent`` whose tensors are all persistent here, or
+    one the persistent tensors cover entirely); otherwise no handle is made.
+
     Raises:
-        CopyEngineUnavailable: an allocation cannot be shared over CUDA IPC.
+        CopyEngineUnavailable: an allocation would expose other memory to the previous stage, or
+            cannot be shared over CUDA IPC.
     """
     targets: list[tuple[int, int]] = []
-    handles: list[bytes] = []
-    seen: dict[int, int] = {}
+    allocations: dict[int, tuple[int, list[persistent_memory.Span]]] = {}
+    order: list[int] = []  # allocation bases in the order the handles go out
     with ctx:
         for name in layout.specs:
             tensor = persistent[name]
             if tensor.numel() == 0:
                 targets.append((-1, 0))
                 continue
+            start = tensor.data_ptr()
             try:
-                base, _ = drv.allocation_of(tensor.data_ptr())
-                if base not in seen:
-                    seen[base] = len(handles)
-                    handles.append(drv.ipc_handle(base))
+                base, size = drv.allocation_of(start)
             except CudaError as err:
                 raise CopyEngineUnavailable(
-                    f"depth=0 copies straight into the persistent tensors, but persistent[{name!r}] is in memory "
-                    f"legacy CUDA IPC cannot share ({err}); allocate it with plain cudaMalloc (torch's default "
-                    "allocator: not expandable_segments, not cudaMallocAsync, not a custom pool) or use depth >= 1"
+                    f"depth=0 copies straight into the persistent tensors, but persistent[{name!r}] is not in "
+                    f"device memory the driver can place ({err}); allocate the persistent tensors with "
+                    "syncless.pp.alloc_persistent(...) or use depth >= 1"
                 ) from err
-            targets.append((seen[base], tensor.data_ptr() - base))
+            if base not in allocations:
+                allocations[base] = (size, [])
+                order.append(base)
+            end = start + tensor.numel() * tensor.element_size()  # contiguous (make_transport checked)
+            allocations[base][1].append(persistent_memory.Span(name, start, end))
+            targets.append((order.index(base), start - base))
+        problem = persistent_memory.exposure_problem(allocations)
+        if problem:
+            raise CopyEngineUnavailable(problem)
+        handles = []
+        for base in order:
+            try:
+                handles.append(drv.ipc_handle(base))
+            except CudaError as err:
+                names = ", ".join(repr(span.name) for span in allocations[base][1])
+                raise CopyEngineUnavailable(
+                    f"depth=0 copies straight into the persistent tensors, but persistent[{names}] is in memory "
+                    f"legacy CUDA IPC cannot share ({err}: torch's expandable_segments, cudaMallocAsync or a custom "
+                    "pool); allocate the persistent tensors with syncless.pp.alloc_persistent(...) (always "
+                    "shareable) or use depth >= 1"
+                ) from err
     return targets, handles
 
 

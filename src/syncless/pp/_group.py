@@ -9,6 +9,7 @@ already gave up.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from syncless._core.errors import (
     PeerTimeoutError,
     TransportSetupError,
 )
+from syncless.pp import _wire as wire
 
 logger = logging.getLogger(__name__)
 
@@ -161,41 +163,146 @@ def first_failure(statuses: Sequence[tuple[str, str] | None], stages: StageMap, 
     return None
 
 
-def agree(side_group: Any, stages: StageMap, what: str, local: Callable[[], Any]) -> list[Any]:
+def agree(
+    side_group: Any,
+    stages: StageMap,
+    what: str,
+    local: Callable[[], Any],
+    check: tuple[Callable[[Any], bool], str] | None = None,
+) -> list[Any]:
     """Run ``local`` here, share its outcome with every stage, and raise the first failure everywhere.
 
     Returns the list of every stage's result (in pipeline order) when all
-    succeeded. Blocks the host for one all-gather over ``side_group``.
+    succeeded. Results cross in the pickle-free format of
+    :mod:`~syncless.pp._wire` (what ``local`` returns must be made of the
+    types it lists), so a peer's message can never run code here, and
+    records come back with every field checked. Each stage's result must
+    also pass ``check`` (``(predicate, what it must be)``), by default:
+    have the type of this stage's own result (for tuples, item by item).
+    Blocks the host for two all-gathers over ``side_group`` (the lengths,
+    then the messages padded to the longest).
 
     Raises:
         CopyEngineUnavailable: some stage found the copy-engine path unusable.
         ValueError, TypeError: some stage was given bad arguments.
-        RuntimeError: some stage failed otherwise (the message names it and its error).
+        RuntimeError: some stage failed otherwise (the message names it and its error), or sent a
+            message that is not valid (every stage received the same bytes, so every stage raises).
         PeerTimeoutError: the exchange itself failed (a peer died or never came).
     """
-    import torch.distributed as dist
-
     error: BaseException | None = None
     result: Any = None
     try:
         result = local()
     except Exception as err:  # noqa: BLE001 - shared with every rank below, then re-raised; nothing is hidden
         error = err
-    mine = (stages.ranks[stages.index], _status_of(error), None if error is not None else result)
-    gathered: list[Any] = [None] * len(stages.ranks)
+    me = stages.ranks[stages.index]
+    status = _bounded(_status_of(error))
     try:
-        dist.all_gather_object(gathered, mine, group=side_group)
-    except RuntimeError as err:
-        discard_cpu_group(side_group)
-        raise PeerTimeoutError(f"{what}: exchanging set-up outcomes with the other stages failed: {err}") from err
-    by_rank = {rank: (status, value) for rank, status, value in gathered}
+        message = wire.encode({"rank": me, "status": status, "value": None if error is not None else result})
+    except wire.WireFormatError as err:  # a result that cannot cross is this stage's failure, shared as any other
+        error = err
+        message = wire.encode({"rank": me, "status": _bounded(_status_of(err)), "value": None})
+    messages = _all_gather_bytes(side_group, message, len(stages.ranks), what)
+    from_rank = dict(zip(sorted(stages.ranks), messages))  # the side group numbers its ranks in ascending order
+    for rank in stages.ranks:  # a length out of bounds first: the others' messages were not fetched then
+        if from_rank[rank] is None:
+            _read_outcome(None, rank, stages, what)
+    by_rank = {rank: _read_outcome(from_rank[rank], rank, stages, what) for rank in stages.ranks}
     statuses = [by_rank[rank][0] for rank in stages.ranks]
     failure = first_failure(statuses, stages, what)
     if failure is not None:
         if error is not None:
             raise failure from error
         raise failure
+    predicate, expected = check or (lambda value: _same_shape(value, result), _shape_of(result))
+    for index, rank in enumerate(stages.ranks):
+        if not predicate(by_rank[rank][1]):
+            raise RuntimeError(
+                f"{what}: {stages.name(index)} sent a set-up result syncless cannot accept: it must be {expected}; "
+                f"got {by_rank[rank][1]!r:.120}"
+            )
     return [by_rank[rank][1] for rank in stages.ranks]
+
+
+def _same_shape(value: Any, mine: Any) -> bool:
+    if type(value) is not type(mine):
+        return False
+    if type(mine) is tuple:
+        return len(value) == len(mine) and all(_same_shape(v, m) for v, m in zip(value, mine))
+    return True
+
+
+def _shape_of(mine: Any) -> str:
+    if type(mine) is tuple:
+        return "(" + ", ".join(_shape_of(m) for m in mine) + ")"
+    return "None" if mine is None else f"a {type(mine).__name__}"
+
+
+def _all_gather_bytes(side_group: Any, message: bytes, world: int, what: str) -> list[bytes | None]:
+    """Gather every rank's ``message`` (in group-rank order).
+
+    Blocks the host. If some rank announces a length out of bounds, every
+    rank sees the same lengths and skips the second all-gather alike; the
+    result then holds None for each rank whose length was out of bounds
+    (and empty bytes for the others, whose messages were not fetched).
+    """
+    import torch.distributed as dist
+
+    try:
+        lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(lengths, torch.tensor([len(message)], dtype=torch.int64), group=side_group)
+        sizes = [int(t.item()) for t in lengths]
+        if not all(0 < size <= wire.MAX_MESSAGE_NBYTES for size in sizes):
+            return [b"" if 0 < size <= wire.MAX_MESSAGE_NBYTES else None for size in sizes]
+        mine = torch.zeros(max(sizes), dtype=torch.uint8)
+        mine[: len(message)] = torch.frombuffer(bytearray(message), dtype=torch.uint8)
+        gathered = [torch.empty(max(sizes), dtype=torch.uint8) for _ in range(world)]
+        dist.all_gather(gathered, mine, group=side_group)
+    except RuntimeError as err:
+        discard_cpu_group(side_group)
+        raise PeerTimeoutError(f"{what}: exchanging set-up outcomes with the other stages failed: {err}") from err
+    return [ctypes.string_at(t.data_ptr(), size) for t, size in zip(gathered, sizes)]
+
+
+_STATUS_KINDS_MAX_CHARS = 64
+_STATUS_TEXT_MAX_CHARS = 64 * 1024
+
+
+def _bounded(status: tuple[str, str] | None) -> tuple[str, str] | None:
+    """Cut a status to the sizes every rank accepts (an error's text can be arbitrarily long)."""
+    if status is None:
+        return None
+    kind, text = status
+    if len(text) > _STATUS_TEXT_MAX_CHARS:
+        text = text[: _STATUS_TEXT_MAX_CHARS - 20] + " ... (cut)"
+    return kind[:_STATUS_KINDS_MAX_CHARS], text
+
+
+def _read_outcome(data: bytes | None, rank: int, stages: StageMap, what: str) -> tuple[Any, Any]:
+    """Decode and check one rank's message; return its ``(status, value)``.
+
+    Raises:
+        RuntimeError: the message is not a valid outcome of that rank (the same on every rank).
+    """
+    who = stages.name(stages.ranks.index(rank))
+    try:
+        if data is None:
+            raise wire.WireFormatError(f"it announced a message length outside 1..{wire.MAX_MESSAGE_NBYTES} bytes")
+        envelope = wire.decode(data)
+        if type(envelope) is not dict or sorted(envelope) != ["rank", "status", "value"]:
+            raise wire.WireFormatError("it is not a {rank, status, value} dict")
+        if envelope["rank"] != rank or type(envelope["rank"]) is not int:
+            raise wire.WireFormatError(f"it claims to come from rank {envelope['rank']!r}")
+        status = envelope["status"]
+        if status is not None and not (
+            type(status) is tuple and len(status) == 2 and type(status[0]) is str and type(status[1]) is str
+            and len(status[0]) <= _STATUS_KINDS_MAX_CHARS and len(status[1]) <= _STATUS_TEXT_MAX_CHARS
+        ):
+            raise wire.WireFormatError(f"its status is not None or a (kind, text) pair of short strings: "
+                                       f"{status!r:.80}")
+    except wire.WireFormatError as err:
+        raise RuntimeError(f"{what}: {who} sent a set-up message syncless cannot accept: {err}") from err
+    return status, envelope["value"]
 
 
 def barrier(side_group: Any, timeout_s: float, what: str) -> bool:

@@ -12,6 +12,7 @@ from syncless._core import config
 from syncless._core.errors import CopyEngineUnavailable
 from syncless._core.logs import log_once
 from syncless.pp import _faults
+from syncless.pp import _wire as wire
 from syncless.pp._base import Transport
 from syncless.pp._copy_engine_setup import INJECTABLE_FAILURES, open_copy_engine
 from syncless.pp._group import agree, cpu_group, next_tag, resolve_stages
@@ -21,6 +22,14 @@ from syncless.pp._torch_dist import TorchDistTransport
 logger = logging.getLogger("syncless.pp")
 
 BACKENDS = ("auto", "copy_engine", "torch_distributed")
+
+#: What each stage's part of make_transport's first exchange must be (it comes from another process).
+LAYOUT_CHECK = (
+    wire.is_tuple_of(
+        lambda specs: type(specs) is dict and all(type(s) is TensorSpec for s in specs.values()), wire.is_int
+    ),
+    "a (dict of name -> TensorSpec, depth) pair",
+)
 
 
 def _resolve_device(persistent: Mapping[str, torch.Tensor] | None, device: Any) -> torch.device:
@@ -136,7 +145,7 @@ def make_transport(
         resolved["device"] = _resolve_device(persistent, device)
         return specs_from_persistent(persistent), checked_depth
 
-    shared = agree(side, stages, "make_transport", local_layout)
+    shared = agree(side, stages, "make_transport", local_layout, check=LAYOUT_CHECK)
     specs = [layout for layout, _ in shared]
     depths = [stage_depth for _, stage_depth in shared]
     # Every stage sizes its neighbours' slots from its own depth, so all must agree;

@@ -12,31 +12,90 @@ socket rather than the gloo group:
 
 Set-up, collective over the stages (driven by ``_copy_engine_setup``): the
 receiving stage creates a :class:`Listener` (an abstract-namespace name,
-nothing on the file system, and a random token), name and token travel in the
-set-up exchange over the private gloo group (set-up step 2), the sending stage calls :func:`connect`
-(which sends the token first), and the receiving stage
-:meth:`Listener.accept`\\ s the connection that presents the token; any
-other local process that connects to the name is turned away. Abstract
-names live in the network namespace: stages in separate network namespaces
-(containers that share the GPUs but not the network) cannot connect, and
-``make_transport`` falls back to torch.distributed there.
+nothing on the file system, and a random secret token); name and token
+travel in the set-up exchange over the private gloo group (set-up step 2);
+the sending stage calls :func:`connect` (step 3) and the receiving stage
+takes the authenticated connection with :meth:`Listener.accept` (step 4).
+Abstract names live in the network namespace: stages in separate network
+namespaces (containers that share the GPUs but not the network) cannot
+connect, and ``make_transport`` falls back to torch.distributed there.
+
+Other local processes (see ``docs/pp.md``, "Security"). Anyone on the node
+can read the abstract name in ``/proc/net/unix`` and connect to it while the
+listener is open (from set-up step 2 until the sender is authenticated;
+abstract sockets have no file permissions). So:
+
+* The listener drains its queue on a thread of its own from the moment it
+  exists, so a flood of pending connections cannot fill the backlog and
+  block the real sender's ``connect`` between set-up steps 2 and 4.
+* A connection from another user (``SO_PEERCRED``: the effective uid the
+  kernel recorded at ``connect``) is closed at once and logged.
+* Every other connection gets a fresh 16-byte nonce and must answer, within
+  :data:`HANDSHAKE_S`, with ``HMAC-SHA256(token, context | name | nonce)``.
+  All pending connections are polled together: a silent one, one that sends
+  garbage or a wrong answer, or one that hangs up, holds nothing up; it is
+  dropped (at its own deadline at the latest) and logged.
+* Replay: the answer is bound to the nonce of one connection, and a nonce
+  is never reused (16 random bytes), so an answer captured from the real
+  sender's connection is worthless on any other connection, and the token
+  itself never crosses the socket. (A plain token, as before, could be
+  replayed on a connection opened earlier than the real one.) The token is
+  fresh per listener, so nothing from an earlier set-up is accepted either.
+* The first correct answer wins: the listening socket is closed then (the
+  name disappears, later connections are refused by the kernel) and every
+  other pending connection is closed. From then on the metadata flows over
+  one connected pair of sockets that no other process can write to or
+  read from, so nothing a stranger does can delay a step.
+
+Sockets are close-on-exec (Python's default) and closed in forked children
+(``os.register_at_fork``): a child that kept a copy of a connected socket
+would keep the connection open after this process died, and the peer would
+wait for the timeout instead of seeing the closed end at once.
+
 Every call here blocks the host (for at most its timeout); none touches the
-GPU. Plain Python over sockets, so it is unit-tested on the CPU.
+GPU. No pickles: the handshake is raw bytes, the steps fixed ``int64``
+frames. Plain Python over sockets, so it is unit-tested on the CPU.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import logging
 import os
+import select
 import socket
 import struct
+import threading
 import time
 import uuid
+import weakref
+from collections.abc import Callable
+from typing import Any
 
 from syncless._core.errors import PeerTimeoutError
 
+logger = logging.getLogger(__name__)
+
 _NAME_PREFIX = "syncless-pp"
-TOKEN_NBYTES = 16
+#: Bytes of the secret a listener hands out over the set-up exchange (an HMAC-SHA256 key).
+TOKEN_NBYTES = 32
+#: What the listener sends each new connection: a fixed greeting, then a fresh nonce.
+GREETING = b"syncless-pp-meta/1\n"
+NONCE_NBYTES = 16
+CHALLENGE_NBYTES = len(GREETING) + NONCE_NBYTES
+#: The answer: HMAC-SHA256 of context, name and nonce under the token.
+ANSWER_NBYTES = 32
+_CONTEXT = b"syncless-pp metadata channel, sender answers challenge\0"
+#: How long one pending connection may take to answer the challenge (the real sender answers at once).
+HANDSHAKE_S = 5.0
+#: Most connections waiting for their answer at once; beyond it the oldest is dropped.
+MAX_PENDING = 256
+#: Refusals logged one by one per listener; the rest are counted and summed up once.
+LOGGED_REFUSALS = 8
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+PeerCredentials = Callable[[socket.socket], tuple[int, int, int]]
 
 
 def _message_format(length: int) -> struct.Struct:
@@ -45,73 +104,267 @@ def _message_format(length: int) -> struct.Struct:
     return struct.Struct(f"<{length}q")
 
 
-class Listener:
-    """The receiving end before the sender connected: a listening socket with a unique abstract name."""
+def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
+    """Return ``(pid, uid, gid)`` of the process that connected ``conn`` (Linux ``SO_PEERCRED``)."""
+    return _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
 
-    def __init__(self) -> None:
+
+def expected_answer(token: bytes, name: str, nonce: bytes) -> bytes:
+    """Return the answer to the challenge ``nonce`` of the listener ``name`` whose secret is ``token``."""
+    return hmac.new(token, _CONTEXT + name.encode() + b"\0" + nonce, hashlib.sha256).digest()
+
+
+# Forked children close what they inherited ------------------------------------------
+
+_open: dict[int, weakref.ref[Any]] = {}  # id -> every Listener and endpoint not closed yet
+
+
+def _track(obj: Any) -> None:
+    _open[id(obj)] = weakref.ref(obj)
+
+
+def _untrack(obj: Any) -> None:
+    _open.pop(id(obj), None)
+
+
+def _close_inherited() -> None:
+    """In a forked child: close every socket of this module the parent had open (the parent keeps its own)."""
+    for ref in list(_open.values()):
+        obj = ref()
+        if obj is not None:
+            obj._close_in_child()
+    _open.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_inherited)
+
+
+class _Candidate:
+    """A pending connection: who it is, when its time is up, and the bytes of its answer so far."""
+
+    __slots__ = ("conn", "deadline", "got", "nonce", "pid")
+
+    def __init__(self, conn: socket.socket, pid: int, deadline: float, nonce: bytes):
+        self.conn = conn
+        self.pid = pid
+        self.deadline = deadline
+        self.nonce = nonce
+        self.got = b""
+
+
+class Listener:
+    """The receiving end before the sender is authenticated: a listening socket with a unique abstract name.
+
+    A thread of its own accepts, checks and challenges every connection (see
+    the module docstring) until the first correct answer, then closes the
+    listening socket. Creating it blocks the host for a ``bind``.
+
+    Args:
+        credentials: returns ``(pid, uid, gid)`` of a connection's peer;
+            tests stand in for ``SO_PEERCRED`` here.
+        handshake_s: how long one pending connection may take to answer.
+    """
+
+    def __init__(self, *, credentials: PeerCredentials = peer_credentials, handshake_s: float = HANDSHAKE_S):
         self.name = f"\0{_NAME_PREFIX}-{os.getpid()}-{uuid.uuid4().hex}"
         self.token = os.urandom(TOKEN_NBYTES)
+        self.refused = 0  # connections turned away so far
+        self._credentials = credentials
+        self._handshake_s = handshake_s
+        self._uid = os.geteuid()
+        self._pending: dict[int, _Candidate] = {}
+        self._winner: socket.socket | None = None
+        self._winner_pid = 0
+        self._done = threading.Event()  # set once a sender is authenticated (or the thread stopped)
+        self._stop = False
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._sock.bind(self.name)
-            self._sock.listen(1)
+            self._sock.listen(socket.SOMAXCONN)
+            self._sock.setblocking(False)
+            self._wake_read, self._wake_write = os.pipe()  # non-inheritable, like every fd Python makes
         except OSError:
             self._sock.close()
             raise
+        _track(self)
+        self._thread = threading.Thread(target=self._serve, name="syncless-pp-meta-listener", daemon=True)
+        self._thread.start()
+
+    # The thread ---------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        poller = select.poll()
+        poller.register(self._sock.fileno(), select.POLLIN)
+        poller.register(self._wake_read, select.POLLIN)
+        try:
+            while not self._stop and self._winner is None:
+                now = time.monotonic()
+                for fd in [fd for fd, c in self._pending.items() if c.deadline <= now]:
+                    self._drop(poller, fd, f"it did not answer the challenge within {self._handshake_s:g} s")
+                wait_ms = -1
+                if self._pending:
+                    nearest = min(c.deadline for c in self._pending.values())
+                    wait_ms = max(0, int((nearest - now) * 1000) + 1)
+                for fd, _ in poller.poll(wait_ms):
+                    if fd == self._wake_read or self._winner is not None:
+                        continue
+                    if fd == self._sock.fileno():
+                        self._accept_all(poller)
+                    elif fd in self._pending:
+                        self._read_answer(poller, fd)
+        finally:
+            why = "the sender was authenticated on another connection" if self._winner else "the listener closed"
+            for fd in list(self._pending):
+                self._drop(poller, fd, f"{why} before it answered")
+            self._sock.close()  # the name goes away: later connections are refused by the kernel
+            if self.refused > LOGGED_REFUSALS:
+                logger.warning("%s: %d connections were refused in all", self._label(), self.refused)
+            self._done.set()
+
+    def _accept_all(self, poller: select.poll) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as err:  # e.g. EMFILE under a flood: try again shortly, without spinning
+                self._refuse(f"accept failed: {err}")
+                time.sleep(0.01)
+                return
+            try:
+                pid, uid, _ = self._credentials(conn)
+            except OSError as err:
+                self._refuse(f"its peer credentials could not be read: {err}")
+                conn.close()
+                continue
+            if uid != self._uid:
+                self._refuse(f"it came from pid {pid} of uid {uid}, not this user (uid {self._uid})")
+                conn.close()
+                continue
+            if len(self._pending) >= MAX_PENDING:
+                oldest = min(self._pending, key=lambda fd: self._pending[fd].deadline)
+                self._drop(poller, oldest, f"{MAX_PENDING} newer connections were waiting")
+            nonce = os.urandom(NONCE_NBYTES)
+            conn.setblocking(False)
+            try:
+                conn.send(GREETING + nonce)  # a few bytes into an empty buffer: never blocks
+            except OSError as err:
+                self._refuse(f"pid {pid} could not be sent the challenge: {err}")
+                conn.close()
+                continue
+            self._pending[conn.fileno()] = _Candidate(conn, pid, time.monotonic() + self._handshake_s, nonce)
+            poller.register(conn.fileno(), select.POLLIN)
+
+    def _read_answer(self, poller: select.poll, fd: int) -> None:
+        candidate = self._pending[fd]
+        try:
+            chunk = candidate.conn.recv(ANSWER_NBYTES - len(candidate.got))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as err:
+            self._drop(poller, fd, f"reading its answer failed: {err}")
+            return
+        if not chunk:
+            self._drop(poller, fd, "it hung up without answering the challenge")
+            return
+        candidate.got += chunk
+        if len(candidate.got) < ANSWER_NBYTES:
+            return
+        if not hmac.compare_digest(candidate.got, expected_answer(self.token, self.name, candidate.nonce)):
+            self._drop(poller, fd, "its answer to the challenge is wrong (garbage, a stranger or a replay)")
+            return
+        poller.unregister(fd)
+        del self._pending[fd]
+        self._winner, self._winner_pid = candidate.conn, candidate.pid
+
+    def _drop(self, poller: select.poll, fd: int, why: str) -> None:
+        candidate = self._pending.pop(fd)
+        poller.unregister(fd)
+        self._refuse(f"pid {candidate.pid}: {why}")  # logged before the stranger sees its end close
+        candidate.conn.close()
+
+    def _refuse(self, why: str) -> None:
+        self.refused += 1
+        if self.refused <= LOGGED_REFUSALS:
+            logger.warning("%s: refused a connection: %s", self._label(), why)
+
+    def _label(self) -> str:
+        return f"syncless.pp metadata socket @{self.name[1:]}"
+
+    # The caller's side ----------------------------------------------------------------
 
     def accept(self, length: int, timeout_s: float, what: str) -> Receiver:
-        """Wait (at most ``timeout_s``) for the sender's connection, the one that presents the token.
+        """Wait (at most ``timeout_s``) until the sender is authenticated; return the receiving end.
 
-        Connections without the token are closed and the wait goes on.
+        Blocks the host; connections of strangers never extend the wait.
 
         Raises:
-            PeerTimeoutError: the sender did not connect in time.
+            PeerTimeoutError: the sender did not connect (or answer) in time.
         """
-        deadline = time.monotonic() + timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                if left <= 0:
-                    raise TimeoutError("timed out")
-                self._sock.settimeout(left)
-                conn, _ = self._sock.accept()
-            except OSError as err:  # socket.timeout is an OSError
-                raise PeerTimeoutError(
-                    f"{what}: the previous stage did not connect within {timeout_s:g} s: {err}"
-                ) from err
-            if self._presents_token(conn, max(deadline - time.monotonic(), 0.001)):
-                return Receiver(conn, length, timeout_s)
-            conn.close()
-
-    def _presents_token(self, conn: socket.socket, timeout_s: float) -> bool:
-        conn.settimeout(timeout_s)
-        got = b""
-        try:
-            while len(got) < TOKEN_NBYTES:
-                chunk = conn.recv(TOKEN_NBYTES - len(got))
-                if not chunk:
-                    return False
-                got += chunk
-        except OSError:
-            return False
-        return hmac.compare_digest(got, self.token)
+        if not self._done.wait(timeout_s) or self._winner is None:
+            refused = f" ({self.refused} other connections were refused)" if self.refused else ""
+            raise PeerTimeoutError(f"{what}: the previous stage did not connect within {timeout_s:g} s{refused}")
+        conn, self._winner = self._winner, None
+        return Receiver(conn, length, timeout_s)
 
     def close(self) -> None:
-        self._sock.close()
+        """Stop the thread and close every socket still open here (a second call does nothing). Blocks briefly."""
+        _untrack(self)
+        if self._stop:
+            return
+        self._stop = True
+        try:
+            os.write(self._wake_write, b"x")
+        except OSError:
+            pass  # the pipe is full (or closed): the thread is awake anyway
+        self._thread.join()  # it only polls and closes sockets: it returns at once
+        for fd in (self._wake_read, self._wake_write):
+            os.close(fd)
+        if self._winner is not None:  # authenticated but never taken by accept()
+            self._winner.close()
+            self._winner = None
+
+    def _close_in_child(self) -> None:
+        # The thread does not exist in the child: close the parent's sockets' copies directly.
+        self._stop = True
+        for candidate in list(self._pending.values()):
+            candidate.conn.close()
+        for sock in (self._sock, self._winner):
+            if sock is not None:
+                sock.close()
+        for fd in (self._wake_read, self._wake_write):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 def connect(name: str, token: bytes, length: int, timeout_s: float, what: str) -> Sender:
-    """Connect to a :class:`Listener` of this node by its name and present its token; return the sending end.
+    """Connect to a :class:`Listener` of this node by its name, answer its challenge; return the sending end.
+
+    Blocks the host for at most ``timeout_s``.
 
     Raises:
-        PeerTimeoutError: nobody listens under ``name`` (or not in time).
+        PeerTimeoutError: nobody listens under ``name``, or it sent no challenge in time, or
+            something else answered there.
     """
+    deadline = time.monotonic() + timeout_s
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(timeout_s)
     try:
+        sock.settimeout(timeout_s)
         sock.connect(name)
-        sock.sendall(token, socket.MSG_NOSIGNAL)
-    except OSError as err:
+        challenge = b""
+        while len(challenge) < CHALLENGE_NBYTES:
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            chunk = sock.recv(CHALLENGE_NBYTES - len(challenge))
+            if not chunk:
+                raise ConnectionError("the listener closed the connection before its challenge")
+            challenge += chunk
+        if not challenge.startswith(GREETING):
+            raise ConnectionError(f"the listener sent {challenge[:len(GREETING)]!r}, not the syncless greeting")
+        sock.sendall(expected_answer(token, name, challenge[len(GREETING):]), socket.MSG_NOSIGNAL)
+    except OSError as err:  # socket.timeout and ConnectionError are OSErrors
         sock.close()
         raise PeerTimeoutError(f"{what}: could not reach the next stage's metadata socket: {err}") from err
     return Sender(sock, length, timeout_s)
@@ -126,8 +379,13 @@ class _Endpoint:
         self._timeout_s = timeout_s
         self._format = _message_format(length)
         self._buffer = bytearray(self._format.size)
+        _track(self)
 
     def close(self) -> None:
+        _untrack(self)
+        self._sock.close()
+
+    def _close_in_child(self) -> None:
         self._sock.close()
 
 

@@ -27,12 +27,16 @@ def _device(kind):
     return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
 
 
-def _persistent(device, max_rows, poison=True):
-    out = {}
-    for name, (dtype, row) in SPEC.items():
-        t = torch.empty((max_rows, *row), dtype=dtype, device=device)
+def _persistent(device, max_rows, poison=True, own_allocation=False):
+    """``own_allocation`` (CUDA): in an allocation of their own, as depth=0 needs (``alloc_persistent``)."""
+    if own_allocation and device.type == "cuda":
+        from syncless.pp import alloc_persistent
+
+        out = alloc_persistent({name: ((max_rows, *row), dtype) for name, (dtype, row) in SPEC.items()}, device)
+    else:
+        out = {name: torch.empty((max_rows, *row), dtype=dtype, device=device) for name, (dtype, row) in SPEC.items()}
+    for t in out.values():
         _poison(t)
-        out[name] = t
     return out
 
 
@@ -104,7 +108,7 @@ def bit_exact(
     order = list(stage_ranks) if stage_ranks else list(range(world))
     index = order.index(rank)
     first, last = index == 0, index == len(order) - 1
-    persistent = None if first else _persistent(device, max_rows)
+    persistent = None if first else _persistent(device, max_rows, own_allocation=depth == 0)
     extra = {} if depth is None else {"depth": depth}
     transport = make_transport(
         None, persistent, stage_ranks=order, backend=backend, timeout_s=timeout_s, device=device, **extra
@@ -183,7 +187,7 @@ def stream_switching(rank, world, steps, depth=2, seed=4321, timeout_s=60):
     """
     device = _device("cuda")
     max_rows = 64
-    persistent = None if rank == 0 else _persistent(device, max_rows)
+    persistent = None if rank == 0 else _persistent(device, max_rows, own_allocation=depth == 0)
     transport = make_transport(
         None, persistent, backend="copy_engine", timeout_s=timeout_s, device=device, depth=depth
     )

@@ -315,8 +315,8 @@ def _fake_allocations(monkeypatch, allocations, failing=()):
 
 
 class _FakeTensor:
-    def __init__(self, ptr, numel=4):
-        self._ptr, self._numel = ptr, numel
+    def __init__(self, ptr, numel=4, itemsize=4):
+        self._ptr, self._numel, self._itemsize = ptr, numel, itemsize
 
     def data_ptr(self):
         return self._ptr
@@ -324,14 +324,22 @@ class _FakeTensor:
     def numel(self):
         return self._numel
 
+    def element_size(self):
+        return self._itemsize
+
 
 def test_share_persistent_gives_one_handle_per_allocation_and_each_tensor_its_offset(monkeypatch):
+    from syncless.pp import _persistent
     from syncless.pp._copy_engine_setup import _share_persistent
 
     exported = _fake_allocations(monkeypatch, {0x10000: 0x10000, 0x40000: 0x1000})
     specs = {name: TensorSpec(torch.float32, (4,), 2) for name in ("a", "b", "c", "empty")}
-    persistent = {"a": _FakeTensor(0x10200), "b": _FakeTensor(0x40000), "c": _FakeTensor(0x18000),
+    persistent = {"a": _FakeTensor(0x10200, 8), "b": _FakeTensor(0x40000, 8), "c": _FakeTensor(0x18000, 8),
                   "empty": _FakeTensor(0, numel=0)}
+    # Both allocations hold nothing but these tensors (as if alloc_persistent had carved them there).
+    carved = {0x10000: [_persistent.Span("a", 0x10200, 0x10220), _persistent.Span("c", 0x18000, 0x18020)],
+              0x40000: [_persistent.Span("b", 0x40000, 0x40020)]}
+    monkeypatch.setattr(_persistent, "carved_spans", carved.get)
     targets, handles = _share_persistent(_NoContext(), persistent, Layout.from_specs(specs))
     assert exported == [0x10000, 0x40000]  # "a" and "c" share the first allocation's handle
     assert targets == [(0, 0x200), (1, 0), (0, 0x8000), (-1, 0)]
@@ -342,10 +350,10 @@ def test_share_persistent_refuses_memory_ipc_cannot_share_and_says_what_to_do(mo
     from syncless._core.errors import CopyEngineUnavailable
     from syncless.pp._copy_engine_setup import _share_persistent
 
-    _fake_allocations(monkeypatch, {0x10000: 0x10000}, failing={0x10000})
+    _fake_allocations(monkeypatch, {0x10000: 0x20}, failing={0x10000})  # covered whole by the tensor
     specs = {"hidden": TensorSpec(torch.bfloat16, (8,), 2)}
     with pytest.raises(CopyEngineUnavailable, match=r"persistent\['hidden'\].*expandable_segments.*depth >= 1"):
-        _share_persistent(_NoContext(), {"hidden": _FakeTensor(0x10000)}, Layout.from_specs(specs))
+        _share_persistent(_NoContext(), {"hidden": _FakeTensor(0x10000, 16, 2)}, Layout.from_specs(specs))
 
 
 # -- batched copies ------------------------------------------------------------------------------

@@ -8,10 +8,12 @@ every rank must reach.
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from syncless._core.errors import CopyEngineUnavailable, PeerTimeoutError, TransportSetupError
 from syncless.pp import _group
+from syncless.pp import _wire as wire
 from syncless.pp._group import StageMap, agree, barrier, cpu_group, next_tag, recv_meta
 
 TIMEOUT_S = 7.75  # an unusual value, so cache keys are this file's own
@@ -59,17 +61,40 @@ def test_one_transport_per_side_group_so_its_tags_are_fixed(groups):
     assert next_tag(a) == next_tag(b) == next_tag(a)
 
 
+def _gather_as_gloo(monkeypatch, others):
+    """Make dist.all_gather play the other ranks: ``others`` maps global rank -> its encoded message.
+
+    agree() gathers twice, the lengths (int64) and then the messages padded
+    to the longest (uint8); gloo fills the list in group-rank order
+    (ascending global ranks). Returns a dict that gets this rank's message.
+    """
+    seen = {}
+    ranks = sorted([*others, MY_RANK])
+
+    def all_gather(out, mine, group=None):
+        if mine.dtype == torch.int64:
+            for slot, rank in enumerate(ranks):
+                out[slot].fill_(int(mine.item()) if rank == MY_RANK else len(others[rank]))
+            return
+        for slot, rank in enumerate(ranks):
+            data = bytes(mine.tolist()) if rank == MY_RANK else others[rank]
+            out[slot].zero_()
+            out[slot][: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+        seen["mine"] = wire.decode(bytes(mine.tolist()).rstrip(b"\0"))
+
+    monkeypatch.setattr(dist, "all_gather", all_gather)
+    return seen
+
+
 def _others(monkeypatch, outcomes):
-    """Make all_gather_object gather ``outcomes`` (global rank -> (status, value)) for the other ranks."""
-
-    def all_gather_object(gathered, mine, group=None):
-        everyone = {**{rank: (rank, *outcome) for rank, outcome in outcomes.items()}, mine[0]: mine}
-        for slot, rank in enumerate(sorted(everyone)):  # gloo gathers in group-rank order
-            gathered[slot] = everyone[rank]
-
-    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+    """Make the gather deliver ``outcomes`` (global rank -> (status, value)) for the other ranks."""
+    _gather_as_gloo(monkeypatch, {
+        rank: wire.encode({"rank": rank, "status": status, "value": value})
+        for rank, (status, value) in outcomes.items()
+    })
 
 
+MY_RANK = 0
 STAGES = StageMap((2, 0, 1), 1)  # pipeline order differs from rank order; this process is rank 0
 
 
@@ -87,13 +112,9 @@ def test_agree_raises_the_first_failure_in_pipeline_order(monkeypatch):
 
 @pytest.mark.parametrize("error", [ValueError("depth must be >= 1"), TypeError("depth must be an int")])
 def test_a_bad_argument_here_is_the_same_error_type_on_every_rank(monkeypatch, error):
-    seen = {}
-
-    def all_gather_object(gathered, mine, group=None):
-        seen["mine"] = mine
-        gathered[:] = [(1, None, 1), mine, (2, None, 2)]
-
-    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+    seen = _gather_as_gloo(monkeypatch, {
+        rank: wire.encode({"rank": rank, "status": None, "value": rank}) for rank in (1, 2)
+    })
 
     def local():
         raise error
@@ -103,7 +124,7 @@ def test_a_bad_argument_here_is_the_same_error_type_on_every_rank(monkeypatch, e
     assert type(info.value) is type(error) and info.value.__cause__ is error
     assert str(info.value) == f"make_transport failed on stage 1 (rank 0): {error}"
     # What the other ranks receive turns into the same exception there.
-    status = seen["mine"][1]
+    status = seen["mine"]["status"]
     there = _group.first_failure([None, status, None], STAGES, "make_transport")
     assert type(there) is type(error) and str(there) == str(info.value)
 
@@ -121,10 +142,10 @@ def test_an_unavailable_copy_engine_is_shared_as_unavailable(monkeypatch):
 def test_a_failed_exchange_raises_peer_timeout(groups, monkeypatch):
     side = cpu_group([0, 1, 2], TIMEOUT_S)
 
-    def all_gather_object(gathered, mine, group=None):
+    def all_gather(out, mine, group=None):
         raise RuntimeError("[fake gloo] rank 2 closed the connection")
 
-    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+    monkeypatch.setattr(dist, "all_gather", all_gather)
     with pytest.raises(PeerTimeoutError, match="exchanging set-up outcomes"):
         agree(side, STAGES, "set-up", lambda: 1)
 
