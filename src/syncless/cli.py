@@ -3,52 +3,166 @@
 Each subcommand lives in its own module, which provides
 ``add_arguments(parser)`` and ``run(args) -> int``; this file only wires
 them together, so ``syncless --help`` imports no CUDA.
+
+How a command ends (the same for every subcommand):
+
+* a usage error (a bad option, a bad ``SYNCLESS_*`` value): one line on
+  stderr naming the thing, the value and the fix; exit status 2;
+* any other error: one line on stderr; exit status 1;
+* Ctrl-C or SIGTERM: one line, every process the command started is
+  stopped; exit status 130 or 143.
+
+``--debug`` (or ``SYNCLESS_DEBUG=1``) prints the full traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
 
 from syncless import __version__
-from syncless._core.errors import SynclessError
+from syncless._core import config
+from syncless._core.errors import ConfigError, SynclessError
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("syncless.doctor", "show what this machine offers and what syncless would choose"),
-    "demo": ("syncless.demo", "run a pipelined decode loop that uses all three capabilities"),
+    "demo": ("syncless.demo", "run a pipelined decode twice, with syncless's transport and with torch.distributed"),
     "bench": ("syncless.bench._cli", "measure syncless against the plain path and write reports"),
     "trace": ("syncless.syncs._trace", "run a script with chosen functions checked for hidden GPU syncs (record mode)"),
 }
 
+#: Subcommands that run with an invalid SYNCLESS_* value (and report it) instead of refusing to start.
+REPORTS_BAD_CONFIG = {"doctor"}
+
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
+
+
+class UsageError(SynclessError, ValueError):
+    """The command line asked for something that cannot run; the message says what to change (exit status 2)."""
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived; raised in the main thread so that every ``finally`` (stopping stage processes) runs."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+def _load(module_name: str) -> ModuleType | ConfigError:
+    """Import a subcommand's module; a bad ``SYNCLESS_*`` value read at import comes back as the error."""
+    try:
+        return importlib.import_module(module_name)
+    except ConfigError as err:
+        return err
+
 
 def build_parser() -> argparse.ArgumentParser:
-    """Build the argument parser with every subcommand."""
+    """Build the argument parser with every subcommand (never raises on a bad ``SYNCLESS_*`` value)."""
     parser = argparse.ArgumentParser(prog="syncless", description="Keep GPU inference pipelines asynchronous.")
     parser.add_argument("--version", action="version", version=f"syncless {__version__}")
+    parser.add_argument("--debug", action="store_true",
+                        help="print the full traceback of an error (default: off; SYNCLESS_DEBUG=1 does the same)")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        module = importlib.import_module(module_name)
+        module = _load(module_name)
         sub = subparsers.add_parser(name, help=help_text, description=help_text)
+        if isinstance(module, ConfigError):
+            # The module cannot load with this environment: accept any arguments and report why at run time.
+            sub.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+            sub.set_defaults(_module=None, _load_error=module)
+            continue
         module.add_arguments(sub)
-        sub.set_defaults(_module=module)
+        sub.set_defaults(_module=module, _load_error=None)
     return parser
+
+
+def _debug_wanted(args: argparse.Namespace | None) -> bool:
+    if args is not None and getattr(args, "debug", False):
+        return True
+    try:
+        return bool(config.read("SYNCLESS_DEBUG"))
+    except ConfigError:
+        return False  # reported with the other bad values
+
+
+def _one_line(err: BaseException) -> str:
+    """The first line of an error's message (a stage's error carries its traceback after it)."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _report_failure(command: str, err: BaseException) -> None:
+    from syncless._core.launch import RankFailed
+
+    if isinstance(err, RankFailed) and getattr(err, "failures", None):
+        for rank, story in sorted(err.failures.items()):
+            print(f"syncless {command}: error: stage {rank}: {_one_line(Exception(story))}", file=sys.stderr)
+        if err.stopped:
+            print(f"syncless {command}: stages {err.stopped} were stopped after that", file=sys.stderr)
+    elif isinstance(err, SynclessError):
+        print(f"syncless {command}: error: {_one_line(err)}", file=sys.stderr)
+    else:
+        print(f"syncless {command}: error: {type(err).__name__}: {_one_line(err)}", file=sys.stderr)
+    print(f"syncless {command}: run with --debug (or SYNCLESS_DEBUG=1) for the traceback", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the process exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # usage errors: argparse prints usage and the error, exits 2
     if args.command is None:
         parser.print_help()
-        return 2
+        return EXIT_USAGE
+    command = args.command
+    bad_values = config.invalid_values()
+    if args._load_error is not None or (bad_values and command not in REPORTS_BAD_CONFIG):
+        for line in bad_values or [str(args._load_error)]:
+            print(f"syncless {command}: error: {line}; fix or unset it (`syncless doctor` lists every setting)",
+                  file=sys.stderr)
+        return EXIT_USAGE
+    debug = _debug_wanted(args)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if _in_main_thread() else None
     try:
         return int(args._module.run(args) or 0)
-    except SynclessError as err:
-        print(f"syncless {args.command}: error: {err}", file=sys.stderr)
-        return 1
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"\nsyncless {command}: interrupted; every process it started was stopped", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Terminated:
+        if debug:
+            raise
+        print(f"syncless {command}: terminated; every process it started was stopped", file=sys.stderr)
+        return EXIT_TERMINATED
+    except (UsageError, ConfigError) as err:
+        if debug:
+            raise
+        print(f"syncless {command}: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as err:  # noqa: BLE001 - the top of the command line: one line instead of a traceback
+        if debug:
+            raise
+        _report_failure(command, err)
+        return EXIT_ERROR
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _in_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
 
 
 if __name__ == "__main__":

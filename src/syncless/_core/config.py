@@ -9,6 +9,7 @@ values allowed. Explicit arguments always beat the environment
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -177,6 +178,13 @@ _declare(
     "Tests: the first seed of the syncless.cc differential fuzzer (program i uses seed + i).",
 )
 _declare(
+    "SYNCLESS_DEBUG",
+    _boolean,
+    "0",
+    "1/true/yes/on or 0/false/no/off",
+    "The syncless command line prints the full traceback of an error instead of one line (same as --debug).",
+)
+_declare(
     "SYNCLESS_REQUIRE_GPU",
     _boolean,
     "0",
@@ -242,15 +250,63 @@ def effective(environ: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
     return rows
 
 
+def closest_name(name: str) -> str | None:
+    """Return the declared variable ``name`` was most likely meant to be, or None if none is close."""
+    matches = difflib.get_close_matches(name, list(_SETTINGS), n=1, cutoff=0.6)
+    if matches:
+        return matches[0]
+    # A longer name that starts like a declared one: SYNCLESS_CC_MODE for SYNCLESS_CC.
+    prefixed = [known for known in _SETTINGS if name.startswith(known + "_")]
+    return max(prefixed, key=len) if prefixed else None
+
+
+def unknown_names(environ: Mapping[str, str] | None = None) -> list[tuple[str, str | None]]:
+    """Return ``(name, closest declared name or None)`` for every ``SYNCLESS_*`` variable not declared here."""
+    env = os.environ if environ is None else environ
+    return [(name, closest_name(name)) for name in sorted(env) if name.startswith("SYNCLESS_") and name not in _SETTINGS]
+
+
+def describe_unknown(name: str, closest: str | None) -> str:
+    """One line on an undeclared ``SYNCLESS_*`` variable: that it is ignored, and what was likely meant."""
+    hint = f"did you mean {closest}?" if closest else f"known: {', '.join(_SETTINGS)}"
+    return f"{name} is not a syncless setting and is ignored ({hint})"
+
+
+def invalid_values(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Return one message per declared variable whose value is not allowed (empty when all are valid). Never raises."""
+    return [row["error"] for row in effective(environ) if row["error"]]
+
+
 def validate_all(environ: Mapping[str, str] | None = None) -> None:
     """Raise :class:`ConfigError` for the first bad ``SYNCLESS_*`` value, if any.
 
-    Also rejects a ``SYNCLESS_*`` name that is not declared (a typo would
-    otherwise be ignored silently).
+    Also rejects a ``SYNCLESS_*`` name that is not declared; callers that
+    should only warn about one use :func:`unknown_names`.
     """
     env = os.environ if environ is None else environ
-    for name in sorted(env):
-        if name.startswith("SYNCLESS_") and name not in _SETTINGS:
-            raise ConfigError(f"{name} is not a syncless setting; known: {', '.join(_SETTINGS)}")
+    for name, closest in unknown_names(env):
+        raise ConfigError(describe_unknown(name, closest))
     for decl in settings():
         read(decl.name, env)
+
+
+def warn_unknown_names(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Log a warning, once per process and name, for each undeclared ``SYNCLESS_*`` variable; return the lines.
+
+    Processes started by :mod:`multiprocessing` (the demo's and tests' ranks)
+    stay quiet: their parent has already warned about the same environment.
+    """
+    import logging
+    import multiprocessing
+
+    from syncless._core.logs import log_once
+
+    if multiprocessing.parent_process() is not None:
+        return []
+    logger = logging.getLogger("syncless")
+    lines = []
+    for name, closest in unknown_names(environ):
+        line = describe_unknown(name, closest)
+        if log_once(logger, logging.WARNING, f"unknown-setting:{name}", "syncless: warning: %s", line):
+            lines.append(line)
+    return lines

@@ -23,6 +23,7 @@ import os
 import pickle
 import queue
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -45,7 +46,17 @@ _rank: int | None = None
 
 
 class RankFailed(SynclessError):
-    """A rank raised, died without a result, or outlived the deadline; the message holds each rank's story."""
+    """A rank raised, died without a result, or outlived the deadline; the message holds each rank's story.
+
+    Attributes:
+        failures: rank -> what went wrong there (the error's first line, then its traceback).
+        stopped: ranks killed after the failure, before they had a result.
+    """
+
+    def __init__(self, message: str, failures: dict[int, str] | None = None, stopped: Sequence[int] = ()):
+        super().__init__(message)
+        self.failures = dict(failures or {})
+        self.stopped = list(stopped)
 
 
 class RanksTimedOut(RankFailed):
@@ -101,11 +112,38 @@ class _RankPlan:
     args: tuple[Any, ...]
     group_timeout_s: float
     progress: bool
+    parent_pid: int
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGKILL this process when the parent that started it exits (however it exits).
+
+    Without it, a launcher killed by SIGTERM or SIGKILL leaves its ranks
+    running, re-parented to PID 1. Elsewhere the parent's ``finally`` is the
+    only clean-up.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import ctypes.util
+
+    pr_set_pdeathsig = 1
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:  # no libc to load: keep the parent's finally as the only clean-up
+        return
+    libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before the request took effect
+        os._exit(1)
 
 
 def _rank_main(plan: _RankPlan, rank: int, results: Any) -> None:
     global _rank, _started_at
     _rank, _started_at = rank, time.monotonic()
+    # Ctrl-C reaches the whole process group: the parent handles it and stops every rank, so a rank
+    # ignores it rather than print a traceback of its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent(plan.parent_pid)
     os.environ.update(plan.env)
     try:
         import torch
@@ -196,7 +234,7 @@ def run_ranks(
     else:
         raise ValueError(f"init must be 'tcp' or 'file'; got {init!r}")
     plan = _RankPlan(target, world_size, backend, init_method, tuple(devices) if devices is not None else None,
-                     {**SAFE_ENV, **(env or {})}, tuple(args), max(timeout_s, 30.0), progress)
+                     {**SAFE_ENV, **(env or {})}, tuple(args), max(timeout_s, 30.0), progress, os.getpid())
     allowed_deaths = set(may_die)
     context = mp.get_context("spawn")
     results = context.Queue()
@@ -227,7 +265,7 @@ def run_ranks(
             raise RanksTimedOut(f"{name}: ranks [{alive_at_deadline}] gave no result within {timeout_s:g} s (killed)")
         if missing:
             stories.append(f"--- ranks {missing} were stopped after the failure above")
-        raise RankFailed(f"{name}: a rank failed:\n" + "\n".join(stories))
+        raise RankFailed(f"{name}: a rank failed:\n" + "\n".join(stories), failures, missing)
     return [outcomes[r][1] if outcomes[r][0] == "ok" else None for r in range(world_size)]
 
 

@@ -110,8 +110,13 @@ def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     return "\n".join(lines)
 
 
-def render_markdown(output: BenchOutput, meta: dict[str, Any], heading_level: int = 2) -> str:
-    """Render one benchmark's section: metadata, tables, goals, notes and plot link."""
+def render_markdown(output: BenchOutput, meta: dict[str, Any], heading_level: int = 2, plotted: bool | None = None) -> str:
+    """Render one benchmark's section: metadata, tables, goals, notes and plot link.
+
+    ``plotted`` says whether the PNG exists (default: whether matplotlib can be imported).
+    """
+    if plotted is None:
+        plotted = is_plotting_available()
     hashes = "#" * heading_level
     parts = [f"{hashes} {output.title}", ""]
     gpus = ", ".join(meta["gpus"]) or "no GPU"
@@ -129,13 +134,26 @@ def render_markdown(output: BenchOutput, meta: dict[str, Any], heading_level: in
         parts += ["", "**Goals**", "", markdown_table(["goal", "measured", "target", ""], rows)]
     if output.notes:
         parts += [""] + [f"- {note}" for note in output.notes]
-    if output.plot is not None:
+    if output.plot is not None and plotted:
         parts += ["", f"![{output.title}]({output.name}.png)"]
+    elif output.plot is not None:
+        parts += ["", f"(No plot: matplotlib is not installed; `pip install 'syncless[bench]'` adds it.)"]
     return "\n".join(parts) + "\n"
 
 
+def is_plotting_available() -> bool:
+    """Whether matplotlib (the ``bench`` extra) can be imported."""
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
 def write_output(output: BenchOutput, out_dir: Path, meta: dict[str, Any] | None = None) -> dict[str, Path]:
-    """Write ``<name>.json``, ``<name>.md`` and (if it has a plot) ``<name>.png``."""
+    """Write ``<name>.json``, ``<name>.md`` and, if it has a plot and matplotlib is installed, ``<name>.png``.
+
+    Without matplotlib the JSON and markdown are still written, and the
+    markdown says how to get the plot.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = run_metadata() if meta is None else meta
     paths = {"json": out_dir / f"{output.name}.json", "md": out_dir / f"{output.name}.md"}
@@ -147,8 +165,9 @@ def write_output(output: BenchOutput, out_dir: Path, meta: dict[str, Any] | None
         "notes": output.notes,
     }
     paths["json"].write_text(json.dumps(document, indent=2, default=str) + "\n")
-    if output.plot is not None:
+    plotted = output.plot is not None and is_plotting_available()
+    if plotted:
         paths["png"] = out_dir / f"{output.name}.png"
         output.plot(paths["png"])
-    paths["md"].write_text(render_markdown(output, meta, heading_level=1))
+    paths["md"].write_text(render_markdown(output, meta, heading_level=1, plotted=plotted))
     return paths

@@ -1,10 +1,15 @@
-"""``syncless demo``: a pipelined decode loop that uses all three capabilities.
+"""``syncless demo``: one pipelined decode, run with syncless's transport and with torch.distributed.
 
-A small transformer with random weights is split into stages over the GPUs
-present (two CPU processes over gloo where there is none). Inputs are
-uploaded ``non_blocking``, tokens read back on a D2H stream, activations
-moved by ``make_transport``, the hot loop checked for hidden syncs in
-``record`` mode, and the CC shim installed when CC is on or emulated.
+A transformer with random weights is split into stages over the GPUs
+present (two CPU processes over gloo where there is none). The same decode
+loop runs twice in the same processes: first with ``make_transport``'s
+choice (copy engines where eligible), then with its ``torch_distributed``
+backend (NCCL ``isend``/``irecv`` on GPUs, gloo on the CPU). Inputs are
+uploaded ``non_blocking``, tokens read back on a D2H stream, the hot loop
+checked for hidden syncs in ``record`` mode, and the CC shim installed when
+CC is on or emulated. With two GPU stages it also times a kernel that needs
+every SM on the receiving stage while a receive is pending, against the
+kernel alone (``syncless.bench``'s measurement). See ``docs/pp.md``.
 """
 
 from __future__ import annotations
@@ -16,66 +21,130 @@ from typing import TYPE_CHECKING
 
 from syncless._core.hardware import cuda_device_count
 from syncless._core.launch import run_ranks
-from syncless.demo._config import PRESETS
+from syncless.cli import UsageError
+from syncless.demo._config import (
+    DEFAULT_CPU_BATCH,
+    DEFAULT_CPU_MODEL,
+    DEFAULT_CPU_STEPS,
+    DEFAULT_GPU_BATCH,
+    DEFAULT_GPU_MODEL,
+    DEFAULT_GPU_STEPS,
+    PRESETS,
+)
 
 if TYPE_CHECKING:  # the stage code imports torch: only when the demo runs, not when the CLI starts
     from syncless.demo._stage import DemoOptions
 
 __all__ = ["add_arguments", "plan", "run"]
 
+#: The labels of the two runs, in the order they run.
+SYNCLESS_RUN = "syncless"
+BASELINE_RUN = "torch.distributed"
+
+
+def whole_number(minimum: int):
+    """An argparse type: an int of at least ``minimum``, with a message that names the value and the bound."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds greater than 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive, finite number of seconds, got {text}")
+    return value
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``demo`` subcommand's arguments."""
     parser.add_argument("--model", choices=sorted(PRESETS), default=None,
-                        help="model size (default: small on GPUs, tiny on the CPU)")
-    parser.add_argument("--steps", type=int, default=None, help="decode steps measured (default: 256 on GPUs, 32 on the CPU)")
-    parser.add_argument("--batch", type=int, default=8, help="sequences per micro-batch")
-    parser.add_argument("--micro-batches", type=int, default=None, help="micro-batches in flight (default: one per stage)")
-    parser.add_argument("--stages", type=int, default=None,
-                        help="pipeline stages (default: one per GPU, 2 CPU processes without GPU); stages may share a GPU")
+                        help=f"model size (default: {DEFAULT_GPU_MODEL} on GPUs, {DEFAULT_CPU_MODEL} on the CPU)")
+    parser.add_argument("--steps", type=whole_number(1), default=None,
+                        help=f"decode steps measured per run (default: {DEFAULT_GPU_STEPS} on GPUs, "
+                             f"{DEFAULT_CPU_STEPS} on the CPU)")
+    parser.add_argument("--batch", type=whole_number(1), default=None,
+                        help=f"sequences per micro-batch (default: {DEFAULT_GPU_BATCH} on GPUs, "
+                             f"{DEFAULT_CPU_BATCH} on the CPU)")
+    parser.add_argument("--micro-batches", type=whole_number(1), default=None,
+                        help="micro-batches in flight (default: one per stage)")
+    parser.add_argument("--stages", type=whole_number(1), default=None,
+                        help="pipeline stages (default: one per GPU, 2 CPU processes without GPU); stages may share "
+                             "a GPU; at most the model's layer count")
     parser.add_argument("--transport", choices=["auto", "copy_engine", "torch_distributed"], default=None,
-                        help="pipeline transport (default: SYNCLESS_PP_TRANSPORT, auto)")
+                        help="syncless's run: which transport make_transport builds (default: SYNCLESS_PP_TRANSPORT, "
+                             "auto: copy engines where eligible)")
+    parser.add_argument("--no-baseline", dest="baseline", action="store_false",
+                        help="skip the second run with torch.distributed (default: run it)")
+    parser.add_argument("--plant-sync", action="store_true",
+                        help="add a .item() to the last stage's hot loop, to see the detector catch it (default: off)")
     parser.add_argument("--cc", choices=["auto", "on", "off", "emulate"], default=None,
-                        help="Confidential Computing mode (default: SYNCLESS_CC, auto)")
+                        help="Confidential Computing mode on GPUs (default: SYNCLESS_CC, auto)")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (gloo) even where GPUs are present")
-    parser.add_argument("--timeout-s", type=float, default=600.0, help="give up (and kill every stage) after this long")
+    parser.add_argument("--timeout-s", type=positive_seconds, default=600.0,
+                        help="give up, and stop every stage, after this many seconds (default: 600)")
 
 
 def plan(args: argparse.Namespace, gpus: int) -> DemoOptions:
-    """Turn arguments and the GPU count into the options every stage runs with."""
+    """Turn arguments and the GPU count into the options every stage runs with.
+
+    Raises:
+        UsageError: the options cannot run together (the message says what to change).
+    """
     from syncless.demo._stage import DemoOptions
 
     on_gpu = gpus > 0
     stages = args.stages if args.stages is not None else (gpus if on_gpu else 2)
-    if stages < 1:
-        raise ValueError(f"--stages must be at least 1, got {stages}")
-    model = PRESETS[args.model or ("small" if on_gpu else "tiny")]
+    model_name = args.model or (DEFAULT_GPU_MODEL if on_gpu else DEFAULT_CPU_MODEL)
+    model = PRESETS[model_name]
     if stages > model.layers:
-        raise ValueError(f"--stages {stages} exceeds the model's {model.layers} layers; pick a larger --model")
-    steps = args.steps if args.steps is not None else (256 if on_gpu else 32)
-    if steps < 1 or args.batch < 1:
-        raise ValueError(f"--steps and --batch must be positive, got {steps} and {args.batch}")
+        raise UsageError(f"--stages {stages} is more than the {model_name} model's {model.layers} layers; "
+                         f"use --stages {model.layers} or fewer, or a larger --model")
+    if not on_gpu and args.cc in ("on", "emulate"):
+        raise UsageError(f"--cc {args.cc} needs a GPU: a CPU run has no host<->device copies; "
+                         "drop --cc" + (" or --cpu" if args.cpu else ""))
+    if not on_gpu and args.transport == "copy_engine":
+        raise UsageError("--transport copy_engine needs CUDA GPUs; drop it" + (" or --cpu" if args.cpu else ""))
+    steps = args.steps if args.steps is not None else (DEFAULT_GPU_STEPS if on_gpu else DEFAULT_CPU_STEPS)
+    batch = args.batch if args.batch is not None else (DEFAULT_GPU_BATCH if on_gpu else DEFAULT_CPU_BATCH)
     micro = args.micro_batches if args.micro_batches is not None else stages
     devices = [f"cuda:{stage % gpus}" for stage in range(stages)] if on_gpu else ["cpu"] * stages
     warmup = 4
     model = dataclasses.replace(model, max_tokens=max(model.max_tokens, steps + warmup))
-    return DemoOptions(model=model, steps=steps, batch=args.batch, micro_batches=micro, stages=stages, devices=devices,
+    runs = [SYNCLESS_RUN, BASELINE_RUN] if args.baseline and stages > 1 else [SYNCLESS_RUN]
+    return DemoOptions(model=model, model_name=model_name, steps=steps, batch=batch, micro_batches=micro,
+                       stages=stages, devices=devices, runs=runs,
                        transport=None if args.transport in (None, "auto") else args.transport, cc_mode=args.cc,
-                       warmup_steps=warmup, progress_every=max(1, steps // 4))
+                       warmup_steps=warmup, progress_every=max(1, steps // 2), plant_sync=args.plant_sync,
+                       measure_pending=on_gpu and stages == 2 and devices[0] != devices[1])
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the demo and print its summary; return 0 if the hot loop had no unallowed sync."""
+    """Run the demo and print its summary; return 0 if the hot loop had no sync but the planted one."""
     from syncless.demo._stage import run_stage
-    from syncless.demo._summary import format_summary
+    from syncless.demo._summary import format_summary, unplanted_sync_count
 
     gpus = 0 if args.cpu else cuda_device_count()
     options = plan(args, gpus)
-    where = f"{gpus} GPU(s)" if gpus else "the CPU (no GPU found)"
-    print(f"syncless demo: {options.stages} stage(s) on {where}, model {options.model.hidden}x{options.model.layers}, "
-          f"{options.steps} steps x {options.micro_batches} micro-batch(es) x {options.batch} sequences", flush=True)
+    where = f"{gpus} GPU(s)" if gpus else "the CPU" + ("" if args.cpu else " (no GPU found)")
+    runs = " and ".join(options.runs)
+    print(f"syncless demo: {options.stages} stage(s) on {where}, model {options.model_name} "
+          f"(hidden {options.model.hidden}, {options.model.layers} layers), {options.steps} steps x "
+          f"{options.micro_batches} micro-batch(es) x {options.batch} sequences, run with {runs}", flush=True)
     backend = "cpu:gloo,cuda:nccl" if gpus else "gloo"
     start_s = time.perf_counter()
     results = run_ranks(run_stage, options.stages, args=(options,), backend=backend, timeout_s=args.timeout_s)
     print(format_summary(options, results, time.perf_counter() - start_s))
-    return 0 if not any(r.syncs for r in results) else 1
+    return 0 if unplanted_sync_count(results) == 0 else 1

@@ -1,8 +1,11 @@
-"""One pipeline stage of the demo: its part of the model and its decode loop.
+"""One pipeline stage of the demo: its part of the model and its decode loop, run once per transport.
 
-Each rank runs :func:`run_stage`. Activations go stage to stage through
-``make_transport``; the last stage's sampled tokens go back to the first
-stage through a second transport, and to the host on a D2H stream. Several
+Each rank runs :func:`run_stage`. It builds its part of the model once, then
+runs the same decode loop for each entry of ``options.runs``: first with
+``make_transport``'s choice (copy engines where eligible), then with its
+``torch_distributed`` backend. Activations go stage to stage through the
+transport; the last stage's sampled tokens go back to the first stage
+through a second transport, and to the host on a D2H stream. Several
 micro-batches are in flight so every stage has work while the others run.
 
 Streams on a GPU rank, one step of one micro-batch (stage 0 of 2)::
@@ -11,11 +14,13 @@ Streams on a GPU rank, one step of one micro-batch (stage 0 of 2)::
     d2h      (last stage only)          wait current |tokens -> pinned host|
 
 The host never waits inside the hot loop: it only enqueues, and the syncs
-it would make are recorded by the detector.
+it would make are recorded by the detector (``--plant-sync`` adds one on
+purpose, in :func:`_planted_sync`).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -28,23 +33,45 @@ import torch.distributed as dist
 from syncless.demo._config import ModelConfig, split_layers
 from syncless.demo._model import Stage
 
+#: The baseline run's label, and the backend make_transport builds for it.
+BASELINE_BACKEND = "torch_distributed"
+
 
 @dataclass
 class DemoOptions:
     """What the demo runs (picklable: sent to every rank)."""
 
     model: ModelConfig
+    model_name: str = "custom"
     steps: int = 64
     batch: int = 8
     micro_batches: int = 2
     stages: int = 2
     devices: list[str] = field(default_factory=list)
+    runs: list[str] = field(default_factory=lambda: ["syncless"])
     transport: str | None = None
     cc_mode: str | None = None
     dtype: str = "bfloat16"
     warmup_steps: int = 4
     seed: int = 0
     progress_every: int = 16
+    plant_sync: bool = False
+    measure_pending: bool = False
+
+
+@dataclass
+class RunResult:
+    """One decode run (one transport) as one stage saw it."""
+
+    label: str
+    transport: str | None
+    transport_reason: str | None
+    tokens_generated: int
+    elapsed_s: float
+    syncs: list[dict[str, Any]]
+    sync_report: str
+    sync_checked: bool
+    sample: list[list[int]]
 
 
 @dataclass
@@ -54,15 +81,10 @@ class StageResult:
     rank: int
     device: str
     layers: list[int]
-    transport: str | None
-    transport_reason: str | None
-    tokens_generated: int
-    elapsed_s: float
-    syncs: list[dict[str, Any]]
-    sync_report: str
-    sync_checked: bool
     cc: dict[str, Any]
-    sample: list[list[int]]
+    runs: list[RunResult]
+    sync_unchecked_reason: str | None = None
+    pending: dict[str, Any] | None = None
 
 
 def _dtype(name: str, device: torch.device) -> torch.dtype:
@@ -71,50 +93,83 @@ def _dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
-def run_stage(rank: int, world_size: int, options: DemoOptions) -> StageResult:
-    """Build this rank's stage, decode ``options.steps`` steps, return its report."""
-    from syncless import cc, pp, syncs
+def _quiet_repeated_warnings() -> None:
+    """Leave the transport's fallback and the detector's "nothing to check" to the summary.
 
+    Each would otherwise print once per transport and per process; the
+    summary states each once, with its reason.
+    """
+    logging.getLogger("syncless.pp").setLevel(logging.ERROR)
+    logging.getLogger("syncless.syncs").setLevel(logging.ERROR)
+
+
+def run_stage(rank: int, world_size: int, options: DemoOptions) -> StageResult:
+    """Build this rank's stage, decode once per entry of ``options.runs``, return its report."""
+    from syncless import cc, syncs
+
+    _quiet_repeated_warnings()
     device = torch.device(options.devices[rank])
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if device.type == "cuda":
         decision = cc.decide_mode(options.cc_mode)
         cc_state = {"mode": decision.mode, "reason": decision.reason}
         cc.install(decision.mode)  # "off" patches nothing; "emulate" adds the emulator beneath the shim
     else:
-        cc_state = {"mode": "off", "reason": "CPU run: no host<->device copies"}
+        requested = options.cc_mode or "SYNCLESS_CC"
+        cc_state = {"mode": "off", "reason": f"CPU run: no host<->device copies ({requested} not applied)"}
 
     cfg = options.model
-    dtype = _dtype(options.dtype, device)
     layer_ranges = split_layers(cfg.layers, world_size)
-    first, last = rank == 0, rank == world_size - 1
-    rows = options.batch
-    micro = options.micro_batches
-    stage = Stage(cfg, layer_ranges[rank], first=first, last=last, batch=rows * micro, device=device, dtype=dtype,
+    stage = Stage(cfg, layer_ranges[rank], first=rank == 0, last=rank == world_size - 1,
+                  batch=options.batch * options.micro_batches, device=device, dtype=_dtype(options.dtype, device),
                   seed=options.seed)
-
-    hidden_in = None if first else {"hidden": torch.empty(rows, cfg.hidden, device=device, dtype=dtype)}
-    activations = pp.make_transport(None, hidden_in, backend=options.transport) if world_size > 1 else None
-    token_link = None
-    if world_size > 1:
-        ends = dist.new_group([0, world_size - 1])
-        if first or last:
-            tokens_in = {"ids": torch.empty(rows, device=device, dtype=torch.int64)} if first else None
-            # Each step's `micro` tokens are received only in the next step, so the link holds that many.
-            token_link = pp.make_transport(
-                ends, tokens_in, stage_ranks=[world_size - 1, 0], backend=options.transport, depth=max(2, micro)
-            )
-
+    ends = dist.new_group([0, world_size - 1]) if world_size > 1 else None
     d2h_stream = None
-    if last and device.type == "cuda":
+    if rank == world_size - 1 and device.type == "cuda":
         d2h_stream = cc.new_d2h_stream(device) if cc.is_installed() else torch.cuda.Stream(device)
+
+    runs = []
+    for label in options.runs:
+        backend = options.transport if label == options.runs[0] else BASELINE_BACKEND
+        runs.append(_decode(rank, world_size, options, label, backend, stage, device, ends, d2h_stream))
+    unchecked = None
+    if not any(run.sync_checked for run in runs):
+        from syncless.syncs import _debugmode
+
+        unchecked = _debugmode.backend().unavailable_reason() or f"SYNCLESS_SYNC_CHECK is {syncs.mode()}"
+    pending = None
+    if options.measure_pending:
+        from syncless.demo._pending import measure_pending
+
+        pending = measure_pending(rank, device)
+    return StageResult(rank=rank, device=str(device), layers=list(layer_ranges[rank]), cc=cc_state, runs=runs,
+                       sync_unchecked_reason=unchecked, pending=pending)
+
+
+def _decode(rank: int, world_size: int, options: DemoOptions, label: str, backend: str | None, stage: Stage,
+            device: torch.device, ends: Any, d2h_stream: Any) -> RunResult:
+    """Run warm-up and ``options.steps`` measured decode steps over transports built with ``backend``."""
+    from syncless import pp, syncs
+
+    cfg = options.model
+    first, last = rank == 0, rank == world_size - 1
+    rows, micro = options.batch, options.micro_batches
+    dtype = _dtype(options.dtype, device)
+    hidden_in = None if first else {"hidden": torch.empty(rows, cfg.hidden, device=device, dtype=dtype)}
+    activations = pp.make_transport(None, hidden_in, backend=backend) if world_size > 1 else None
+    token_link = None
+    if world_size > 1 and (first or last):
+        tokens_in = {"ids": torch.empty(rows, device=device, dtype=torch.int64)} if first else None
+        # Each step's `micro` tokens are received only in the next step, so the link holds that many.
+        token_link = pp.make_transport(ends, tokens_in, stage_ranks=[world_size - 1, 0], backend=backend,
+                                       depth=max(2, micro))
 
     generator = torch.Generator().manual_seed(options.seed + 17)
     prompts = [torch.randint(0, cfg.vocab, (rows,), generator=generator) for _ in range(micro)]
     local_tokens: list[torch.Tensor | None] = [None] * micro
     readbacks: deque[tuple[torch.Tensor, Any]] = deque(maxlen=4)  # the summary shows the last few
     total_steps = options.warmup_steps + options.steps
+    plant = options.plant_sync and last
 
     def upload(host: torch.Tensor) -> torch.Tensor:
         """Pinned host tensor -> device, ``non_blocking`` (enqueued on the current stream)."""
@@ -140,42 +195,54 @@ def run_stage(rank: int, world_size: int, options: DemoOptions) -> StageResult:
             if not last:
                 activations.send({"hidden": out})
                 continue
+            if plant:
+                _planted_sync(out)
             if world_size == 1:
                 local_tokens[slot] = out
             elif step < total_steps - 1:  # the first stage takes no tokens after the final step
                 token_link.send({"ids": out})
             readbacks.append(_read_back(out, d2h_stream))
 
-    with torch.inference_mode():
-        for step in range(options.warmup_steps):
-            one_step(step)
-        _settle(device)
-        readbacks.clear()
-        syncs.set_mode("record")
-        checked = syncs.enable()  # the gate opens after warm-up: set-up may synchronize freely
-        start_s = time.perf_counter()
-        for step in range(options.warmup_steps, total_steps):
-            with syncs.checking():
+    try:
+        with torch.inference_mode():
+            for step in range(options.warmup_steps):
                 one_step(step)
-            done = step + 1 - options.warmup_steps
-            if last and done % options.progress_every == 0:
-                print(f"  stage {rank}: {done}/{options.steps} steps enqueued ({time.perf_counter() - start_s:.1f} s)",
-                      flush=True)
-        _settle(device)
-        elapsed_s = time.perf_counter() - start_s
-    report = syncs.report()
-    sample = _collect_tokens(readbacks) if last else []
-    for link in (activations, token_link):
-        if link is not None:
-            link.close()
-    return StageResult(
-        rank=rank, device=str(device), layers=list(layer_ranges[rank]),
+            _settle(device)
+            readbacks.clear()
+            syncs.reset()
+            syncs.set_mode("record")
+            checked = syncs.enable()  # the gate opens after warm-up: set-up may synchronize freely
+            start_s = time.perf_counter()
+            for step in range(options.warmup_steps, total_steps):
+                with syncs.checking():
+                    one_step(step)
+                done = step + 1 - options.warmup_steps
+                if last and done % options.progress_every == 0:
+                    print(f"  {label}: {done}/{options.steps} steps enqueued ({time.perf_counter() - start_s:.1f} s)",
+                          flush=True)
+            _settle(device)
+            elapsed_s = time.perf_counter() - start_s
+            syncs.disable()
+        report = syncs.report()
+        sample = _collect_tokens(readbacks) if last else []
+    finally:
+        for link in (activations, token_link):
+            if link is not None:
+                link.close()
+    return RunResult(
+        label=label,
         transport=activations.backend if activations else None,
         transport_reason=activations.fallback_reason if activations else None,
         tokens_generated=options.steps * micro * rows if last else 0,
-        elapsed_s=elapsed_s, cc=cc_state, sample=sample, sync_report=report.format(), sync_checked=checked,
-        syncs=[{"site": s.site, "count": s.count, "operation": s.first.operation} for s in report.sites],
+        elapsed_s=elapsed_s, sample=sample, sync_report=report.format(), sync_checked=checked,
+        syncs=[{"site": s.site, "count": s.count, "operation": s.first.operation, "function": s.first.function}
+               for s in report.sites],
     )
+
+
+def _planted_sync(tokens: torch.Tensor) -> int:
+    """Read one token on the host: the hidden sync ``--plant-sync`` adds, for the detector to catch."""
+    return int(tokens[0].item())
 
 
 def _read_back(tokens: torch.Tensor, d2h_stream: Any) -> tuple[torch.Tensor, Any]:

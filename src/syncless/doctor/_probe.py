@@ -66,7 +66,9 @@ def probe_software(missing: Missing) -> dict[str, Any]:
 
 def _note_missing(missing: Missing, err: MissingDependencyError) -> None:
     text = str(err)
+    # "the NVML library (libnvidia-ml) was not found: install the NVIDIA driver, ..." -> what, fix
     what, _, fix = text.partition(": ")
+    what = what.removesuffix(" was not found")
     if all(entry["what"] != what for entry in missing):
         missing.append({"what": what, "fix": fix or text})
 
@@ -124,6 +126,34 @@ def probe_config() -> list[dict[str, Any]]:
     return config.effective()
 
 
+def probe_unknown_settings() -> list[dict[str, Any]]:
+    """Every ``SYNCLESS_*`` variable that is not a setting (a typo is ignored otherwise), with the likely one."""
+    return [{"name": name, "closest": closest, "message": config.describe_unknown(name, closest)}
+            for name, closest in config.unknown_names()]
+
+
+def probe_sync_detector() -> dict[str, Any]:
+    """Whether the hidden-sync detector can check anything with this torch build, and why not."""
+    try:
+        from syncless.syncs import _debugmode
+    except ConfigError as err:  # a bad SYNCLESS_SYNC_CHECK, read when the detector loads
+        return {"can_run": False, "reason": f"the detector cannot load: {err}"}
+    reason = _debugmode.backend().unavailable_reason()
+    if reason is None:
+        return {"can_run": True, "reason": "torch's CUDA sync debug mode is available"}
+    return {"can_run": False, "reason": reason}
+
+
+def merge_missing(missing: Missing) -> Missing:
+    """One entry per fix: pieces that the same step provides (the NVIDIA driver's libraries) are listed together."""
+    merged: dict[str, list[str]] = {}
+    for entry in missing:
+        whats = merged.setdefault(entry["fix"], [])
+        if entry["what"] not in whats:
+            whats.append(entry["what"])
+    return [{"what": "; ".join(whats), "fix": fix} for fix, whats in merged.items()]
+
+
 def _guarded(probe: Callable[[], Any]) -> Any:
     try:
         return probe()
@@ -138,6 +168,13 @@ def collect() -> dict[str, Any]:
     report.update(probe_gpus(missing))
     report["confidential_compute"] = _guarded(probe_confidential_compute)
     report["pp_transport"] = _guarded(probe_pp_choice)
+    report["sync_detector"] = probe_sync_detector()
     report["config"] = probe_config()
-    report["missing"] = missing
+    report["unknown_settings"] = probe_unknown_settings()
+    report["missing"] = merge_missing(missing)
     return report
+
+
+def config_problems(report: dict[str, Any]) -> int:
+    """How many settings are invalid or unknown in ``report`` (the doctor exits non-zero if any)."""
+    return sum(1 for row in report["config"] if row["error"]) + len(report.get("unknown_settings", []))

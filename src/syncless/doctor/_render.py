@@ -59,16 +59,34 @@ def _section_lines(title: str, section: Any) -> list[str]:
     return lines
 
 
+def _detector_lines(detector: dict[str, Any] | None) -> list[str]:
+    """The hidden-sync detector's section; more lines (another backend) go after the first."""
+    if detector is None:
+        return []
+    lines = ["Hidden-sync detector (syncless.syncs)"]
+    lines.append(f"  can check syncs with this torch build: {_yes_no(detector.get('can_run'))} ({detector.get('reason')})")
+    for key, value in detector.items():
+        if key not in ("can_run", "reason"):
+            lines.append(f"  {key.replace('_', ' ')}: {value}")
+    return lines
+
+
 def render(report: dict[str, Any]) -> str:
     """Return the report as text for a terminal."""
     lines = _software_lines(report["software"]) + [""] + _gpu_lines(report) + [""]
     lines += _section_lines("Confidential Computing", report["confidential_compute"]) + [""]
     lines += _section_lines("Pipeline-parallel transport", report["pp_transport"]) + [""]
+    lines += _detector_lines(report.get("sync_detector")) + [""]
     lines.append("Configuration (SYNCLESS_*)")
     for row in report["config"]:
         origin = "env" if row["source"] == "env" else "default"
         error = f"  <- INVALID: {row['error']}" if row["error"] else ""
         lines.append(f"  {row['name']} = {row['value']} ({origin}){error}")
+    for row in report.get("unknown_settings", []):
+        lines.append(f"  {row['name']}  <- UNKNOWN: {row['message']}")
+    problems = sum(1 for row in report["config"] if row["error"]) + len(report.get("unknown_settings", []))
+    if problems:
+        lines.append(f"  {problems} setting(s) to fix above (docs/configuration.md lists every one)")
     if report["missing"]:
         lines += ["", "Missing"]
         lines += [f"  {entry['what']}: {entry['fix']}" for entry in report["missing"]]

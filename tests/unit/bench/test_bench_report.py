@@ -71,3 +71,53 @@ def test_written_files_carry_goals_notes_and_a_top_level_heading(tmp_path):
 def test_metadata_names_the_command_as_typed(monkeypatch, argv, command):
     monkeypatch.setattr("sys.argv", argv)
     assert run_metadata()["command"] == command
+
+
+def test_without_matplotlib_the_json_and_markdown_are_written_and_say_how_to_get_the_plot(tmp_path, monkeypatch):
+    from syncless.bench import _report
+
+    def plot(path):
+        raise AssertionError("the plot must not be drawn without matplotlib")
+
+    monkeypatch.setattr(_report, "is_plotting_available", lambda: False)
+    output = _report.BenchOutput(name="syncs", title="Syncs", tables=[("t", ["a"], [[1]])], plot=plot)
+    paths = _report.write_output(output, tmp_path, meta={"gpus": [], "date_utc": "d", "host": "h", "torch": "t",
+                                                         "python": "p", "command": "c"})
+    assert set(paths) == {"json", "md"}
+    text = paths["md"].read_text()
+    assert "pip install 'syncless[bench]'" in text and "syncs.png" not in text
+
+
+def test_bench_all_on_the_cpu_runs_what_it_can_and_writes_a_report(tmp_path, monkeypatch, capsys):
+    import sys
+    import types
+
+    from syncless import cli
+    from syncless._core.errors import MissingDependencyError
+    from syncless.bench import _cli, _report
+
+    def fine(args, progress):
+        return _report.BenchOutput(name="syncs", title="Syncs", tables=[("t", ["a"], [[1]])])
+
+    def needs_gpu(args, progress):
+        raise MissingDependencyError("syncless bench cc needs a CUDA GPU")
+
+    modules = {"m_syncs": types.SimpleNamespace(run=fine), "m_cc": types.SimpleNamespace(run=needs_gpu)}
+    monkeypatch.setattr(_cli, "BENCHMARKS", {"syncs": "m_syncs", "cc": "m_cc"})
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    assert cli.main(["bench", "all", "--quick", "--out", str(tmp_path)]) == 0
+    report = (tmp_path / "report.md").read_text()
+    assert "## Syncs" in report and "- cc: skipped, syncless bench cc needs a CUDA GPU" in report
+    # Asked for by name, the same benchmark is an error of one line.
+    assert cli.main(["bench", "cc", "--out", str(tmp_path)]) == 1
+    assert "syncless bench: error: syncless bench cc needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_an_out_path_that_is_a_file_is_a_usage_error(tmp_path, capsys):
+    from syncless import cli
+
+    target = tmp_path / "file"
+    target.write_text("x")
+    assert cli.main(["bench", "syncs", "--out", str(target)]) == 2
+    assert f"--out {target} is a file, not a directory" in capsys.readouterr().err

@@ -104,3 +104,40 @@ def test_effective_reports_source_and_errors_without_raising():
 def test_unknown_name_lookup_lists_known_names():
     with pytest.raises(KeyError, match="SYNCLESS_CC"):
         config.setting("SYNCLESS_NOPE")
+
+
+@pytest.mark.parametrize("typo, meant", [
+    ("SYNCLESS_CC_MODE", "SYNCLESS_CC"),
+    ("SYNCLESS_SYNC_CHEK", "SYNCLESS_SYNC_CHECK"),
+    ("SYNCLESS_PP_TIMEOUT", "SYNCLESS_PP_TIMEOUT_S"),
+    ("SYNCLESS_PP_TRANSPORTS", "SYNCLESS_PP_TRANSPORT"),
+])
+def test_a_misspelt_name_is_found_with_the_one_meant(typo, meant):
+    assert config.unknown_names({typo: "x", "SYNCLESS_CC": "off", "PATH": "/bin"}) == [(typo, meant)]
+    assert f"did you mean {meant}?" in config.describe_unknown(typo, meant)
+
+
+def test_a_name_close_to_nothing_lists_the_known_ones():
+    (name, closest), = config.unknown_names({"SYNCLESS_ZZZZZZZZZZZZZZZZZZZZZZ": "1"})
+    assert closest is None
+    assert "known: SYNCLESS_SYNC_CHECK" in config.describe_unknown(name, closest)
+
+
+def test_a_misspelt_name_is_warned_about_once_per_process(caplog):
+    from syncless._core.logs import forget_logged
+
+    forget_logged("unknown-setting:")
+    environ = {"SYNCLESS_CC_MODE": "on"}
+    with caplog.at_level("WARNING", logger="syncless"):
+        first = config.warn_unknown_names(environ)
+        second = config.warn_unknown_names(environ)
+    assert first == ["SYNCLESS_CC_MODE is not a syncless setting and is ignored (did you mean SYNCLESS_CC?)"]
+    assert second == []
+    assert [r.getMessage() for r in caplog.records] == [f"syncless: warning: {first[0]}"]
+
+
+def test_invalid_values_lists_every_bad_value_and_never_raises():
+    problems = config.invalid_values({"SYNCLESS_CC": "bogus", "SYNCLESS_PP_TIMEOUT_S": "-1", "SYNCLESS_DEBUG": "1"})
+    assert len(problems) == 2
+    assert problems[0].startswith("SYNCLESS_CC='bogus' is not valid")
+    assert config.invalid_values({}) == []

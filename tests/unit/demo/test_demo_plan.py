@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 import torch
 
+from syncless.cli import UsageError
 from syncless.demo import add_arguments, plan
 from syncless.demo._config import PRESETS, split_layers
 from syncless.demo._model import Stage
@@ -38,10 +39,32 @@ def test_cache_is_long_enough_for_every_step():
     assert options.model.max_tokens >= 1000 + options.warmup_steps
 
 
-@pytest.mark.parametrize("argv", [("--stages", "0"), ("--stages", "9", "--model", "tiny"), ("--steps", "0"), ("--batch", "0")])
-def test_bad_options_raise_clear_errors(argv):
-    with pytest.raises(ValueError):
-        plan(_args(*argv), gpus=0)
+@pytest.mark.parametrize("argv, message", [
+    (("--stages", "0"), "argument --stages: must be at least 1, got 0"),
+    (("--stages", "-1"), "argument --stages: must be at least 1, got -1"),
+    (("--steps", "0"), "argument --steps: must be at least 1, got 0"),
+    (("--batch", "0"), "argument --batch: must be at least 1, got 0"),
+    (("--micro-batches", "0"), "argument --micro-batches: must be at least 1, got 0"),
+    (("--steps", "many"), "argument --steps: expected a whole number, got 'many'"),
+    (("--timeout-s", "-1"), "argument --timeout-s: must be a positive, finite number of seconds, got -1"),
+    (("--timeout-s", "inf"), "argument --timeout-s: must be a positive, finite number of seconds, got inf"),
+])
+def test_bad_numbers_are_usage_errors_before_anything_starts(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _args(*argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, gpus, message", [
+    (("--stages", "9", "--model", "tiny"), 0, "--stages 9 is more than the tiny model's 4 layers"),
+    (("--stages", "100"), 2, "--stages 100 is more than the large model's 8 layers"),
+    (("--cc", "emulate", "--cpu"), 0, "--cc emulate needs a GPU"),
+    (("--transport", "copy_engine"), 0, "--transport copy_engine needs CUDA GPUs"),
+])
+def test_options_that_cannot_run_together_are_usage_errors(argv, gpus, message):
+    with pytest.raises(UsageError, match=message):
+        plan(_args(*argv), gpus=gpus)
 
 
 def test_split_layers_covers_every_layer_once():
@@ -74,9 +97,24 @@ def test_default_stages_follow_the_gpu_count():
     assert options.micro_batches == 4
 
 
-def test_default_steps_are_256_on_gpus_and_32_on_the_cpu():
-    assert plan(_args(), gpus=0).steps == 32
-    assert plan(_args(), gpus=1).steps == 256
+def test_defaults_pick_a_gpu_paced_model_on_gpus_and_a_quick_one_on_the_cpu():
+    cpu, gpu = plan(_args(), gpus=0), plan(_args(), gpus=1)
+    assert (cpu.model_name, cpu.steps, cpu.batch) == ("tiny", 32, 8)
+    assert (gpu.model_name, gpu.steps, gpu.batch) == ("large", 128, 32)
+    assert gpu.model.hidden == 8192
+
+
+def test_both_runs_by_default_and_one_with_no_baseline():
+    assert plan(_args(), gpus=0).runs == ["syncless", "torch.distributed"]
+    assert plan(_args("--no-baseline"), gpus=0).runs == ["syncless"]
+    assert plan(_args("--stages", "1"), gpus=0).runs == ["syncless"]  # one stage moves nothing
+
+
+def test_the_pending_receive_is_measured_only_between_two_gpus():
+    assert plan(_args(), gpus=2).measure_pending
+    assert not plan(_args(), gpus=0).measure_pending
+    assert not plan(_args("--stages", "2"), gpus=1).measure_pending  # both stages on one GPU
+    assert not plan(_args("--stages", "3"), gpus=3).measure_pending
 
 
 def test_one_stage_per_layer_is_allowed():
@@ -93,8 +131,8 @@ def test_options_pass_through_as_given():
     assert auto.transport is None and auto.cc_mode is None  # None: the stages read the env registry
 
 
-@pytest.mark.parametrize("steps, every", [(1, 1), (3, 1), (4, 1), (100, 25)])
-def test_progress_is_printed_about_four_times(steps, every):
+@pytest.mark.parametrize("steps, every", [(1, 1), (3, 1), (4, 2), (100, 50)])
+def test_progress_is_printed_about_twice_per_run(steps, every):
     assert plan(_args("--steps", str(steps)), gpus=0).progress_every == every
 
 

@@ -2,64 +2,85 @@
 
 import dataclasses
 
-import pytest
-
 from syncless.demo._config import PRESETS
-from syncless.demo._stage import DemoOptions, StageResult
-from syncless.demo._summary import format_summary
+from syncless.demo._stage import DemoOptions, RunResult, StageResult
+from syncless.demo._summary import format_summary, unplanted_sync_count
 
-OPTIONS = DemoOptions(model=PRESETS["tiny"], steps=50, batch=3, micro_batches=4, stages=2, devices=["cpu", "cpu"])
+OPTIONS = DemoOptions(model=PRESETS["tiny"], steps=50, batch=3, micro_batches=4, stages=2, devices=["cpu", "cpu"],
+                      runs=["syncless", "torch.distributed"])
 CC = {"mode": "emulate", "reason": "SYNCLESS_CC=emulate"}
+PLANTED = {"site": "src/syncless/demo/_stage.py:214", "count": 400, "operation": "Tensor.item",
+           "function": "_planted_sync"}
 
 
-def stage(rank, layers, **changes):
-    """A stage report as run_stage returns it: only the last stage counts tokens and keeps a sample."""
-    result = StageResult(rank=rank, device=f"cuda:{rank}", layers=layers, transport="copy_engine",
-                         transport_reason=None, tokens_generated=0, elapsed_s=1.5, syncs=[], sync_report="",
-                         sync_checked=True, cc=CC, sample=[])
+def run(label, transport, **changes):
+    result = RunResult(label=label, transport=transport, transport_reason=None, tokens_generated=0, elapsed_s=1.5,
+                       syncs=[], sync_report="", sync_checked=True, sample=[])
     return dataclasses.replace(result, **changes)
 
 
-def two_stages(**last_changes):
-    last = {"tokens_generated": 600, "elapsed_s": 2.0, "sample": [[1, 2], [3, 4]], **last_changes}
-    return [stage(0, [0, 1]), stage(1, [2, 3], **last)]
+def stages(ours=None, theirs=None, pending=None):
+    """Two stage reports: only the last stage counts tokens and keeps a sample."""
+    ours, theirs = ours or {}, theirs or {}
+    first = StageResult(rank=0, device="cuda:0", layers=[0, 1], cc=CC,
+                        runs=[run("syncless", "copy_engine"), run("torch.distributed", "torch_distributed")])
+    last_runs = [
+        run("syncless", "copy_engine", **{"tokens_generated": 600, "elapsed_s": 2.0, "sample": [[1, 2]], **ours}),
+        run("torch.distributed", "torch_distributed",
+            **{"tokens_generated": 600, "elapsed_s": 3.0, "sample": [[1, 2]], **theirs}),
+    ]
+    return [first, StageResult(rank=1, device="cuda:1", layers=[2, 3], cc=CC, runs=last_runs, pending=pending)]
 
 
-def test_summary_reports_the_last_stage_tokens_and_rate():
-    text = format_summary(OPTIONS, two_stages(), wall_s=7.31)
+def test_summary_puts_both_runs_side_by_side_with_their_ratio():
+    text = format_summary(OPTIONS, stages(), wall_s=7.31)
     assert "  stage 0: cuda:0, layers 0-1\n  stage 1: cuda:1, layers 2-3\n" in text
-    assert "  transport: copy_engine\n" in text
-    assert ("  decode: 600 tokens in 2.00 s = 300 tokens/s (50 steps x 4 micro-batches x 3 sequences; 7.3 s with "
-            "start-up)") in text
-    assert "  hidden syncs in the hot loop: none (checked in record mode)" in text
+    assert "50 steps x 4 micro-batches x 3 sequences per run; 7.3 s in all" in text
+    rows = {line.split()[0]: line.split() for line in text.splitlines()
+            if line.startswith(("  syncless ", "  torch.distributed ")) and " / " not in line}
+    assert rows["syncless"][:5] == ["syncless", "copy_engine", "600", "2.00", "300"]
+    assert rows["torch.distributed"][:5] == ["torch.distributed", "torch_distributed", "600", "3.00", "200"]
+    assert rows["syncless"][5:] == ["none"]
+    assert "  syncless / torch.distributed: 1.50x the tokens/s" in text
+    assert "same transport" not in text
     assert "  confidential computing: emulate (SYNCLESS_CC=emulate)" in text
-    assert text.endswith("  last tokens (first 8 sequences): [3, 4]")
+    assert text.endswith("  last tokens (first 8 sequences): [1, 2] (the same in both runs)")
 
 
 def test_a_zero_elapsed_time_gives_no_rate_instead_of_an_error():
-    assert "600 tokens in 0.00 s = nan tokens/s" in format_summary(OPTIONS, two_stages(elapsed_s=0.0), wall_s=1.0)
+    text = format_summary(OPTIONS, stages(ours={"elapsed_s": 0.0}), wall_s=1.0)
+    assert "nan" in text and "syncless / torch.distributed: nanx" in text
 
 
-def test_one_stage_has_no_transport():
-    only = stage(0, [0, 1, 2, 3], transport=None, tokens_generated=8, sample=[[5]])
-    text = format_summary(OPTIONS, [only], wall_s=1.0)
-    assert "  transport: none (one stage)" in text and "fallback" not in text
+def test_the_planted_sync_is_shown_with_its_site_and_does_not_count_as_a_finding():
+    options = dataclasses.replace(OPTIONS, plant_sync=True)
+    results = stages(ours={"syncs": [PLANTED], "sync_report": "table"}, theirs={"syncs": [PLANTED]})
+    text = format_summary(options, results, wall_s=1.0)
+    assert "--plant-sync: the planted .item() was caught at src/syncless/demo/_stage.py:214 (800 times" in text
+    assert unplanted_sync_count(results) == 0
+    other = dict(PLANTED, function="decode", count=3)
+    assert unplanted_sync_count(stages(ours={"syncs": [PLANTED, other]})) == 3
 
 
-def test_a_fallback_transport_says_why():
-    results = two_stages()
-    results[0] = stage(0, [0, 1], transport="torch_distributed", transport_reason="no peer access")
-    assert "  transport: torch_distributed (fallback: no peer access)" in format_summary(OPTIONS, results, wall_s=1.0)
+def test_a_planted_sync_that_was_missed_is_said_so():
+    text = format_summary(dataclasses.replace(OPTIONS, plant_sync=True), stages(), wall_s=1.0)
+    assert "the planted .item() was NOT caught" in text
 
 
-@pytest.mark.parametrize("rows, total", [([{"site": "a.py:3"}], 1), ([{"count": 3}, {"count": 2}], 5)])
-def test_syncs_are_counted_and_each_stage_report_is_shown(rows, total):
-    results = [stage(0, [0, 1], syncs=rows, sync_report="hidden sync at a.py:3\n  .item()"), *two_stages()[1:]]
-    text = format_summary(OPTIONS, results, wall_s=1.0)
-    assert f"  hidden syncs in the hot loop: {total}\n  stage 0:\n    hidden sync at a.py:3\n      .item()\n" in text
-    assert "  stage 1:\n" not in text  # the clean stage is not listed
+def test_unchecked_syncs_give_the_reason():
+    results = stages(ours={"sync_checked": False}, theirs={"sync_checked": False})
+    for r in results:
+        for one in r.runs:
+            one.sync_checked = False
+    results[0].sync_unchecked_reason = "CPU-only build"
+    assert "  hidden syncs: not checked (CPU-only build)" in format_summary(OPTIONS, results, wall_s=1.0)
 
 
-def test_a_build_without_sync_debug_mode_says_nothing_was_checked():
-    results = [dataclasses.replace(r, sync_checked=False) for r in two_stages()]
-    assert "  hidden syncs in the hot loop: not checked" in format_summary(OPTIONS, results, wall_s=1.0)
+def test_pending_receive_interference_is_reported_against_the_kernel_alone():
+    pending = {"alone_ms": 2.0, "nccl_ratio": 2.01, "ours_ratio": 1.0, "ours_backend": "copy_engine",
+               "pending_ok": True, "data_ok": True, "payload_nbytes": 8 << 20}
+    text = format_summary(OPTIONS, stages(pending=pending), wall_s=1.0)
+    assert ("full-SM kernel on stage 1 while a 8 MiB receive is pending, time vs alone (2.00 ms): NCCL 2.01x, "
+            "copy_engine 1.00x") in text
+    skipped = format_summary(OPTIONS, stages(pending={"skipped": "no NVRTC"}), wall_s=1.0)
+    assert "full-SM kernel while a receive is pending: not measured (no NVRTC)" in skipped

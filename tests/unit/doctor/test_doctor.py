@@ -71,8 +71,43 @@ def test_doctor_json_has_every_section(capsys):
         assert report["missing"], "a machine without GPU must say what is missing"
 
 
-def test_doctor_reports_a_bad_setting_without_crashing(monkeypatch, capsys):
+def test_doctor_reports_a_bad_setting_without_crashing_and_exits_non_zero(monkeypatch, capsys):
     monkeypatch.setenv("SYNCLESS_PP_TIMEOUT_S", "forever")
-    assert cli.main(["doctor"]) == 0
+    assert cli.main(["doctor"]) == 1
     out = capsys.readouterr().out
     assert "SYNCLESS_PP_TIMEOUT_S" in out and "forever" in out and "INVALID" in out
+    assert "1 setting(s) to fix above" in out
+
+
+def test_doctor_reports_a_bad_sync_check_instead_of_failing_to_load_the_detector(monkeypatch, capsys):
+    monkeypatch.setenv("SYNCLESS_SYNC_CHECK", "bogus")
+    assert cli.main(["doctor"]) == 1
+    out = capsys.readouterr().out
+    assert "SYNCLESS_SYNC_CHECK = bogus (env)  <- INVALID" in out
+    assert "can check syncs with this torch build: no" in out
+
+
+def test_doctor_flags_a_misspelt_name_with_the_likely_one(monkeypatch, capsys):
+    monkeypatch.setenv("SYNCLESS_CC_MODE", "on")
+    assert cli.main(["doctor"]) == 1
+    out = capsys.readouterr().out
+    assert "SYNCLESS_CC_MODE  <- UNKNOWN: SYNCLESS_CC_MODE is not a syncless setting and is ignored " \
+           "(did you mean SYNCLESS_CC?)" in out
+
+
+def test_doctor_says_whether_the_sync_detector_can_run(capsys):
+    cli.main(["doctor"])
+    out = capsys.readouterr().out
+    import torch
+
+    expected = "no" if torch.version.cuda is None else "yes"
+    assert f"can check syncs with this torch build: {expected} (" in out
+
+
+def test_missing_pieces_with_the_same_fix_are_listed_once():
+    from syncless.doctor._probe import merge_missing
+
+    fix = "install the NVIDIA driver"
+    merged = merge_missing([{"what": "libnvidia-ml", "fix": fix}, {"what": "cuda-bindings", "fix": "pip"},
+                            {"what": "libcuda", "fix": fix}, {"what": "libcuda", "fix": fix}])
+    assert merged == [{"what": "libnvidia-ml; libcuda", "fix": fix}, {"what": "cuda-bindings", "fix": "pip"}]
