@@ -64,6 +64,8 @@ def render(report: dict[str, Any]) -> str:
     lines = _software_lines(report["software"]) + [""] + _gpu_lines(report) + [""]
     lines += _section_lines("Confidential Computing", report["confidential_compute"]) + [""]
     lines += _section_lines("Pipeline-parallel transport", report["pp_transport"]) + [""]
+    if "sync_backend" in report:
+        lines += _section_lines("Hidden-sync detector backend", report["sync_backend"]) + [""]
     lines.append("Configuration (SYNCLESS_*)")
     for row in report["config"]:
         origin = "env" if row["source"] == "env" else "default"
