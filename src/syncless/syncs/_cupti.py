@@ -247,9 +247,11 @@ class Subscriber:
         if not _state.is_violation_context():
             _report.cupti_join(start, watched.name, reason, blocked_ns)
             return
+        if _report.is_under_compile(start):
+            return  # compile-time work (torch.compile, triton autotuning) synchronizes by design
         violation = _report.locate(watched.kind, rules.operation_text, watched.fix, start)
         if violation is None:
-            return  # compile-time torch code: synchronizes by design
+            return
         violation.layers = (_report.LAYER_CUPTI,)
         violation.apis = {watched.name: 1}
         violation.reasons = {watched.name: reason}

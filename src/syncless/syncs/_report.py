@@ -209,6 +209,22 @@ def _user_frame(start: FrameType | None) -> tuple[FrameType | None, bool]:
     return last, False
 
 
+def is_under_compile(start: FrameType | None, limit: int = 96) -> bool:
+    """Whether compile-time torch code (inductor, dynamo, CUDA graph trees) is anywhere on the stack.
+
+    The CUPTI layer also sees syncs made by libraries that torch.compile
+    drives (triton's benchmarking and loading): their frames are not torch's,
+    so the check looks past the first frame outside torch.
+    """
+    frame = start
+    while frame is not None and limit:
+        if frame.f_code.co_filename.endswith(_COMPILE_TIME_SUFFIXES):
+            return True
+        frame = frame.f_back
+        limit -= 1
+    return False
+
+
 def user_call_key(start: FrameType | None) -> tuple | None:
     """The :func:`call_key` of the user's frame above ``start``; None under compile-time torch code."""
     frame, compile_time = _user_frame(start)
