@@ -136,6 +136,14 @@ _declare(
     "What the hidden-sync detector does with a sync in a checked region (read once at import).",
 )
 _declare(
+    "SYNCLESS_SYNC_BACKEND",
+    _choice("auto", "torch", "cupti"),
+    "auto",
+    "auto, torch, cupti",
+    "Which layers find hidden syncs: torch (debug mode + wrappers), cupti (those + every blocking CUDA call, "
+    "needs syncless[cupti]), auto (cupti when installed and free).",
+)
+_declare(
     "SYNCLESS_CC",
     _choice("auto", "on", "off", "emulate"),
     "auto",

@@ -14,6 +14,7 @@ from typing import Any
 
 from syncless._core import config, cuda, topology
 from syncless._core.errors import ConfigError, CudaError, MissingDependencyError
+from syncless.syncs import _backend as _sync_backend
 
 Missing = list[dict[str, str]]
 
@@ -169,6 +170,7 @@ def collect() -> dict[str, Any]:
     report["confidential_compute"] = _guarded(probe_confidential_compute)
     report["pp_transport"] = _guarded(probe_pp_choice)
     report["sync_detector"] = probe_sync_detector()
+    report["sync_backend"] = _guarded(_sync_backend.describe)
     report["config"] = probe_config()
     report["unknown_settings"] = probe_unknown_settings()
     report["missing"] = merge_missing(missing)

@@ -77,6 +77,8 @@ def render(report: dict[str, Any]) -> str:
     lines += _section_lines("Confidential Computing", report["confidential_compute"]) + [""]
     lines += _section_lines("Pipeline-parallel transport", report["pp_transport"]) + [""]
     lines += _detector_lines(report.get("sync_detector")) + [""]
+    if "sync_backend" in report:
+        lines += _section_lines("Hidden-sync detector backend", report["sync_backend"]) + [""]
     lines.append("Configuration (SYNCLESS_*)")
     for row in report["config"]:
         origin = "env" if row["source"] == "env" else "default"

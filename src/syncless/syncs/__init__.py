@@ -32,16 +32,22 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from syncless._core.errors import SyncViolation
 from syncless._core.logs import log_once
 from syncless.syncs import _copies, _debugmode, _hook, _state, _waits
+from syncless.syncs._backend import BACKENDS, BackendChoice, set_backend
+from syncless.syncs._backend import backend as _layers
+from syncless.syncs._backend import choice as backend_choice
 from syncless.syncs._report import SyncReport, SyncSite, SyncWarning, Violation, recorder
 from syncless.syncs._state import MODES, SyncCheckConfigWarning, env_error, settings
 
 __all__ = [
+    "BACKENDS",
+    "BackendChoice",
     "MODES",
     "SyncCheckConfigWarning",
     "SyncReport",
@@ -50,6 +56,7 @@ __all__ = [
     "SyncWarning",
     "Violation",
     "allowed",
+    "backend_choice",
     "checked",
     "checking",
     "disable",
@@ -60,6 +67,7 @@ __all__ = [
     "print_report",
     "report",
     "reset",
+    "set_backend",
     "set_mode",
 ]
 
@@ -121,16 +129,20 @@ def enable() -> bool:
         if settings.enabled:
             return True
         if settings.mode == "off":
+            recorder.not_checked = "the detector is off (SYNCLESS_SYNC_CHECK=off, or syncs.set_mode('off'))"
             return False
         reason = _debugmode.backend().unavailable_reason()
         if reason is not None:
+            recorder.not_checked = reason
             log_once(_log, logging.WARNING, "syncs-nothing-to-check",
                      "syncless.syncs: nothing to check: %s; the detector stays off", reason)
             return False
+        _layers.activate()
         _hook.install()
         _copies.install()
         _waits.install()
         settings.enabled = True
+        recorder.not_checked = None
         if settings.mode == "record":
             recorder.print_at_exit()
         return True
@@ -147,6 +159,7 @@ def disable() -> None:
     """
     with settings.lock:
         settings.enabled = False
+        _layers.deactivate()
         _waits.uninstall()
         _copies.uninstall()
         _hook.uninstall()
@@ -172,20 +185,24 @@ def checked(fn: F) -> F:
         @functools.wraps(fn)
         async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
             token = _state.enter_checked()
+            _layers.entered(token)
             try:
                 return await fn(*args, **kwargs)
             finally:
                 _state.exit_checked(token)
+                _layers.exited(token, failing=sys.exc_info()[1] is not None)
 
         return async_wrapper  # type: ignore[return-value]
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         token = _state.enter_checked()
+        _layers.entered(token)
         try:
             return fn(*args, **kwargs)
         finally:
             _state.exit_checked(token)
+            _layers.exited(token, failing=sys.exc_info()[1] is not None)
 
     return wrapper  # type: ignore[return-value]
 
@@ -198,10 +215,12 @@ class _Checking:
 
     def __enter__(self) -> None:
         self._token = _state.enter_checked()
+        _layers.entered(self._token)
 
     def __exit__(self, *exc_info: object) -> None:
         token, self._token = self._token, None
         _state.exit_checked(token)
+        _layers.exited(token, failing=exc_info[1] is not None)
 
 
 def checking() -> Any:

@@ -5,6 +5,12 @@ syncless, of torch and of the warnings machinery are skipped) and the fix.
 Every violation is recorded (a count and the first stack per call site), in
 every mode; ``record`` mode only records, ``warn`` also warns, ``error``
 also raises :class:`~syncless._core.errors.SyncViolation`.
+
+Three layers may see one sync: torch's debug mode (``torch``), syncless's
+wrappers (``wrapper``) and, with the CUPTI backend, the driver/runtime call
+that blocked (``cupti``). They are merged into one event per Python call
+(:class:`RegionEvents`), so an ``.item()`` is one sync, not three records;
+each row says which layers saw it, and CUPTI adds the host time blocked.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import sys
 import threading
 import traceback
 import warnings
+import weakref
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from types import FrameType
 
@@ -31,6 +39,15 @@ class SyncWarning(UserWarning):
 KIND_EXPLICIT = "explicit"
 KIND_IMPLICIT = "implicit copy"
 KIND_WAIT = "host wait"
+KIND_BLOCKING_COPY = "blocking copy"
+KIND_ALLOCATOR = "allocator"
+KIND_MEMSET = "blocking memset"
+KIND_TEARDOWN = "teardown"
+
+LAYER_TORCH = "torch"      # torch's sync debug mode (its warning)
+LAYER_WRAPPER = "wrapper"  # syncless's wrappers of copies and waits
+LAYER_CUPTI = "cupti"      # the CUDA driver/runtime call itself, through CUPTI
+LAYERS = (LAYER_TORCH, LAYER_WRAPPER, LAYER_CUPTI)
 
 FIX_EXPLICIT = (
     "keep the value on the GPU (torch.where or masks instead of branching on tensor values in Python, "
@@ -60,6 +77,18 @@ def _module_files(*names: str) -> frozenset[str]:
 
 # The warnings machinery and context-manager plumbing sit between a sync and the user's frame.
 _STDLIB_SKIP = _module_files("warnings", "_py_warnings", "contextlib")
+
+# Directories of packages whose Python frames sit between a CUDA call and the user (the cupti
+# package, should it call our callback through Python code of its own); filled by the CUPTI backend.
+_extra_skip_dirs: tuple[str, ...] = ()
+
+
+def skip_frames_under(directory: str) -> None:
+    """Treat frames of files under ``directory`` as plumbing, never as the user's code."""
+    global _extra_skip_dirs
+    directory = os.path.abspath(directory) + os.sep
+    if directory not in _extra_skip_dirs:
+        _extra_skip_dirs = (*_extra_skip_dirs, directory)
 
 # Frames of torch code that synchronizes by design at compile time (dynamo
 # tracing, inductor lowering and autotuning, CUDA graph trees recording):
@@ -98,6 +127,12 @@ class Violation:
         stack: the user's stack, outermost first, formatted (empty for a repeat of a call site already
             in the record, except in ``error`` mode, where the violation goes out with the exception).
         thread: name of the thread it happened on.
+        layers: which layers saw it (:data:`LAYERS`), in that order.
+        apis: CUDA calls that blocked the host, with how often (CUPTI only).
+        reasons: why each of those calls blocks, by name.
+        blocked_ns: host time spent inside those calls, entry to exit (0 when not timed).
+        timed: whether CUPTI timed it.
+        call_key: identifies the Python call (frame, code, instruction) for merging layers.
     """
 
     kind: str
@@ -108,16 +143,46 @@ class Violation:
     fix: str
     stack: str
     thread: str
+    layers: tuple[str, ...] = ()
+    apis: dict[str, int] = field(default_factory=dict)
+    reasons: dict[str, str] = field(default_factory=dict)
+    blocked_ns: int = 0
+    timed: bool = False
+    call_key: tuple | None = field(default=None, repr=False, compare=False)
+
+    def absorb(self, other: "Violation") -> None:
+        """Fold another layer's view of the same sync into this one (no second count)."""
+        self.layers = _ordered_layers((*self.layers, *other.layers))
+        for api, calls in other.apis.items():
+            self.apis[api] = self.apis.get(api, 0) + calls
+        self.reasons.update(other.reasons)
+        self.blocked_ns += other.blocked_ns
+        self.timed = self.timed or other.timed
 
     @property
     def site(self) -> str:
         return f"{self.filename}:{self.lineno}"
 
     def message(self) -> str:
+        calls = ""
+        if self.apis:
+            calls = " CUDA calls: " + "; ".join(f"{api} {self.reasons.get(api, 'blocks the host')}" for api in self.apis) + "."
+            if self.timed:
+                calls += f" The host was blocked for {self.blocked_ns / 1000:.1f} us."
         return (
             f"hidden GPU sync in a checked region at {self.site} (in {self.function}): {self.operation} "
-            f"[{self.kind}]. The host waits for the GPU here. Fix: {self.fix}."
+            f"[{self.kind}].{calls} The host waits for the GPU here. Fix: {self.fix}."
         )
+
+
+def _ordered_layers(layers) -> tuple[str, ...]:
+    present = set(layers)
+    return tuple(layer for layer in LAYERS if layer in present)
+
+
+def call_key(frame: FrameType) -> tuple:
+    """Identify the Python call a frame is making right now: (frame, code, instruction offset)."""
+    return (id(frame), frame.f_code, frame.f_lasti)
 
 
 def _user_frame(start: FrameType | None) -> tuple[FrameType | None, bool]:
@@ -137,14 +202,44 @@ def _user_frame(start: FrameType | None) -> tuple[FrameType | None, bool]:
         if torch_dir is not None and filename.startswith(torch_dir):
             if filename.endswith(_COMPILE_TIME_SUFFIXES):
                 return frame, True
-        elif not (filename.startswith(_SYNCLESS_DIR) or filename in _STDLIB_SKIP or filename.startswith("<frozen")):
+        elif not (filename.startswith(_SYNCLESS_DIR) or filename in _STDLIB_SKIP or filename.startswith("<frozen")
+                  or (_extra_skip_dirs and filename.startswith(_extra_skip_dirs))):
             return frame, False
         frame = frame.f_back
     return last, False
 
 
-def locate(kind: str, operation: str | None, fix: str, start: FrameType | None) -> Violation | None:
+def is_under_compile(start: FrameType | None, limit: int = 96) -> bool:
+    """Whether compile-time torch code (inductor, dynamo, CUDA graph trees) is anywhere on the stack.
+
+    The CUPTI layer also sees syncs made by libraries that torch.compile
+    drives (triton's benchmarking and loading): their frames are not torch's,
+    so the check looks past the first frame outside torch.
+    """
+    frame = start
+    while frame is not None and limit:
+        if frame.f_code.co_filename.endswith(_COMPILE_TIME_SUFFIXES):
+            return True
+        frame = frame.f_back
+        limit -= 1
+    return False
+
+
+def user_call_key(start: FrameType | None) -> tuple | None:
+    """The :func:`call_key` of the user's frame above ``start``; None under compile-time torch code."""
+    frame, compile_time = _user_frame(start)
+    if compile_time or frame is None:
+        return None
+    return call_key(frame)
+
+
+def locate(kind: str, operation, fix: str, start: FrameType | None) -> Violation | None:
     """Build a :class:`Violation` for a sync seen at ``start`` (a frame inside the call).
+
+    Args:
+        operation: what synchronized, in words; None for torch's wording
+            around the user's source line, or a callable that words it from
+            that source line (empty when the source is not available).
 
     Returns None when the sync comes from compile-time work (see
     ``_COMPILE_TIME_FILES``), which synchronizes by design.
@@ -153,18 +248,22 @@ def locate(kind: str, operation: str | None, fix: str, start: FrameType | None) 
     if compile_time:
         return None
     if frame is None:
-        return Violation(kind, operation or "a synchronizing CUDA operation", "<unknown>", 0, "<unknown>", fix, "", threading.current_thread().name)
+        text = operation if isinstance(operation, str) else "a synchronizing CUDA operation"
+        return Violation(kind, text, "<unknown>", 0, "<unknown>", fix, "", threading.current_thread().name)
     filename = frame.f_code.co_filename
     lineno = frame.f_lineno
     if operation is None:
         source = linecache.getline(filename, lineno).strip()
         operation = f"`{source}` called a synchronizing CUDA operation" if source else "a synchronizing CUDA operation"
+    elif callable(operation):
+        operation = operation(linecache.getline(filename, lineno).strip())
     if settings.mode != "error" and recorder.knows(filename, lineno, operation):
         stack = ""  # a repeat: the record keeps the first one's stack, and only error mode hands this one out
     else:
         frames = [e for e in traceback.extract_stack(frame, limit=24) if not e.filename.startswith(_SYNCLESS_DIR)]
         stack = "".join(traceback.format_list(frames[-16:]))
-    return Violation(kind, operation, filename, lineno, frame.f_code.co_name, fix, stack, threading.current_thread().name)
+    return Violation(kind, operation, filename, lineno, frame.f_code.co_name, fix, stack,
+                     threading.current_thread().name, call_key=call_key(frame))
 
 
 def _short(filename: str) -> str:
@@ -178,21 +277,67 @@ def _short(filename: str) -> str:
 
 @dataclass
 class SyncSite:
-    """One call site in the record: how often it synchronized, and its first occurrence."""
+    """One call site in the record: how often it synchronized, and its first occurrence.
+
+    Attributes:
+        first: the first violation recorded here (with its stack).
+        count: syncs at this site (one per Python call, however many layers saw it).
+        layers: every layer that saw a sync here.
+        api_calls: CUDA calls that blocked the host here, with how often (CUPTI).
+        reasons: why each of those calls blocks.
+        blocked_total_ns, blocked_max_ns, timed_count: host time blocked, over the syncs CUPTI timed.
+    """
 
     first: Violation
     count: int = 1
+    layers: tuple[str, ...] = ()
+    api_calls: dict[str, int] = field(default_factory=dict)
+    reasons: dict[str, str] = field(default_factory=dict)
+    blocked_total_ns: int = 0
+    blocked_max_ns: int = 0
+    timed_count: int = 0
 
     @property
     def site(self) -> str:
         return self.first.site
 
+    @property
+    def blocked_mean_ns(self) -> float:
+        return self.blocked_total_ns / self.timed_count if self.timed_count else 0.0
+
+    def take(self, violation: Violation) -> None:
+        """Add what one more sync here contributes (not its count)."""
+        self.layers = _ordered_layers((*self.layers, *violation.layers))
+        self.add_calls(violation.apis, violation.reasons)
+        if violation.timed:
+            self.timed_count += 1
+            self.blocked_total_ns += violation.blocked_ns
+            self.blocked_max_ns = max(self.blocked_max_ns, violation.blocked_ns)
+
+    def add_calls(self, apis: dict[str, int], reasons: dict[str, str]) -> None:
+        for api, calls in apis.items():
+            self.api_calls[api] = self.api_calls.get(api, 0) + calls
+        self.reasons.update(reasons)
+
+
+def _us(ns: float) -> str:
+    return f"{ns / 1000:.1f}"
+
 
 @dataclass
 class SyncReport:
-    """Every call site recorded since the last :func:`reset`, most frequent first."""
+    """Every call site recorded since the last :func:`reset`, most frequent first.
+
+    Attributes:
+        sites: the call sites.
+        not_checked: why nothing could be checked (the detector never became
+            active since the record started), or None when it was active.
+        backend: which layers checked, in words (e.g. ``"torch + CUPTI"``), and why CUPTI was not used.
+    """
 
     sites: list[SyncSite] = field(default_factory=list)
+    not_checked: str | None = None
+    backend: str = ""
 
     @property
     def total(self) -> int:
@@ -202,22 +347,38 @@ class SyncReport:
         return bool(self.sites)
 
     def format(self, stacks: bool = True) -> str:
-        """Render the table of call sites (count, site, operation) and one stack per site."""
+        """Render the table of call sites (count, site, kind, layers, blocked time, operation) and one stack per site."""
+        checked_by = f" (checked by {self.backend})" if self.backend else ""
         if not self.sites:
-            return "syncless: no hidden GPU syncs recorded"
-        lines = [f"syncless: {self.total} hidden GPU sync(s) at {len(self.sites)} call site(s)"]
+            if self.not_checked is not None:
+                return f"syncless: NOTHING WAS CHECKED: {self.not_checked}. No sync could be seen, so none is listed."
+            return f"syncless: no hidden GPU syncs recorded{checked_by}"
+        lines = [f"syncless: {self.total} hidden GPU sync(s) at {len(self.sites)} call site(s){checked_by}"]
         names = [_short(s.first.filename) + f":{s.first.lineno}" for s in self.sites]
         width = max(len(name) for name in names)
-        lines.append(f"{'count':>7}  {'site':<{width}}  kind           operation")
-        for s, name in zip(self.sites, names):
-            lines.append(f"{s.count:>7}  {name:<{width}}  {s.first.kind:<13}  {s.first.operation}")
+        layers = ["+".join(s.layers) for s in self.sites]
+        layer_width = max(7, *(len(text) for text in layers))
+        timed = any(s.timed_count for s in self.sites)
+        blocked_head = f"  {'blocked ms':>10} {'mean us':>9} {'max us':>9}" if timed else ""
+        lines.append(f"{'count':>7}  {'site':<{width}}  {'kind':<15}  {'seen by':<{layer_width}}{blocked_head}  operation")
+        for s, name, seen in zip(self.sites, names, layers):
+            blocked = ""
+            if timed:
+                blocked = (f"  {s.blocked_total_ns / 1e6:>10.3f} {_us(s.blocked_mean_ns):>9} {_us(s.blocked_max_ns):>9}"
+                           if s.timed_count else f"  {'-':>10} {'-':>9} {'-':>9}")
+            lines.append(f"{s.count:>7}  {name:<{width}}  {s.first.kind:<15}  {seen:<{layer_width}}{blocked}  {s.first.operation}")
         if stacks:
             for s in self.sites:
                 lines.append("")
                 lines.append(f"--- {s.site} in {s.first.function} ({s.count}x, first on thread {s.first.thread}) ---")
                 lines.append(s.first.stack.rstrip())
+                for api, calls in s.api_calls.items():
+                    lines.append(f"CUDA call: {api} x{calls}: {s.reasons.get(api, 'blocks the host')}")
                 lines.append(f"fix: {s.first.fix}")
         return "\n".join(lines)
+
+
+NOT_ENABLED = "syncs.enable() has not made the detector active in this process"
 
 
 class _Recorder:
@@ -225,29 +386,55 @@ class _Recorder:
         self._lock = threading.Lock()
         self._sites: dict[tuple[str, int, str], SyncSite] = {}
         self._atexit_registered = False
+        # Why nothing is being checked (None once enable() made the detector active); kept across reset().
+        self.not_checked: str | None = NOT_ENABLED
+        self.backend = ""
+        # Called before a report is taken: lets the CUPTI backend record syncs it is still holding back.
+        self.before_report: list = []
 
     def knows(self, filename: str, lineno: int, operation: str) -> bool:
         """Whether this call site and operation are in the record with a stack (no lock: a dict lookup)."""
         site = self._sites.get((filename, lineno, operation))
         return site is not None and bool(site.first.stack)
 
+    @staticmethod
+    def key(violation: Violation) -> tuple[str, int, str]:
+        return (violation.filename, violation.lineno, violation.operation)
+
     def add(self, violation: Violation) -> None:
-        key = (violation.filename, violation.lineno, violation.operation)
+        key = self.key(violation)
         with self._lock:
             site = self._sites.get(key)
             if site is None:
-                self._sites[key] = SyncSite(violation)
+                site = self._sites[key] = SyncSite(violation)
             else:
                 site.count += 1
                 if not site.first.stack and violation.stack:
                     # The site was recorded from a repeat without its stack (a reset() came between
                     # locate() and add() on another thread): keep this one's instead.
                     site.first = violation
+            site.take(violation)
+
+    def annotate(self, key: tuple[str, int, str], api: str, reason: str, blocked_ns: int, event_total_ns: int,
+                 first_timing: bool) -> None:
+        """Add a CUDA call CUPTI saw inside an already recorded sync (a wrapper's), without counting it again."""
+        with self._lock:
+            site = self._sites.get(key)
+            if site is None:  # reset() in between
+                return
+            site.layers = _ordered_layers((*site.layers, LAYER_CUPTI))
+            site.add_calls({api: 1}, {api: reason})
+            if first_timing:
+                site.timed_count += 1
+            site.blocked_total_ns += blocked_ns
+            site.blocked_max_ns = max(site.blocked_max_ns, event_total_ns)
 
     def report(self) -> SyncReport:
+        for flush in list(self.before_report):
+            flush()
         with self._lock:
             sites = sorted(self._sites.values(), key=lambda s: (-s.count, s.site))
-        return SyncReport(sites)
+        return SyncReport(sites, self.not_checked, self.backend)
 
     def reset(self) -> None:
         with self._lock:
@@ -270,8 +457,146 @@ class _Recorder:
 recorder = _Recorder()
 
 
+class RegionEvents:
+    """The syncs of one outermost checked region of one thread (or task), while CUPTI watches.
+
+    torch and the wrappers report a sync once per Python call; CUPTI reports
+    every blocking driver call inside it. The two meet here, keyed by the
+    user's frame and the instruction it is executing (:func:`call_key`):
+
+    * a wrapper reports *before* its call runs, so it opens an event that
+      CUPTI calls from the same Python call join;
+    * torch's debug-mode warning is buffered by torch and delivered when the
+      op returns, *after* the CUDA calls, so CUPTI's events wait here
+      (``pending``) and the warning takes those with its key;
+    * a pending CUPTI event is recorded on its own (layer ``cupti``) once
+      something else happens on the thread, the region ends, or a report is
+      taken. Each blocking call of a Python call torch does not see counts:
+      ``empty_cache()`` that frees three segments is three ``cudaFree``.
+
+    In ``error`` mode a CUPTI-only sync cannot raise through the driver; it
+    is raised when the outermost region exits (:attr:`to_raise`).
+    """
+
+    def __init__(self) -> None:
+        self.pending: list[Violation] = []
+        self.open_key: tuple | None = None
+        self.open_site: tuple[str, int, str] | None = None
+        self.open_blocked_ns = 0
+        self.to_raise: Violation | None = None
+        _live_events.add(self)
+
+
+# The event state of the outermost checked region of this thread/task (None without CUPTI).
+region_events: ContextVar[RegionEvents | None] = ContextVar("syncless_region_events", default=None)
+_events_lock = threading.RLock()
+_live_events: "weakref.WeakSet[RegionEvents]" = weakref.WeakSet()
+
+
+def _flush(events: RegionEvents) -> None:
+    """Record the CUPTI events that no torch-level report claimed (under ``_events_lock``)."""
+    pending, events.pending = events.pending, []
+    for violation in pending:
+        recorder.add(violation)
+        mode = settings.mode
+        if mode == "warn":
+            warnings.warn_explicit(violation.message(), SyncWarning, violation.filename, violation.lineno, registry=None)
+        elif mode == "error" and events.to_raise is None:
+            events.to_raise = violation
+
+
+def flush_all() -> None:
+    """Record every held-back CUPTI event of every region (before a report, and when CUPTI lets go)."""
+    with _events_lock:
+        for events in list(_live_events):
+            _flush(events)
+
+
+recorder.before_report.append(flush_all)
+
+
+def cupti_event(violation: Violation) -> None:
+    """Take a blocking CUDA call CUPTI saw in a checked region (a violation context)."""
+    events = region_events.get()
+    if events is None:
+        # A region entered without the backend's bookkeeping: record it now (never raise inside a callback).
+        _record_and_act(violation, None, may_raise=False)
+        return
+    with _events_lock:
+        if events.open_key is not None and events.open_key == violation.call_key:
+            _join_open(events, violation)
+            return
+        events.open_key = None
+        if events.pending and events.pending[-1].call_key != violation.call_key:
+            _flush(events)
+        events.pending.append(violation)
+
+
+def cupti_join(start: FrameType | None, api: str, reason: str, blocked_ns: int) -> None:
+    """Take a blocking CUDA call seen inside an allow scope: it counts only inside a wrapper's open event.
+
+    The wrappers of host waits run the wait inside an allow scope (so torch's
+    own warning is not a second report); the call they make still belongs to
+    the sync they reported.
+    """
+    events = region_events.get()
+    if events is None or events.open_key is None:
+        return
+    if user_call_key(start) != events.open_key:
+        return
+    with _events_lock:
+        joined = Violation(KIND_WAIT, "", "", 0, "", "", "", "", (LAYER_CUPTI,), {api: 1}, {api: reason}, blocked_ns, True)
+        _join_open(events, joined)
+
+
+def _join_open(events: RegionEvents, violation: Violation) -> None:
+    first_timing = events.open_blocked_ns == 0
+    events.open_blocked_ns += violation.blocked_ns
+    for api in violation.apis:
+        recorder.annotate(events.open_site, api, violation.reasons.get(api, ""), violation.blocked_ns,
+                          events.open_blocked_ns, first_timing)
+        first_timing = False
+
+
+def close_region(events: RegionEvents | None, failing: bool) -> None:
+    """The outermost region holding ``events`` exits: record what is held back, raise in error mode.
+
+    Raises:
+        SyncViolation: in ``error`` mode, for the first CUPTI-only sync of the
+            region, unless the region is already exiting with an exception.
+    """
+    if events is None:
+        return
+    with _events_lock:
+        _flush(events)
+        violation, events.to_raise = events.to_raise, None
+        _live_events.discard(events)
+    if violation is not None and not failing and settings.mode == "error":
+        err = SyncViolation(violation.message())
+        err.violation = violation
+        raise err
+
+
+def _record_and_act(violation: Violation, forward_warning, may_raise: bool = True) -> None:
+    recorder.add(violation)
+    mode = settings.mode
+    if mode == "error" and may_raise:
+        err = SyncViolation(violation.message())
+        err.violation = violation
+        raise err
+    if mode == "warn":
+        text = violation.message()
+        if forward_warning is not None:
+            forward_warning(SyncWarning(text), SyncWarning, violation.filename, violation.lineno)
+        else:
+            warnings.warn_explicit(text, SyncWarning, violation.filename, violation.lineno, registry=None)
+
+
 def handle(violation: Violation, forward_warning=None) -> None:
     """Record ``violation`` and act on it in the current mode.
+
+    Called by torch's debug-mode hook and by the wrappers; with CUPTI on,
+    the CUDA calls of the same Python call are merged into it first.
 
     Args:
         forward_warning: in ``warn`` mode, a ``showwarning``-style callable to
@@ -282,15 +607,22 @@ def handle(violation: Violation, forward_warning=None) -> None:
     Raises:
         SyncViolation: in ``error`` mode.
     """
-    recorder.add(violation)
-    mode = settings.mode
-    if mode == "error":
-        err = SyncViolation(violation.message())
-        err.violation = violation
-        raise err
-    if mode == "warn":
-        text = violation.message()
-        if forward_warning is not None:
-            forward_warning(SyncWarning(text), SyncWarning, violation.filename, violation.lineno)
-        else:
-            warnings.warn_explicit(text, SyncWarning, violation.filename, violation.lineno, registry=None)
+    if not violation.layers:
+        violation.layers = (LAYER_TORCH,) if violation.kind == KIND_EXPLICIT else (LAYER_WRAPPER,)
+    events = region_events.get()
+    if events is not None:
+        with _events_lock:
+            same = [p for p in events.pending if p.call_key == violation.call_key]
+            if len(same) != len(events.pending):
+                events.pending = [p for p in events.pending if p.call_key != violation.call_key]
+                _flush(events)
+            events.pending = []
+            for cupti_view in same:
+                violation.absorb(cupti_view)
+            if LAYER_WRAPPER in violation.layers:
+                # A wrapper reports before its call runs: the CUDA calls of that call join this sync.
+                events.open_key, events.open_site = violation.call_key, recorder.key(violation)
+                events.open_blocked_ns = violation.blocked_ns
+            else:
+                events.open_key = None
+    _record_and_act(violation, forward_warning)

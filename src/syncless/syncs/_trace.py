@@ -2,7 +2,10 @@
 
 Runs a script as ``__main__`` with the named functions checked in
 ``record`` mode, then prints the table of sync sites found (count, site,
-operation, one stack each). A function of the script itself is named with
+operation, which layers saw it, one stack each; with ``--backend cupti``
+also the host time blocked per site: total, mean, max). When nothing can
+be checked here (a CPU-only torch build), the report says so and why,
+instead of an empty table. A function of the script itself is named with
 the script's stem or ``__main__`` as its module (``--fn __main__:step``); it
 gets the checked decorator in the script's source, so it is checked however
 it is called. A function of an importable module is replaced on its module
@@ -20,6 +23,8 @@ import types
 from pathlib import Path
 
 from syncless import syncs
+from syncless._core.errors import MissingDependencyError
+from syncless.syncs import _backend
 
 _DECORATOR_NAME = "__syncless_checked__"
 
@@ -32,6 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="MODULE:QUALNAME",
         help="a function to check, e.g. mypkg.engine:Engine.step or __main__:decode_step (repeatable)",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("auto", "torch", "cupti"),
+        default=None,
+        help="which layers find syncs (default: SYNCLESS_SYNC_BACKEND, else auto); cupti also sees syncs in "
+        "C/C++ extensions, cupy and the allocator, and adds the host time blocked per site (needs syncless[cupti])",
     )
     parser.add_argument("script", help="the Python script to run")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
@@ -143,6 +155,11 @@ def run(args: argparse.Namespace) -> int:
     script_names = {"__main__", path.stem}
     previous_mode = syncs.mode()
     was_enabled = syncs.is_enabled()
+    previous_backend = _backend.backend.requested
+    if getattr(args, 'backend', None) is not None:
+        if was_enabled:
+            syncs.disable()
+        syncs.set_backend(getattr(args, 'backend', None))
     syncs.set_mode("record")
     syncs.reset()
     restore: list[tuple[object, str, object]] = []
@@ -158,9 +175,11 @@ def run(args: argparse.Namespace) -> int:
             return 2
         finally:
             del sys.path[0]
-        if not syncs.enable():
-            print("syncless trace: nothing can be checked here (no CUDA sync debug mode); running the script anyway",
-                  file=sys.stderr)
+        try:
+            syncs.enable()  # when it cannot, the report below says why
+        except MissingDependencyError as err:
+            print(f"syncless trace: error: {err}", file=sys.stderr)
+            return 2
         status = _run_as_main(code, path, list(args.script_args))
         checked = ", ".join(args.fn) if args.fn else "regions marked in the code"
         print(f"syncless trace: {path} (checked: {checked})")
@@ -170,6 +189,10 @@ def run(args: argparse.Namespace) -> int:
         for owner, name, raw in reversed(restore):
             setattr(owner, name, raw)
         syncs.reset()
-        if not was_enabled:
+        if not was_enabled or getattr(args, 'backend', None) is not None:
             syncs.disable()
+        if getattr(args, 'backend', None) is not None:
+            syncs.set_backend(previous_backend)
+            if was_enabled:
+                syncs.enable()
         syncs.set_mode(previous_mode)
