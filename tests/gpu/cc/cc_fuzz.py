@@ -50,6 +50,11 @@ INIT = "init"  # the stream the program's initial buffers were made on (settled 
 N_DEV, N_HOST, N_EVENTS = 5, 4, 3
 SIDE = 32  # every buffer is SIDE x SIDE
 DTYPES = ("float32", "float16", "bfloat16", "int32", "float64")
+# CONCURRENT blocks: two host threads at once, each on its own streams, buffers and events.
+PARTS = (
+    {"streams": ("S0", "D2"), "dev": (0, 1), "host": (0, 1), "events": (0,)},
+    {"streams": ("S1", "D3"), "dev": (2, 3, 4), "host": (2, 3), "events": (1, 2)},
+)
 SHORT_SLEEPS = (0, 0, 2_000, 10_000, 40_000)  # GPU cycles: 0 to ~20 us on an H200
 LONG_SLEEP = 2_000_000  # ~1 ms: in a few programs, to open race windows wide
 
@@ -60,13 +65,35 @@ class Op:
 
     kind: str
     args: tuple = ()
-    body: tuple = ()  # THREAD only: the ops run on the second host thread
+    body: tuple = ()  # THREAD: the ops run on a second host thread; CONCURRENT: two THREADs run at once
 
     def __str__(self) -> str:
-        if self.kind == "THREAD":
-            inner = "; ".join(str(op) for op in self.body)
-            return f"THREAD {{ {inner} }}"
+        if self.kind in ("THREAD", "CONCURRENT"):
+            inner = " | ".join(str(op) for op in self.body) if self.kind == "CONCURRENT" else "; ".join(
+                str(op) for op in self.body)
+            return f"{self.kind} {{ {inner} }}"
         return f"{self.kind}{self.args}"
+
+
+_STREAM_ARGS = {  # positions of stream names, device slots, host slots, events in each kind's args
+    "SLEEP": ((0,), (), (), ()), "KERNEL": ((0,), (1,), (), ()), "FILL": ((0,), (1,), (), ()),
+    "H2D": ((0,), (3,), (1,), ()), "H2D_FRESH": ((0,), (2,), (1,), ()), "D2H": ((0,), (1,), (3,), ()),
+    "D2H_FRESH": ((0,), (1,), (2,), ()), "D2D": ((0,), (1, 3), (), ()), "WAIT_STREAM": ((0, 1), (), (), ()),
+    "RECORD": ((1,), (), (), (0,)), "WAIT_EVENT": ((0,), (), (), (1,)), "EVENT_SYNC": ((), (), (), (0,)),
+    "EVENT_SPIN": ((), (), (), (0,)), "EVENT_QUERY": ((), (), (), (0,)), "STREAM_SYNC": ((0,), (), (), ()),
+    "DEVICE_SYNC": ((), (), (), ()), "HOST_READ": ((), (), (0,), ()), "HOST_WRITE": ((), (), (0,), ()),
+    "RECORD_STREAM": ((1,), (0,), (), ()), "FREE": ((), (0,), (), ()), "ALLOC": ((0,), (1,), (), ()),
+    "REGISTER": ((1,), (0,), (), ()),
+}
+
+
+def within(op: Op, part: dict) -> bool:
+    """Return whether ``op`` (and everything in its body) touches only the streams, buffers and events of ``part``."""
+    if op.kind in ("THREAD", "CONCURRENT"):
+        return op.kind == "THREAD" and all(within(inner, part) for inner in op.body)
+    streams, dev, host, events = _STREAM_ARGS[op.kind]
+    return (all(op.args[i] in part["streams"] for i in streams) and all(op.args[i] in part["dev"] for i in dev)
+            and all(op.args[i] in part["host"] for i in host) and all(op.args[i] in part["events"] for i in events))
 
 
 @dataclass
@@ -172,6 +199,7 @@ class Model:
         self.dev = [_Buf(write=(INIT, 1), dtype=spec.dev_dtypes[i], used_on={INIT: 1}) for i in range(N_DEV)]
         self.hst = [_Buf(write=("host", 0), dtype=spec.host_dtypes[i]) for i in range(N_HOST)]
         self.pinned = list(spec.host_pinned)
+        self.part: dict | None = None  # while generating one body of a CONCURRENT block: its resources
 
     def clone(self) -> Model:
         other = Model.__new__(Model)
@@ -181,6 +209,7 @@ class Model:
         other.dev = [None if b is None else b.clone() for b in self.dev]
         other.hst = [b.clone() for b in self.hst]
         other.pinned = list(self.pinned)
+        other.part = self.part
         return other
 
     # ordering predicates
@@ -235,9 +264,9 @@ class Model:
     def apply(self, op: Op) -> None:
         """Apply ``op`` to the state, or raise :class:`Illegal` (the state is then unchanged).
 
-        Each kind checks before it changes anything; only a THREAD block, several ops, needs a snapshot.
+        Each kind checks before it changes anything; only THREAD and CONCURRENT blocks, several ops, need a snapshot.
         """
-        if op.kind != "THREAD":
+        if op.kind not in ("THREAD", "CONCURRENT"):
             self._apply(op)
             return
         snapshot = self.clone()
@@ -253,6 +282,9 @@ class Model:
         if k == "THREAD":
             for inner in op.body:
                 self._apply(inner)
+            return
+        if k == "CONCURRENT":
+            self._apply_concurrent(op)
             return
         if k == "SLEEP":
             self._tick(a[0])
@@ -385,6 +417,35 @@ class Model:
         else:
             raise ValueError(f"unknown op kind {k!r}")
 
+    def _apply_concurrent(self, op: Op) -> None:
+        """Two bodies run at once on two threads: each must be legal alone, from this state, on its own part.
+
+        Since they share no stream, buffer or event, any interleaving gives the same results; afterwards the
+        host knows what either body synchronized.
+        """
+        if len(op.body) != len(PARTS):
+            raise Illegal("a CONCURRENT block has one body per part", [])
+        results = []
+        for part, body in zip(PARTS, op.body):
+            if not within(body, part):
+                raise Illegal(f"a concurrent body leaves its part: {body}", [])
+            trial = self.clone()
+            trial._apply(body)
+            results.append(trial)
+        host = dict(self.host)
+        for part, trial in zip(PARTS, results):
+            for s in part["streams"]:
+                self.vc[s] = trial.vc[s]
+            for i in part["dev"]:
+                self.dev[i] = trial.dev[i]
+            for i in part["host"]:
+                self.hst[i], self.pinned[i] = trial.hst[i], trial.pinned[i]
+            for e in part["events"]:
+                self.events[e] = trial.events[e]
+            for k, v in trial.host.items():
+                host[k] = max(host.get(k, 0), v)
+        self.host = host
+
     @staticmethod
     def _raise(needs: list, op: Op) -> None:
         if needs:
@@ -432,6 +493,9 @@ class Generator:
                 if sub is not None:
                     ops.append(sub)
                 continue
+            if rng.random() < 0.04 and len(ops) + 6 < target:
+                ops.extend(self._concurrent_block(model))
+                continue
             ops.extend(self._legal_step(model))
         # End state: nothing is left unsynchronized (the runner reads every buffer after a device synchronize).
         ops.append(Op("DEVICE_SYNC", (0,)))
@@ -449,6 +513,22 @@ class Generator:
         op = Op("THREAD", (), tuple(body))
         model.apply(op)
         return op
+
+    def _concurrent_block(self, model: Model) -> list[Op]:
+        """A device synchronize, then two bodies on disjoint resources, run by two host threads at once."""
+        sync = Op("DEVICE_SYNC", (0,))
+        model.apply(sync)  # so no body needs an ordering on the other body's streams
+        bodies = []
+        for part in PARTS:
+            trial = model.clone()
+            trial.part = part
+            body: list[Op] = []
+            for _ in range(self.rng.randint(2, 6)):
+                body.extend(self._legal_step(trial))
+            bodies.append(Op("THREAD", (), tuple(body)))
+        op = Op("CONCURRENT", (), tuple(bodies))
+        model.apply(op)
+        return [sync, op]
 
     def _legal_step(self, model: Model) -> list[Op]:
         """Propose one op; make it legal with up to three inserted orderings; return the ops added (maybe none)."""
@@ -478,27 +558,30 @@ class Generator:
             _, s, p, _ = need
             roll = rng.random()
             if p == INIT or roll < 0.2:
-                return self._host_sync_for(p)
+                return self._host_sync_for(p, model)
             if roll < 0.6:
                 return [Op("WAIT_STREAM", (s, p))]
-            e = rng.randrange(N_EVENTS)
+            e = self._event(model)
             return [Op("RECORD", (e, p, rng.randrange(3))), Op("WAIT_EVENT", (s, e, rng.randrange(3)))]
         if need[0] == "host":
-            return self._host_sync_for(need[1])
+            return self._host_sync_for(need[1], model)
         if need[0] == "free":
             _, g, who, _ = need
             if who != INIT and rng.random() < 0.7:
                 return [Op("RECORD_STREAM", (g, who))]
-            return self._host_sync_for(who)
+            return self._host_sync_for(who, model)
         return None
 
-    def _host_sync_for(self, p: str) -> list[Op]:
+    def _event(self, model: Model) -> int:
+        return self.rng.choice(model.part["events"]) if model.part else self.rng.randrange(N_EVENTS)
+
+    def _host_sync_for(self, p: str, model: Model) -> list[Op]:
         """Ops after which the host knows that stream ``p``'s work so far has finished."""
         rng = self.rng
         roll = rng.random()
         if p == INIT or roll < 0.3:
             return [Op("DEVICE_SYNC", (rng.randrange(2),))] if p == INIT or roll < 0.1 else [Op("STREAM_SYNC", (p,))]
-        e = rng.randrange(N_EVENTS)
+        e = self._event(model)
         ops = (Op("RECORD", (e, p, rng.randrange(3))), Op("EVENT_SPIN" if rng.random() < 0.3 else "EVENT_SYNC", (e,)))
         if rng.random() < 0.1:  # the wait happens on the second host thread
             return [Op("THREAD", (), ops)]
@@ -511,10 +594,14 @@ class Generator:
 
     def _propose(self, model: Model) -> Op | None:  # noqa: C901 - a weighted table of op kinds
         rng = self.rng
-        s = rng.choice(STREAMS)
-        live = [i for i in range(N_DEV) if model.dev[i] is not None]
-        empty = [i for i in range(N_DEV) if model.dev[i] is None]
-        h = rng.randrange(N_HOST)
+        part = model.part or {"streams": STREAMS, "dev": range(N_DEV), "host": range(N_HOST),
+                              "events": range(N_EVENTS)}
+        streams, events = part["streams"], part["events"]
+        d2h_streams = [x for x in ("D2", "D3") if x in streams]
+        s = rng.choice(streams)
+        live = [i for i in part["dev"] if model.dev[i] is not None]
+        empty = [i for i in part["dev"] if model.dev[i] is None]
+        h = rng.choice(part["host"])
         roll = rng.random()
         if roll < 0.10:
             return Op("SLEEP", (s, self._sleep_cycles()))
@@ -535,25 +622,25 @@ class Generator:
         if roll < 0.58 and live:
             hv, gv = random_view_pair(rng)
             # Mostly on D2H streams: that is where the worker takes the copy.
-            s2 = rng.choice(("D2", "D3")) if rng.random() < 0.7 else s
+            s2 = rng.choice(d2h_streams) if rng.random() < 0.7 else s
             return Op("D2H", (s2, rng.choice(live), gv, h, hv, rng.random() < 0.85))
         if roll < 0.63 and live:
-            s2 = rng.choice(("D2", "D3")) if rng.random() < 0.7 else s
+            s2 = rng.choice(d2h_streams) if rng.random() < 0.7 else s
             return Op("D2H_FRESH", (s2, rng.choice(live), h, rng.random() < 0.85, rng.choice((None, None) + DTYPES)))
         if roll < 0.68 and len(live) >= 2:
             g1, g2 = rng.sample(live, 2)
             v2, v1 = random_view_pair(rng)
             return Op("D2D", (s, g1, v1, g2, v2, rng.random() < 0.5))
         if roll < 0.74:
-            a, b = rng.sample(STREAMS, 2)
+            a, b = rng.sample(list(streams), 2)
             return Op("WAIT_STREAM", (a, b))
         if roll < 0.79:
-            return Op("RECORD", (rng.randrange(N_EVENTS), s, rng.randrange(3)))
+            return Op("RECORD", (rng.choice(events), s, rng.randrange(3)))
         if roll < 0.83:
-            recorded = [e for e, c in model.events.items() if c is not None]
+            recorded = [e for e in events if model.events[e] is not None]
             return Op("WAIT_EVENT", (s, rng.choice(recorded), rng.randrange(3))) if recorded else None
         if roll < 0.86:
-            recorded = [e for e, c in model.events.items() if c is not None]
+            recorded = [e for e in events if model.events[e] is not None]
             if not recorded:
                 return None
             return Op(rng.choice(("EVENT_SYNC", "EVENT_SPIN", "EVENT_QUERY")), (rng.choice(recorded),))
@@ -614,7 +701,7 @@ def minimize(spec: ProgramSpec, still_fails: Callable[[ProgramSpec], bool], max_
 def count_copies(ops: Sequence[Op]) -> int:
     n = 0
     for op in ops:
-        if op.kind == "THREAD":
+        if op.kind in ("THREAD", "CONCURRENT"):
             n += count_copies(op.body)
         elif op.kind in ("H2D", "H2D_FRESH", "D2H", "D2H_FRESH", "D2D"):
             n += 1

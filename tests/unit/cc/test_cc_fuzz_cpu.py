@@ -44,13 +44,13 @@ def test_generated_programs_cover_every_kind_of_op():
         walk(fuzz.program_for(seed).ops)
     kinds = {"SLEEP", "KERNEL", "FILL", "H2D", "H2D_FRESH", "D2H", "D2H_FRESH", "D2D", "WAIT_STREAM", "RECORD",
              "WAIT_EVENT", "EVENT_SYNC", "EVENT_SPIN", "EVENT_QUERY", "STREAM_SYNC", "DEVICE_SYNC", "HOST_READ",
-             "HOST_WRITE", "RECORD_STREAM", "FREE", "ALLOC", "REGISTER", "THREAD"}
+             "HOST_WRITE", "RECORD_STREAM", "FREE", "ALLOC", "REGISTER", "THREAD", "CONCURRENT"}
     assert kinds <= seen, kinds - seen
 
 
 def test_every_schedule_of_the_simulated_gpu_gives_the_same_results():
     sequential = Runner(SimBackend(None))
-    for seed in range(150):
+    for seed in range(300):
         spec = fuzz.program_for(seed)
         expected = sequential.run(spec)
         for schedule in range(4):
@@ -133,3 +133,11 @@ def test_minimizer_keeps_what_the_failure_needs_and_stays_legal():
 def test_copies_are_counted_inside_threads():
     body = (Op("D2H", ("D2", 0, ("full",), 0, ("full",), True)), Op("SLEEP", ("S0", 0)))
     assert fuzz.count_copies([Op("THREAD", (), body), Op("D2D", ("S0", 0, ("full",), 1, ("full",), True))]) == 2
+
+
+def test_concurrent_bodies_must_keep_to_their_own_resources():
+    body_a = Op("THREAD", (), (Op("KERNEL", ("S0", 0, ("full",), 1, 0)),))
+    body_b = Op("THREAD", (), (Op("KERNEL", ("S1", 2, ("full",), 1, 0)),))
+    assert fuzz.is_legal(_spec([Op("CONCURRENT", (), (body_a, body_b))]))
+    crossing = Op("THREAD", (), (Op("KERNEL", ("S1", 0, ("full",), 1, 0)),))  # buffer 0 belongs to the first body
+    assert not fuzz.is_legal(_spec([Op("CONCURRENT", (), (body_a, crossing))]))
