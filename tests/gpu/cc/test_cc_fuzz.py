@@ -99,6 +99,9 @@ def test_differential_fuzz():
     finally:
         cc.uninstall()
 
+    if failures:
+        listed = ", ".join(f"{specs[i].seed}/{CONFIGS[c][0]}" for i, c, _ in failures[:20])
+        print(f"\ncc fuzz: {len(failures)} failing runs (seed/configuration): {listed}", flush=True)
     for i, c, difference in failures[:MAX_MINIMIZED]:
         name, shim, emulation = CONFIGS[c]
 
