@@ -74,9 +74,10 @@ def main() -> None:
     def on_staging_polled():
         with torch.cuda.stream(staging):
             out = host.to(dev, non_blocking=True)
-        while drv.cuStreamQuery(staging.cuda_stream)[0] == not_ready:  # spin: no driver wake-up latency
-            pass
-        return out
+        while True:  # spin: no driver wake-up latency
+            result = drv.cuStreamQuery(staging.cuda_stream)
+            if (result[0] if isinstance(result, tuple) else result) != not_ready:
+                return out
 
     def ordered():
         out = on_staging_synced()
