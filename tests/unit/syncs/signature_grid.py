@@ -271,7 +271,9 @@ def outcome(form: Form, env: types.SimpleNamespace, settle: Callable[[], Any] = 
                 returned = form.call(env)
         except Exception as err:  # noqa: BLE001 - the outcome under test is whatever torch raises
             result: Any = ("raised", type(err), str(err))
+            torch_function_log = list(LoggingTensor.log)
         else:
+            torch_function_log = list(LoggingTensor.log)  # before the description below adds its own calls
             with settle():
                 result = ("returned", _describe_value(returned, env))
     with settle():
@@ -284,7 +286,7 @@ def outcome(form: Form, env: types.SimpleNamespace, settle: Callable[[], Any] = 
         # category and text are compared (docs/_incoming/syncs.md). The detector's own are not torch's.
         "warnings": [(w.category, str(w.message)) for w in seen if not str(w.message).startswith(ours)],
         "inputs_after": inputs_after,
-        "torch_function_log": list(LoggingTensor.log),
+        "torch_function_log": torch_function_log,
     }
 
 
