@@ -62,7 +62,7 @@ def test_call_form_behaves_as_in_torch(form: Form, seed: int, restored_globals, 
         problems.append(difference(form, plain, checked))
         reported = syncs.report().total
         if plain["result"][0] == "raised" and plain["result"][1] is TypeError:
-            assert reported == 0, f"{form.label}: torch refuses this call, yet it was reported:\n{syncs.report().format()}"
+            assert reported == 0, f"{form.label}: torch refuses this call, yet it was reported"
         syncs.disable()
         _enabled("error")
         in_error_mode = outcome(form, make_env(seed), region=syncs.checking)
