@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from syncless._core import config
 from syncless._core.errors import MissingDependencyError
 from syncless._core.logs import log_once
-from syncless.syncs import _report, _state
+from syncless.syncs import _merge, _report, _state
 
 BACKENDS = ("auto", "torch", "cupti")
 
@@ -151,7 +151,7 @@ class _Backend:
                 self._subscribe()
             subscribed = self.subscriber is not None
         if subscribed and _state.checked_depth.get() == 1:
-            _report.region_events.set(_report.RegionEvents())
+            _report.region_events.set(_merge.RegionEvents())
 
     def exited(self, token, failing: bool) -> None:
         """A checked region was left; the outermost one records what CUPTI held back (and raises in error mode).
@@ -171,7 +171,7 @@ class _Backend:
             if self.regions == 0 and self.subscriber is not None:
                 self._unsubscribe()
         if events is not None:
-            _report.close_region(events, failing)
+            _merge.close_region(events, failing)
 
     def _subscribe(self) -> None:
         from syncless.syncs import _cupti
@@ -191,7 +191,7 @@ class _Backend:
         if subscriber is not None:
             subscriber.close()
             _warn_if_profiler_ran()
-            _report.flush_all()
+            _merge.flush_all()
 
 
 def _warn_if_profiler_ran() -> None:

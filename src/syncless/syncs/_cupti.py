@@ -7,7 +7,7 @@ CUDA call, with that thread's Python frames intact, at the call's entry and
 exit. Entry decides whether the call blocks (for copies and memsets by
 asking the driver what memory each pointer is, ``cuPointerGetAttributes``);
 exit measures the host time blocked and hands a violation to the record
-(:func:`._report.cupti_event`), which merges it with torch's and the
+(:func:`._merge.cupti_event`), which merges it with torch's and the
 wrappers' view of the same Python call.
 
 Only the outermost watched call of a thread counts: a runtime call that the
@@ -28,7 +28,7 @@ import time
 from types import ModuleType
 
 from syncless.syncs import _cupti_rules as rules
-from syncless.syncs import _report, _state
+from syncless.syncs import _merge, _report, _state
 from syncless.syncs._cupti_rules import ApiRule
 
 INSTALL_HINT = "install it with `pip install 'syncless[cupti]'` (cupti-python matching the driver's CUDA version)"
@@ -245,7 +245,7 @@ class Subscriber:
 
     def _report(self, watched: _Watched, reason: str, blocked_ns: int, start) -> None:
         if not _state.is_violation_context():
-            _report.cupti_join(start, watched.name, reason, blocked_ns)
+            _merge.cupti_join(start, watched.name, reason, blocked_ns)
             return
         if _report.is_under_compile(start):
             return  # compile-time work (torch.compile, triton autotuning) synchronizes by design
@@ -257,7 +257,7 @@ class Subscriber:
         violation.reasons = {watched.name: reason}
         violation.blocked_ns = blocked_ns
         violation.timed = True
-        _report.cupti_event(violation)
+        _merge.cupti_event(violation)
 
 
 def _params_offset(api: ModuleType) -> int:

@@ -9,7 +9,6 @@ on the same code first, as the oracle of what it misses.
 
 from __future__ import annotations
 
-import os
 import sys
 import tempfile
 import threading

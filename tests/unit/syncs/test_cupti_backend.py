@@ -80,6 +80,18 @@ def test_an_item_like_op_is_one_sync_seen_by_torch_and_cupti(cupti_env):
     assert "torch+cupti" in text and "blocked ms" in text and "CUDA call: cudaStreamSynchronize x3" in text
 
 
+def test_a_torch_warning_that_comes_first_still_makes_one_sync(cupti_env):
+    enabled(cupti_env)
+    with syncs.checking():
+        for _ in range(2):
+            line = here()
+            fake.warn_then_call([("cudaMemcpyAsync", [fake.PAGEABLE_ADDR, fake.DEVICE_ADDR, 4, D2H, 0]),
+                                 ("cudaStreamSynchronize", [0])])
+    (site,) = syncs.report().sites
+    assert (site.first.lineno, site.count, site.layers) == (line, 2, ("torch", "cupti"))
+    assert site.api_calls == {"cudaMemcpyAsync": 2, "cudaStreamSynchronize": 2} and site.timed_count == 2
+
+
 def test_a_sync_only_cupti_sees_is_counted_per_call_at_the_users_line(cupti_env):
     enabled(cupti_env)
     with syncs.checking():
