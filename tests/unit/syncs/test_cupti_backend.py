@@ -369,3 +369,31 @@ def test_describe_for_doctor_says_what_would_be_used(monkeypatch):
     monkeypatch.setattr(_backend, "_package_version", lambda name: None)
     described = _backend.describe()
     assert described["would_use"] == "torch" and "syncless[cupti]" in described["reason"]
+
+
+def test_trace_with_the_cupti_backend_shows_blocked_time_per_site(cupti_env, tmp_path, capsys):
+    import argparse
+    import textwrap
+
+    from syncless.syncs import _trace
+
+    script = tmp_path / "loop.py"
+    script.write_text(textwrap.dedent("""
+        import cupti
+
+        def step(i):
+            cupti.call("cuStreamSynchronize", [0], body=cupti.wait_ms(1))
+            return i
+
+        assert sum(step(i) for i in range(3)) == 3
+    """))
+    parser = argparse.ArgumentParser()
+    _trace.add_arguments(parser)
+    cupti_env.requested = "torch"  # what trace puts back
+    assert _trace.run(parser.parse_args(["--backend", "cupti", "--fn", "__main__:step", str(script)])) == 0
+    out = capsys.readouterr().out
+    assert "checked by torch + wrappers + CUPTI" in out and "blocked ms" in out, out
+    (row,) = [line.split() for line in out.splitlines() if f"{script.name}:5" in line and line.split()[0].isdigit()]
+    assert row[0] == "3" and "cupti" in row
+    assert float(row[row.index("cupti") + 1]) >= 3.0  # blocked ms in total: three calls of >= 1 ms
+    assert cupti_env.requested == "torch" and not syncs.is_enabled()
