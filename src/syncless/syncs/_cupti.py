@@ -196,6 +196,7 @@ class Subscriber:
             local.depth = depth + 1
             if depth:
                 return  # inside another watched call of this thread: that one counts
+            local.reason = None
             local.reason = self._decide(watched, cbdata)
             local.started_ns = time.perf_counter_ns()
             return

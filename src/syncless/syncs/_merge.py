@@ -30,8 +30,9 @@ from types import FrameType
 
 from syncless._core.errors import SyncViolation
 from syncless.syncs import _report
-from syncless.syncs._report import LAYER_CUPTI, LAYER_WRAPPER, KIND_WAIT, SyncWarning, Violation, recorder
+from syncless.syncs._report import KIND_WAIT, LAYER_CUPTI, LAYER_WRAPPER, SyncWarning, Violation, recorder
 from syncless.syncs._state import settings
+
 
 class RegionEvents:
     """The syncs of one outermost checked region of one thread (or task), while CUPTI watches.
@@ -138,8 +139,6 @@ def close_region(events: RegionEvents | None, failing: bool) -> None:
         err = SyncViolation(violation.message())
         err.violation = violation
         raise err
-
-
 
 
 def _merge_into_torch_level(events: RegionEvents, violation: Violation) -> None:
