@@ -148,7 +148,7 @@ class Subscriber:
             _report.skip_frames_under(os.path.dirname(package))
         errors = _unavailable_errors(api)
         try:
-            self._handle = api.subscribe(self._callback, None)
+            self._handle = api.subscribe(self._callback, 0)
         except errors as err:
             name = _result_name(api, err)
             taken = "MULTIPLE_SUBSCRIBERS" in name
