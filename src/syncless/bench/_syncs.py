@@ -237,6 +237,7 @@ def run(args: Any, progress: Callable[[str], None]) -> BenchOutput:
                 return None
 
             syncs.set_mode("record")
+            syncs.set_backend("torch")  # sections 2 and 3 measure the torch layers; section 4 adds CUPTI
             wrapped_plain = syncs.checked(plain)
             if not syncs.enable():
                 raise RuntimeError("the detector could not be enabled for the benchmark")
