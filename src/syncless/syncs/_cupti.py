@@ -163,18 +163,12 @@ class Subscriber:
 
     def _enable(self, errors) -> None:
         api = self._api
-        for domain, table in ((api.CallbackDomain.RUNTIME_API, api.runtime_api_trace_cbid),
-                              (api.CallbackDomain.DRIVER_API, api.driver_api_trace_cbid)):
-            for cbid_name, cbid in table.__members__.items():
-                name = rules.base_name(cbid_name)
-                rule = rules.RULES.get(name)
-                if rule is None:
-                    continue
-                try:
-                    api.enable_callback(1, self._handle, domain, cbid)
-                except errors as err:
-                    raise CuptiUnavailable(f"CUPTI refused to enable {cbid_name}: {_result_name(api, err)}") from err
-                self.watched[(int(domain), int(cbid))] = _Watched(name, rule)
+        for domain, cbid, cbid_name, watched in _watch_list(api):
+            try:
+                api.enable_callback(1, self._handle, domain, cbid)
+            except errors as err:
+                raise CuptiUnavailable(f"CUPTI refused to enable {cbid_name}: {_result_name(api, err)}") from err
+            self.watched[(int(domain), int(cbid))] = watched
 
     def close(self) -> None:
         """Unsubscribe: CUPTI is free for the profiler again."""
@@ -259,6 +253,26 @@ class Subscriber:
         violation.blocked_ns = blocked_ns
         violation.timed = True
         _merge.cupti_event(violation)
+
+
+_watch_lists: dict[int, tuple[ModuleType, list]] = {}
+
+
+def _watch_list(api: ModuleType) -> list[tuple[object, object, str, _Watched]]:
+    """(domain, cbid, cbid name, watched) for every call of RULES this cupti-python knows (computed once)."""
+    cached = _watch_lists.get(id(api))
+    if cached is not None and cached[0] is api:
+        return cached[1]
+    found = []
+    for domain, table in ((api.CallbackDomain.RUNTIME_API, api.runtime_api_trace_cbid),
+                          (api.CallbackDomain.DRIVER_API, api.driver_api_trace_cbid)):
+        for cbid_name, cbid in table.__members__.items():
+            name = rules.base_name(cbid_name)
+            rule = rules.RULES.get(name)
+            if rule is not None:
+                found.append((domain, cbid, cbid_name, _Watched(name, rule)))
+    _watch_lists[id(api)] = (api, found)
+    return found
 
 
 def _params_offset(api: ModuleType) -> int:
