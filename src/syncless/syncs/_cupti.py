@@ -27,6 +27,8 @@ import threading
 import time
 from types import ModuleType
 
+from syncless._core.cuda import DRIVER_HINT
+from syncless._core.errors import MissingDependencyError
 from syncless.syncs import _cupti_rules as rules
 from syncless.syncs import _merge, _report, _state
 from syncless.syncs._cupti_rules import ApiRule
@@ -81,28 +83,48 @@ def _result_name(api: ModuleType, err: BaseException) -> str:
 
 
 class PointerTypes:
-    """Asks the driver what memory a pointer addresses (``cuPointerGetAttributes``)."""
+    """Asks the driver what memory a pointer addresses (``cuPointerGetAttributes``), from inside callbacks.
+
+    Called through ctypes on the driver library torch already loaded, with
+    buffers made once: it runs inside CUPTI callbacks of copies, where
+    cuda-bindings' argument and result conversion would cost more, and an
+    address the driver does not know (pageable memory) must simply read 0.
+
+    Raises:
+        MissingDependencyError: the CUDA driver library cannot be loaded.
+    """
+
+    _MEMORY_TYPE, _IS_MANAGED = 2, 8  # CU_POINTER_ATTRIBUTE_*
+    _HOST, _DEVICE = 1, 2  # CU_MEMORYTYPE_*
 
     def __init__(self) -> None:
-        from syncless._core import cuda
-
-        self._drv = cuda.driver_module()
-        attr = self._drv.CUpointer_attribute
-        self._attrs = [attr.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, attr.CU_POINTER_ATTRIBUTE_IS_MANAGED]
-        self._success = self._drv.CUresult.CUDA_SUCCESS
-        self._host = int(self._drv.CUmemorytype.CU_MEMORYTYPE_HOST)
-        self._device = int(self._drv.CUmemorytype.CU_MEMORYTYPE_DEVICE)
+        try:
+            library = ctypes.CDLL("libcuda.so.1")
+        except OSError as err:
+            raise MissingDependencyError(f"the CUDA driver library cannot be loaded ({err}): {DRIVER_HINT}") from err
+        query = library.cuPointerGetAttributes
+        query.argtypes = [ctypes.c_uint, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint64]
+        query.restype = ctypes.c_int
+        self._query = query
+        self._attributes = (ctypes.c_int * 2)(self._MEMORY_TYPE, self._IS_MANAGED)
+        self._memory_type = ctypes.c_uint64(0)
+        self._managed = ctypes.c_uint64(0)
+        self._outputs = (ctypes.c_void_p * 2)(ctypes.addressof(self._memory_type), ctypes.addressof(self._managed))
+        self._lock = threading.Lock()  # one set of buffers; ctypes lets go of the GIL during the call
 
     def __call__(self, address: int) -> str:
-        err, values = self._drv.cuPointerGetAttributes(2, self._attrs, address)
-        if err != self._success:
-            return rules.UNKNOWN
-        memory_type, managed = int(values[0] or 0), bool(values[1])
+        with self._lock:
+            self._memory_type.value = 0
+            self._managed.value = 0
+            if self._query(2, self._attributes, self._outputs, address) != 0:
+                return rules.UNKNOWN
+            memory_type = self._memory_type.value & 0xFFFFFFFF
+            managed = self._managed.value != 0
         if managed:
             return rules.MANAGED
-        if memory_type == self._host:
+        if memory_type == self._HOST:
             return rules.PINNED
-        if memory_type == self._device:
+        if memory_type == self._DEVICE:
             return rules.DEVICE
         return rules.PAGEABLE  # not known to CUDA: ordinary pageable host memory
 

@@ -397,3 +397,31 @@ def test_trace_with_the_cupti_backend_shows_blocked_time_per_site(cupti_env, tmp
     assert row[0] == "3" and "cupti" in row
     assert float(row[row.index("cupti") + 1]) >= 3.0  # blocked ms in total: three calls of >= 1 ms
     assert cupti_env.requested == "torch" and not syncs.is_enabled()
+
+
+def test_pointer_types_read_what_the_driver_writes(monkeypatch):
+    import ctypes
+
+    from syncless.syncs import _cupti
+
+    answers = {0x1000: (2, 0), 0x2000: (1, 0), 0x3000: (0, 0), 0x4000: (2, 1)}  # memory type, is managed
+
+    class Driver:
+        class cuPointerGetAttributes:  # noqa: N801 - the driver's name
+            argtypes = restype = None
+
+            def __call__(self, count, attributes, outputs, address):
+                if address == 0x5000:
+                    return 201  # CUDA_ERROR_INVALID_CONTEXT
+                assert list(attributes) == [2, 8] and count == 2
+                memory_type, managed = answers[address]
+                ctypes.c_uint32.from_address(outputs[0]).value = memory_type
+                ctypes.c_uint32.from_address(outputs[1]).value = managed
+                return 0
+
+        cuPointerGetAttributes = cuPointerGetAttributes()
+
+    monkeypatch.setattr(_cupti.ctypes, "CDLL", lambda name: Driver())
+    types = _cupti.PointerTypes()
+    assert [types(a) for a in (0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 0x3000)] == [
+        "device", "pinned", "pageable", "managed", "unknown", "pageable"]
