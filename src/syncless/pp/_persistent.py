@@ -43,6 +43,9 @@ logger = logging.getLogger(__name__)
 
 #: Alignment of each tensor in the allocation (the copy engines' best case; any dtype's too).
 ALIGN = 256
+#: The device allocation is rounded up to whole 2 MiB pages: the driver may place small allocations
+#: side by side in one page, and the GPU maps memory by the page (torch's caching allocator rounds alike).
+ALLOCATION_GRANULE = 2 << 20
 
 _DL_CPU, _DL_CUDA = 1, 2  # DLDeviceType
 _DL_UINT = 1  # DLDataTypeCode
@@ -234,7 +237,8 @@ def alloc_persistent(specs: Mapping[str, Any], device: Any = None) -> dict[str, 
 
     Returns:
         name -> an uninitialized contiguous tensor (like ``torch.empty``),
-        each aligned to 256 bytes. The allocation is freed when the last of
+        each aligned to 256 bytes, in one allocation rounded up to whole
+        2 MiB pages (no other allocation shares a page with it). The allocation is freed when the last of
         them (or of their views) dies; the free blocks the host until the GPU
         is idle (like ``cudaFree``; torch's caching allocator does not hold
         this memory, so ``torch.cuda.memory_allocated`` does not count it).
@@ -250,7 +254,12 @@ def alloc_persistent(specs: Mapping[str, Any], device: Any = None) -> dict[str, 
         raise ValueError(f"alloc_persistent allocates GPU memory for depth=0; got device {chosen}")
     ordinal = chosen.index if chosen.index is not None else torch.cuda.current_device()
     plan(specs)  # bad specs fail before any CUDA call
-    return carve(specs, lambda nbytes: _cuda_allocate(ordinal, nbytes), (_DL_CUDA, ordinal))
+    return carve(specs, lambda nbytes: _cuda_allocate(ordinal, whole_pages(nbytes)), (_DL_CUDA, ordinal))
+
+
+def whole_pages(nbytes: int) -> int:
+    """Round ``nbytes`` up to whole :data:`ALLOCATION_GRANULE` pages."""
+    return -(-nbytes // ALLOCATION_GRANULE) * ALLOCATION_GRANULE
 
 
 def _cuda_allocate(ordinal: int, nbytes: int) -> tuple[int, Callable[[], None]]:
