@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -123,6 +124,8 @@ def live_allocations() -> int:
 @_Deleter
 def _delete(managed: Any) -> None:
     # Called by torch (with the GIL taken by ctypes) when the last tensor of the allocation dies.
+    if sys.is_finalizing():
+        return  # the interpreter is going away; so is the process, and the driver frees its memory then
     base = int(managed.contents.manager_ctx or 0)
     with _owned_lock:
         owned = _owned.pop(base, None)
@@ -131,7 +134,8 @@ def _delete(managed: Any) -> None:
     try:
         owned.free()
     except CudaError as err:  # nothing can be raised from here: say it instead of losing it
-        logger.error("syncless.pp: freeing a persistent allocation of %d bytes failed: %s", owned.nbytes, err)
+        if err.name != "CUDA_ERROR_DEINITIALIZED":  # the driver shut down first (process exit): nothing leaks
+            logger.error("syncless.pp: freeing a persistent allocation of %d bytes failed: %s", owned.nbytes, err)
 
 
 # Carving ---------------------------------------------------------------------------
