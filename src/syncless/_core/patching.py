@@ -72,8 +72,8 @@ def _make_entry(base: Any) -> tuple[Callable[..., Any], Callable[[Any], None]]:
     """Return (entry, retarget): entry calls whatever retarget last pointed it at (first: ``base``)."""
     target = base
 
-    # Named like the base ("to", "copy_", "synchronize", ...) with __wrapped__ set to it, so that
-    # inspect.signature and torch.compile see the torch callable.
+    # Named like the base ("to", "copy_", "synchronize", ...), its doc, and __wrapped__ set to it, so that
+    # inspect.signature and inspect.unwrap give the torch callable.
     @functools.wraps(base)
     def entry(*args: Any, **kwargs: Any) -> Any:
         return target(*args, **kwargs)

@@ -8,7 +8,14 @@ Measured in one run, host time per call (median of repeats of a timed loop):
   ``@checked`` call) against a plain block and a plain call;
 * ``Tensor.copy_`` and ``Tensor.to`` wrapped by the detector against the
   originals, outside a checked region (goal: at most 0.5 us added per call)
-  and inside one (the classification runs; no goal).
+  and inside one (the classification runs; no goal);
+* with the CUPTI backend (on a GPU with cupti-python): a kernel launch
+  (``x.add_(1)``, enqueued on the current stream) outside and inside a
+  checked region against the torch backend (goal: at most 0.5 us added
+  inside a region), entering and leaving a region (CUPTI is subscribed and
+  let go), a non-blocking pinned copy inside a region (its callback runs and
+  asks the driver what memory it copies), and a detected sync: a raw
+  ``cuStreamSynchronize`` on an idle stream, reported each time.
 
 On a GPU the copies are ``non_blocking`` pinned host-to-device copies of
 4 KiB (enqueued on the current stream; the host only enqueues) and the real
@@ -20,15 +27,19 @@ measured either way.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
 from syncless.bench._report import BenchOutput, Goal
+from syncless.syncs import _backend
 
 ALLOWED_GOAL_RATIO = 1.5
 COPY_GOAL_ADDED_US = 0.5
+LAUNCH_GOAL_ADDED_US = 0.5
+LAUNCH_BATCH = 256  # launches per timed batch: well under the launch queue, so the host never waits for it
 
 
 def _ns_per_call(body: Callable[[int], None], loops: int, repeats: int) -> float:
@@ -116,6 +127,78 @@ def _interleaved_copy_ns(torch: Any, on_gpu: bool, original: Callable[[], Any], 
     return statistics.median(samples["original"]), statistics.median(samples["wrapped"])
 
 
+def _batch_ns(torch: Any, op: Callable[[], Any], batches: int, batch: int, region: Callable[[], Any] | None) -> float:
+    """Median ns per ``op`` over ``batches`` timed batches (the GPU drained before each, outside the timing)."""
+    from syncless.syncs import allowed
+
+    samples = []
+    with (region() if region is not None else contextlib.nullcontext()):
+        for index in range(batches + 2):
+            with allowed():
+                torch.cuda.synchronize()
+            start = time.perf_counter_ns()
+            for _ in range(batch):
+                op()
+            if index >= 2:
+                samples.append((time.perf_counter_ns() - start) / batch)
+    return statistics.median(samples)
+
+
+def measure_cupti(torch: Any, batches: int, progress: Callable[[str], None]) -> tuple[list[list[Any]], dict[str, Any]]:
+    """The CUPTI backend's costs (see the module docstring); the detector is enabled in record mode.
+
+    Returns (rows, data); rows are ``[what, torch backend ns, cupti backend ns, added us]``.
+    """
+    from cuda.bindings import driver
+
+    from syncless import syncs
+
+    x = torch.zeros(1, device="cuda")
+    pinned = torch.randn(1024).pin_memory()
+    target = torch.empty(1024, device="cuda")
+    stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
+
+    def launch() -> None:
+        x.add_(1)
+
+    def pinned_copy() -> None:
+        target.copy_(pinned, non_blocking=True)
+
+    def raw_sync() -> None:
+        driver.cuStreamSynchronize(stream)
+
+    def region() -> None:
+        with syncs.checking():
+            pass
+
+    results: dict[str, dict[str, float]] = {}
+    for backend in ("torch", "cupti"):
+        syncs.disable()
+        syncs.set_backend(backend)
+        syncs.reset()
+        if not syncs.enable():
+            raise RuntimeError("the detector could not be enabled for the benchmark")
+        launch()
+        results[backend] = {
+            "launch, outside a region": _batch_ns(torch, launch, batches, LAUNCH_BATCH, None),
+            "launch, inside a region": _batch_ns(torch, launch, batches, LAUNCH_BATCH, syncs.checking),
+            "non-blocking pinned copy_ inside a region": _batch_ns(torch, pinned_copy, batches, LAUNCH_BATCH, syncs.checking),
+            "enter + leave a checked region": _batch_ns(torch, region, batches, 64, None),
+            "raw cuStreamSynchronize (idle) inside a region": _batch_ns(torch, raw_sync, batches, 64, syncs.checking),
+        }
+        progress(f"{backend} backend: " + ", ".join(f"{k} {v:.0f} ns" for k, v in results[backend].items()))
+        reported = syncs.report()
+        expected = 0 if backend == "torch" else 1
+        if len(reported.sites) != expected:
+            raise RuntimeError(f"{backend} backend: expected {expected} reported site (the raw sync):\n" + reported.format())
+        results[backend]["syncs reported"] = reported.total
+    if syncs.backend_choice().active != "cupti":
+        raise RuntimeError(f"CUPTI was not used: {syncs.backend_choice().reason}")
+    rows = [[what, results["torch"][what], results["cupti"][what], (results["cupti"][what] - results["torch"][what]) / 1000]
+            for what in results["torch"] if what != "syncs reported"]
+    return rows, {"cupti": results}
+
+
 def run(args: Any, progress: Callable[[str], None]) -> BenchOutput:
     """Measure the detector's costs; see the module docstring."""
     import torch
@@ -133,7 +216,9 @@ def run(args: Any, progress: Callable[[str], None]) -> BenchOutput:
     mode_before, enabled_before = syncs.mode(), syncs.is_enabled()
     if enabled_before:
         syncs.disable()
-    rows_allowed, rows_region, rows_copy = [], [], []
+    rows_allowed, rows_region, rows_copy, rows_cupti = [], [], [], []
+    cupti_skipped = ""
+    backend_before = _backend.backend.requested
     data: dict[str, Any] = {"on_gpu": on_gpu, "loops": loops, "copy_batches": copy_batches, "copy_batch": COPY_BATCH, "repeats": repeats}
     with contextlib.ExitStack() as stack:
         if not on_gpu:
@@ -152,6 +237,7 @@ def run(args: Any, progress: Callable[[str], None]) -> BenchOutput:
                 return None
 
             syncs.set_mode("record")
+            syncs.set_backend("torch")  # sections 2 and 3 measure the torch layers; section 4 adds CUPTI
             wrapped_plain = syncs.checked(plain)
             if not syncs.enable():
                 raise RuntimeError("the detector could not be enabled for the benchmark")
@@ -178,9 +264,19 @@ def run(args: Any, progress: Callable[[str], None]) -> BenchOutput:
             report = syncs.report()
             if report:
                 raise RuntimeError("the benchmark's own copies were reported:\n" + report.format())
+
+            # 4. the CUPTI backend, where there is a GPU and cupti-python.
+            if on_gpu and importlib.util.find_spec("cupti") is not None:
+                rows_cupti, cupti_data = measure_cupti(torch, copy_batches, progress)
+                data.update(cupti_data)
+            elif on_gpu:
+                cupti_skipped = "cupti-python is not installed (pip install 'syncless[cupti]')"
+            else:
+                cupti_skipped = "no GPU"
         finally:
             syncs.disable()
             syncs.reset()
+            syncs.set_backend(backend_before)
             syncs.set_mode(mode_before)
             if enabled_before:
                 syncs.enable()
@@ -191,7 +287,19 @@ def run(args: Any, progress: Callable[[str], None]) -> BenchOutput:
         Goal(f"disabled allowed() vs bare nullcontext ({'GPU' if on_gpu else 'CPU'})", rows_allowed[1][2], ALLOWED_GOAL_RATIO, "x"),
         Goal("wrapped Tensor.copy_/Tensor.to, outside a region: added time per call", worst_added_us, COPY_GOAL_ADDED_US, "us"),
     ]
+    if rows_cupti:
+        launch_added_us = rows_cupti[1][3]
+        goals.append(Goal("CUPTI backend: kernel launch inside a checked region, added vs torch backend",
+                          launch_added_us, LAUNCH_GOAL_ADDED_US, "us"))
     copy_kind = "4 KiB pinned non_blocking H2D" if on_gpu else "4 KiB CPU copy / dtype conversion"
+    tables = [
+        ("allowed() with the mode off", ["block", "ns per use", "ratio to nullcontext"], rows_allowed),
+        ("Entering and leaving a checked region (detector on)", ["what", "ns per use", "added ns"], rows_region),
+        (f"Copies: {copy_kind}", ["op", "original ns", "wrapped ns", "added us", "in region ns", "added in region us"], rows_copy),
+    ]
+    if rows_cupti:
+        tables.append(("CUPTI backend against the torch backend (host ns per call; a region holds CUPTI while active)",
+                       ["what", "torch backend ns", "cupti backend ns", "added us"], rows_cupti))
 
     def plot(path) -> None:
         import matplotlib
@@ -223,11 +331,7 @@ def run(args: Any, progress: Callable[[str], None]) -> BenchOutput:
         name="syncs",
         title="Hidden-sync detector overhead",
         data=data,
-        tables=[
-            ("allowed() with the mode off", ["block", "ns per use", "ratio to nullcontext"], rows_allowed),
-            ("Entering and leaving a checked region (detector on)", ["what", "ns per use", "added ns"], rows_region),
-            (f"Copies: {copy_kind}", ["op", "original ns", "wrapped ns", "added us", "in region ns", "added in region us"], rows_copy),
-        ],
+        tables=tables,
         goals=goals,
         plot=plot,
         notes=[
@@ -236,5 +340,8 @@ def run(args: Any, progress: Callable[[str], None]) -> BenchOutput:
             "copy is classified (argument parsing, is_pinned, layout), which is the price of checking, not of "
             "running unchecked.",
             "With SYNCLESS_SYNC_CHECK=off (the default) nothing is wrapped at all.",
+            ("CUPTI backend: the 'raw cuStreamSynchronize' row's added time is the cost of detecting and recording "
+             "one sync; a kernel launch never reaches Python (only the blocking calls' callbacks are enabled)."
+             if rows_cupti else f"CUPTI backend not measured: {cupti_skipped}."),
         ],
     )

@@ -36,6 +36,7 @@ class CopyFacts:
         on_d2h_stream: the current stream of the source's device was made by ``new_d2h_stream``.
         strided: both tensors have the ordinary strided layout.
         autograd: the source needs autograd tracking (requires grad, grad mode on).
+        pageable_target: a D2H into an existing host tensor that is not pinned.
     """
 
     src_type: str
@@ -50,6 +51,7 @@ class CopyFacts:
     on_d2h_stream: bool = False
     strided: bool = True
     autograd: bool = False
+    pageable_target: bool = False
 
 
 def route_copy(facts: CopyFacts, max_staged_bytes: int) -> tuple[str, str]:
@@ -86,6 +88,10 @@ def route_copy(facts: CopyFacts, max_staged_bytes: int) -> tuple[str, str]:
         return ORIGINAL, "ordinary_stream"
     if facts.autograd:
         return ORIGINAL, "autograd"
+    if facts.pageable_target:
+        # torch's D2H into pageable memory has finished when the call returns (CUDA copies it synchronously), and
+        # a program may rely on that; offloaded, the host would read it before the worker wrote it.
+        return ORIGINAL, "pageable_target"
     return OFFLOAD, ""
 
 

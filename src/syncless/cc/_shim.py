@@ -77,6 +77,7 @@ def _decide(src: Any, dst_type: str, index: int | None, *, into_existing: bool, 
         on_d2h_stream=record is not None,
         strided=_strided(src) if dst is None else _strided(src, dst),
         autograd=autograd,
+        pageable_target=record is not None and dst is not None and not dst.is_pinned(),
     )
     route, reason = _routing.route_copy(facts, _STATE.max_staged_bytes)
     if route == _routing.ORIGINAL:

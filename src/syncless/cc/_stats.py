@@ -18,6 +18,7 @@ LEFT_ALONE_REASONS = (
     "ordinary_stream",   # D2H on a stream not made by new_d2h_stream()
     "autograd",          # D2H of a tensor that autograd tracks
     "layout",            # sparse, nested or other non-strided tensors
+    "pageable_target",   # D2H into pageable host memory: torch's copy is synchronous, so it stays torch's
 )
 
 

@@ -290,7 +290,7 @@ class _Export(NamedTuple):
 wire.register_record(
     _Export,
     buffer_handle=(wire.is_bytes_of(drv.IPC_HANDLE_NBYTES), f"{drv.IPC_HANDLE_NBYTES} bytes (a CUDA IPC handle)"),
-    socket_name=(wire.is_optional(wire.is_str), "None or an abstract socket name"),
+    socket_name=(wire.is_optional(meta_channel.is_listener_name), "None or the abstract name of a syncless listener"),
     token=(wire.is_optional(wire.is_bytes_of(meta_channel.TOKEN_NBYTES)), f"None or {meta_channel.TOKEN_NBYTES} bytes"),
     targets=(wire.is_sequence_of(wire.is_tuple_of(wire.is_int_at_least(-1), wire.is_int_at_least(0))),
              "a list of (handle index, byte offset) pairs"),

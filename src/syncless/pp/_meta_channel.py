@@ -104,6 +104,13 @@ def _message_format(length: int) -> struct.Struct:
     return struct.Struct(f"<{length}q")
 
 
+def is_listener_name(name: object) -> bool:
+    """Return whether ``name`` is shaped like a :class:`Listener`'s (so a peer cannot aim connect() elsewhere)."""
+    prefix = f"\0{_NAME_PREFIX}-"
+    return type(name) is str and name.startswith(prefix) and len(name) < 108 and name[len(prefix):].replace(
+        "-", "").isalnum()
+
+
 def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
     """Return ``(pid, uid, gid)`` of the process that connected ``conn`` (Linux ``SO_PEERCRED``)."""
     return _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -43,6 +44,9 @@ logger = logging.getLogger(__name__)
 
 #: Alignment of each tensor in the allocation (the copy engines' best case; any dtype's too).
 ALIGN = 256
+#: The device allocation is rounded up to whole 2 MiB pages: the driver may place small allocations
+#: side by side in one page, and the GPU maps memory by the page (torch's caching allocator rounds alike).
+ALLOCATION_GRANULE = 2 << 20
 
 _DL_CPU, _DL_CUDA = 1, 2  # DLDeviceType
 _DL_UINT = 1  # DLDataTypeCode
@@ -120,6 +124,8 @@ def live_allocations() -> int:
 @_Deleter
 def _delete(managed: Any) -> None:
     # Called by torch (with the GIL taken by ctypes) when the last tensor of the allocation dies.
+    if sys.is_finalizing():
+        return  # the interpreter is going away; so is the process, and the driver frees its memory then
     base = int(managed.contents.manager_ctx or 0)
     with _owned_lock:
         owned = _owned.pop(base, None)
@@ -128,7 +134,8 @@ def _delete(managed: Any) -> None:
     try:
         owned.free()
     except CudaError as err:  # nothing can be raised from here: say it instead of losing it
-        logger.error("syncless.pp: freeing a persistent allocation of %d bytes failed: %s", owned.nbytes, err)
+        if err.name != "CUDA_ERROR_DEINITIALIZED":  # the driver shut down first (process exit): nothing leaks
+            logger.error("syncless.pp: freeing a persistent allocation of %d bytes failed: %s", owned.nbytes, err)
 
 
 # Carving ---------------------------------------------------------------------------
@@ -234,7 +241,8 @@ def alloc_persistent(specs: Mapping[str, Any], device: Any = None) -> dict[str, 
 
     Returns:
         name -> an uninitialized contiguous tensor (like ``torch.empty``),
-        each aligned to 256 bytes. The allocation is freed when the last of
+        each aligned to 256 bytes, in one allocation rounded up to whole
+        2 MiB pages (no other allocation shares a page with it). The allocation is freed when the last of
         them (or of their views) dies; the free blocks the host until the GPU
         is idle (like ``cudaFree``; torch's caching allocator does not hold
         this memory, so ``torch.cuda.memory_allocated`` does not count it).
@@ -250,7 +258,12 @@ def alloc_persistent(specs: Mapping[str, Any], device: Any = None) -> dict[str, 
         raise ValueError(f"alloc_persistent allocates GPU memory for depth=0; got device {chosen}")
     ordinal = chosen.index if chosen.index is not None else torch.cuda.current_device()
     plan(specs)  # bad specs fail before any CUDA call
-    return carve(specs, lambda nbytes: _cuda_allocate(ordinal, nbytes), (_DL_CUDA, ordinal))
+    return carve(specs, lambda nbytes: _cuda_allocate(ordinal, whole_pages(nbytes)), (_DL_CUDA, ordinal))
+
+
+def whole_pages(nbytes: int) -> int:
+    """Round ``nbytes`` up to whole :data:`ALLOCATION_GRANULE` pages."""
+    return -(-nbytes // ALLOCATION_GRANULE) * ALLOCATION_GRANULE
 
 
 def _cuda_allocate(ordinal: int, nbytes: int) -> tuple[int, Callable[[], None]]:

@@ -23,8 +23,11 @@ checked region and outside every allow region. Explicit syncs (``.item()``,
 armed at "warn" while any region is active; implicit ones (``non_blocking``
 copies that block anyway) through wrappers of ``Tensor.to``/``cuda``/``copy_``;
 host waits (``torch.cuda.synchronize()``, ``Event.synchronize()``, ...)
-through wrappers of those. Nothing here enqueues GPU work or blocks the host
-by itself.
+through wrappers of those. With the CUPTI backend (``set_backend``,
+``SYNCLESS_SYNC_BACKEND``, extra ``syncless[cupti]``) every driver/runtime
+call that blocks the host is seen too, from any library, with the host time
+it blocked (see ``docs/syncs.md``). Nothing here enqueues GPU work or blocks
+the host by itself.
 """
 
 from __future__ import annotations

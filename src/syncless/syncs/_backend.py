@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from syncless._core import config
 from syncless._core.errors import MissingDependencyError
 from syncless._core.logs import log_once
-from syncless.syncs import _report, _state
+from syncless.syncs import _merge, _report, _state
 
 BACKENDS = ("auto", "torch", "cupti")
 
@@ -69,7 +69,7 @@ class _Backend:
 
     def __init__(self) -> None:
         self.requested: str = config.read("SYNCLESS_SYNC_BACKEND")
-        self.lock = threading.RLock()
+        self.lock = threading.Lock()
         self.regions = 0
         self.subscriber = None
         self.api = None  # cupti.cupti, once loaded
@@ -147,11 +147,11 @@ class _Backend:
             return
         with self.lock:
             self.regions += 1
-            if self.regions == 1 and self.wants_cupti() and self.subscriber is None:
+            if self.regions == 1 and self.subscriber is None and self.wants_cupti():
                 self._subscribe()
             subscribed = self.subscriber is not None
         if subscribed and _state.checked_depth.get() == 1:
-            _report.region_events.set(_report.RegionEvents())
+            _report.region_events.set(_merge.RegionEvents())
 
     def exited(self, token, failing: bool) -> None:
         """A checked region was left; the outermost one records what CUPTI held back (and raises in error mode).
@@ -161,16 +161,17 @@ class _Backend:
         """
         if token is None:
             return
-        events = None
-        if _state.checked_depth.get() == 0:
-            events = _report.region_events.get()
-            if events is not None:
-                _report.region_events.set(None)
+        events = _report.region_events.get()
+        if events is not None and _state.checked_depth.get() == 0:
+            _report.region_events.set(None)
+        else:
+            events = None
         with self.lock:
             self.regions = max(self.regions - 1, 0)
-            if self.regions == 0:
+            if self.regions == 0 and self.subscriber is not None:
                 self._unsubscribe()
-        _report.close_region(events, failing)
+        if events is not None:
+            _merge.close_region(events, failing)
 
     def _subscribe(self) -> None:
         from syncless.syncs import _cupti
@@ -190,7 +191,7 @@ class _Backend:
         if subscriber is not None:
             subscriber.close()
             _warn_if_profiler_ran()
-        _report.flush_all()
+            _merge.flush_all()
 
 
 def _warn_if_profiler_ran() -> None:

@@ -7,7 +7,7 @@ CUDA call, with that thread's Python frames intact, at the call's entry and
 exit. Entry decides whether the call blocks (for copies and memsets by
 asking the driver what memory each pointer is, ``cuPointerGetAttributes``);
 exit measures the host time blocked and hands a violation to the record
-(:func:`._report.cupti_event`), which merges it with torch's and the
+(:func:`._merge.cupti_event`), which merges it with torch's and the
 wrappers' view of the same Python call.
 
 Only the outermost watched call of a thread counts: a runtime call that the
@@ -27,8 +27,10 @@ import threading
 import time
 from types import ModuleType
 
+from syncless._core.cuda import DRIVER_HINT
+from syncless._core.errors import MissingDependencyError
 from syncless.syncs import _cupti_rules as rules
-from syncless.syncs import _report, _state
+from syncless.syncs import _merge, _report, _state
 from syncless.syncs._cupti_rules import ApiRule
 
 INSTALL_HINT = "install it with `pip install 'syncless[cupti]'` (cupti-python matching the driver's CUDA version)"
@@ -81,28 +83,48 @@ def _result_name(api: ModuleType, err: BaseException) -> str:
 
 
 class PointerTypes:
-    """Asks the driver what memory a pointer addresses (``cuPointerGetAttributes``)."""
+    """Asks the driver what memory a pointer addresses (``cuPointerGetAttributes``), from inside callbacks.
+
+    Called through ctypes on the driver library torch already loaded, with
+    buffers made once: it runs inside CUPTI callbacks of copies, where
+    cuda-bindings' argument and result conversion would cost more, and an
+    address the driver does not know (pageable memory) must simply read 0.
+
+    Raises:
+        MissingDependencyError: the CUDA driver library cannot be loaded.
+    """
+
+    _MEMORY_TYPE, _IS_MANAGED = 2, 8  # CU_POINTER_ATTRIBUTE_*
+    _HOST, _DEVICE = 1, 2  # CU_MEMORYTYPE_*
 
     def __init__(self) -> None:
-        from syncless._core import cuda
-
-        self._drv = cuda.driver_module()
-        attr = self._drv.CUpointer_attribute
-        self._attrs = [attr.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, attr.CU_POINTER_ATTRIBUTE_IS_MANAGED]
-        self._success = self._drv.CUresult.CUDA_SUCCESS
-        self._host = int(self._drv.CUmemorytype.CU_MEMORYTYPE_HOST)
-        self._device = int(self._drv.CUmemorytype.CU_MEMORYTYPE_DEVICE)
+        try:
+            library = ctypes.CDLL("libcuda.so.1")
+        except OSError as err:
+            raise MissingDependencyError(f"the CUDA driver library cannot be loaded ({err}): {DRIVER_HINT}") from err
+        query = library.cuPointerGetAttributes
+        query.argtypes = [ctypes.c_uint, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint64]
+        query.restype = ctypes.c_int
+        self._query = query
+        self._attributes = (ctypes.c_int * 2)(self._MEMORY_TYPE, self._IS_MANAGED)
+        self._memory_type = ctypes.c_uint64(0)
+        self._managed = ctypes.c_uint64(0)
+        self._outputs = (ctypes.c_void_p * 2)(ctypes.addressof(self._memory_type), ctypes.addressof(self._managed))
+        self._lock = threading.Lock()  # one set of buffers; ctypes lets go of the GIL during the call
 
     def __call__(self, address: int) -> str:
-        err, values = self._drv.cuPointerGetAttributes(2, self._attrs, address)
-        if err != self._success:
-            return rules.UNKNOWN
-        memory_type, managed = int(values[0] or 0), bool(values[1])
+        with self._lock:
+            self._memory_type.value = 0
+            self._managed.value = 0
+            if self._query(2, self._attributes, self._outputs, address) != 0:
+                return rules.UNKNOWN
+            memory_type = self._memory_type.value & 0xFFFFFFFF
+            managed = self._managed.value != 0
         if managed:
             return rules.MANAGED
-        if memory_type == self._host:
+        if memory_type == self._HOST:
             return rules.PINNED
-        if memory_type == self._device:
+        if memory_type == self._DEVICE:
             return rules.DEVICE
         return rules.PAGEABLE  # not known to CUDA: ordinary pageable host memory
 
@@ -148,7 +170,7 @@ class Subscriber:
             _report.skip_frames_under(os.path.dirname(package))
         errors = _unavailable_errors(api)
         try:
-            self._handle = api.subscribe(self._callback, None)
+            self._handle = api.subscribe(self._callback, 0)
         except errors as err:
             name = _result_name(api, err)
             taken = "MULTIPLE_SUBSCRIBERS" in name
@@ -163,18 +185,12 @@ class Subscriber:
 
     def _enable(self, errors) -> None:
         api = self._api
-        for domain, table in ((api.CallbackDomain.RUNTIME_API, api.runtime_api_trace_cbid),
-                              (api.CallbackDomain.DRIVER_API, api.driver_api_trace_cbid)):
-            for cbid_name, cbid in table.__members__.items():
-                name = rules.base_name(cbid_name)
-                rule = rules.RULES.get(name)
-                if rule is None:
-                    continue
-                try:
-                    api.enable_callback(1, self._handle, domain, cbid)
-                except errors as err:
-                    raise CuptiUnavailable(f"CUPTI refused to enable {cbid_name}: {_result_name(api, err)}") from err
-                self.watched[(int(domain), int(cbid))] = _Watched(name, rule)
+        for domain, cbid, cbid_name, watched in _watch_list(api):
+            try:
+                api.enable_callback(1, self._handle, domain, cbid)
+            except errors as err:
+                raise CuptiUnavailable(f"CUPTI refused to enable {cbid_name}: {_result_name(api, err)}") from err
+            self.watched[(int(domain), int(cbid))] = watched
 
     def close(self) -> None:
         """Unsubscribe: CUPTI is free for the profiler again."""
@@ -196,6 +212,7 @@ class Subscriber:
             local.depth = depth + 1
             if depth:
                 return  # inside another watched call of this thread: that one counts
+            local.reason = None
             local.reason = self._decide(watched, cbdata)
             local.started_ns = time.perf_counter_ns()
             return
@@ -245,7 +262,7 @@ class Subscriber:
 
     def _report(self, watched: _Watched, reason: str, blocked_ns: int, start) -> None:
         if not _state.is_violation_context():
-            _report.cupti_join(start, watched.name, reason, blocked_ns)
+            _merge.cupti_join(start, watched.name, reason, blocked_ns)
             return
         if _report.is_under_compile(start):
             return  # compile-time work (torch.compile, triton autotuning) synchronizes by design
@@ -257,7 +274,27 @@ class Subscriber:
         violation.reasons = {watched.name: reason}
         violation.blocked_ns = blocked_ns
         violation.timed = True
-        _report.cupti_event(violation)
+        _merge.cupti_event(violation)
+
+
+_watch_lists: dict[int, tuple[ModuleType, list]] = {}
+
+
+def _watch_list(api: ModuleType) -> list[tuple[object, object, str, _Watched]]:
+    """(domain, cbid, cbid name, watched) for every call of RULES this cupti-python knows (computed once)."""
+    cached = _watch_lists.get(id(api))
+    if cached is not None and cached[0] is api:
+        return cached[1]
+    found = []
+    for domain, table in ((api.CallbackDomain.RUNTIME_API, api.runtime_api_trace_cbid),
+                          (api.CallbackDomain.DRIVER_API, api.driver_api_trace_cbid)):
+        for cbid_name, cbid in table.__members__.items():
+            name = rules.base_name(cbid_name)
+            rule = rules.RULES.get(name)
+            if rule is not None:
+                found.append((domain, cbid, cbid_name, _Watched(name, rule)))
+    _watch_lists[id(api)] = (api, found)
+    return found
 
 
 def _params_offset(api: ModuleType) -> int:

@@ -9,8 +9,8 @@ also raises :class:`~syncless._core.errors.SyncViolation`.
 Three layers may see one sync: torch's debug mode (``torch``), syncless's
 wrappers (``wrapper``) and, with the CUPTI backend, the driver/runtime call
 that blocked (``cupti``). They are merged into one event per Python call
-(:class:`RegionEvents`), so an ``.item()`` is one sync, not three records;
-each row says which layers saw it, and CUPTI adds the host time blocked.
+(:mod:`._merge`), so an ``.item()`` is one sync, not three records; each
+row says which layers saw it, and CUPTI adds the host time blocked.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import sys
 import threading
 import traceback
 import warnings
-import weakref
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from types import FrameType
@@ -389,7 +388,7 @@ class _Recorder:
         # Why nothing is being checked (None once enable() made the detector active); kept across reset().
         self.not_checked: str | None = NOT_ENABLED
         self.backend = ""
-        # Called before a report is taken: lets the CUPTI backend record syncs it is still holding back.
+        # Called before a report is taken: lets the CUPTI layer record syncs it is still holding back (._merge).
         self.before_report: list = []
 
     def knows(self, filename: str, lineno: int, operation: str) -> bool:
@@ -457,127 +456,8 @@ class _Recorder:
 recorder = _Recorder()
 
 
-class RegionEvents:
-    """The syncs of one outermost checked region of one thread (or task), while CUPTI watches.
-
-    torch and the wrappers report a sync once per Python call; CUPTI reports
-    every blocking driver call inside it. The two meet here, keyed by the
-    user's frame and the instruction it is executing (:func:`call_key`):
-
-    * a wrapper reports *before* its call runs, so it opens an event that
-      CUPTI calls from the same Python call join;
-    * torch's debug-mode warning is buffered by torch and delivered when the
-      op returns, *after* the CUDA calls, so CUPTI's events wait here
-      (``pending``) and the warning takes those with its key;
-    * a pending CUPTI event is recorded on its own (layer ``cupti``) once
-      something else happens on the thread, the region ends, or a report is
-      taken. Each blocking call of a Python call torch does not see counts:
-      ``empty_cache()`` that frees three segments is three ``cudaFree``.
-
-    In ``error`` mode a CUPTI-only sync cannot raise through the driver; it
-    is raised when the outermost region exits (:attr:`to_raise`).
-    """
-
-    def __init__(self) -> None:
-        self.pending: list[Violation] = []
-        self.open_key: tuple | None = None
-        self.open_site: tuple[str, int, str] | None = None
-        self.open_blocked_ns = 0
-        self.to_raise: Violation | None = None
-        _live_events.add(self)
-
-
-# The event state of the outermost checked region of this thread/task (None without CUPTI).
-region_events: ContextVar[RegionEvents | None] = ContextVar("syncless_region_events", default=None)
-_events_lock = threading.RLock()
-_live_events: "weakref.WeakSet[RegionEvents]" = weakref.WeakSet()
-
-
-def _flush(events: RegionEvents) -> None:
-    """Record the CUPTI events that no torch-level report claimed (under ``_events_lock``)."""
-    pending, events.pending = events.pending, []
-    for violation in pending:
-        recorder.add(violation)
-        mode = settings.mode
-        if mode == "warn":
-            warnings.warn_explicit(violation.message(), SyncWarning, violation.filename, violation.lineno, registry=None)
-        elif mode == "error" and events.to_raise is None:
-            events.to_raise = violation
-
-
-def flush_all() -> None:
-    """Record every held-back CUPTI event of every region (before a report, and when CUPTI lets go)."""
-    with _events_lock:
-        for events in list(_live_events):
-            _flush(events)
-
-
-recorder.before_report.append(flush_all)
-
-
-def cupti_event(violation: Violation) -> None:
-    """Take a blocking CUDA call CUPTI saw in a checked region (a violation context)."""
-    events = region_events.get()
-    if events is None:
-        # A region entered without the backend's bookkeeping: record it now (never raise inside a callback).
-        _record_and_act(violation, None, may_raise=False)
-        return
-    with _events_lock:
-        if events.open_key is not None and events.open_key == violation.call_key:
-            _join_open(events, violation)
-            return
-        events.open_key = None
-        if events.pending and events.pending[-1].call_key != violation.call_key:
-            _flush(events)
-        events.pending.append(violation)
-
-
-def cupti_join(start: FrameType | None, api: str, reason: str, blocked_ns: int) -> None:
-    """Take a blocking CUDA call seen inside an allow scope: it counts only inside a wrapper's open event.
-
-    The wrappers of host waits run the wait inside an allow scope (so torch's
-    own warning is not a second report); the call they make still belongs to
-    the sync they reported.
-    """
-    events = region_events.get()
-    if events is None or events.open_key is None:
-        return
-    if user_call_key(start) != events.open_key:
-        return
-    with _events_lock:
-        joined = Violation(KIND_WAIT, "", "", 0, "", "", "", "", (LAYER_CUPTI,), {api: 1}, {api: reason}, blocked_ns, True)
-        _join_open(events, joined)
-
-
-def _join_open(events: RegionEvents, violation: Violation) -> None:
-    first_timing = events.open_blocked_ns == 0
-    events.open_blocked_ns += violation.blocked_ns
-    for api in violation.apis:
-        recorder.annotate(events.open_site, api, violation.reasons.get(api, ""), violation.blocked_ns,
-                          events.open_blocked_ns, first_timing)
-        first_timing = False
-
-
-def close_region(events: RegionEvents | None, failing: bool) -> None:
-    """The outermost region holding ``events`` exits: record what is held back, raise in error mode.
-
-    Raises:
-        SyncViolation: in ``error`` mode, for the first CUPTI-only sync of the
-            region, unless the region is already exiting with an exception.
-    """
-    if events is None:
-        return
-    with _events_lock:
-        _flush(events)
-        violation, events.to_raise = events.to_raise, None
-        _live_events.discard(events)
-    if violation is not None and not failing and settings.mode == "error":
-        err = SyncViolation(violation.message())
-        err.violation = violation
-        raise err
-
-
-def _record_and_act(violation: Violation, forward_warning, may_raise: bool = True) -> None:
+def record_and_act(violation: Violation, forward_warning, may_raise: bool = True) -> None:
+    """Add ``violation`` to the record and warn or raise as the mode says."""
     recorder.add(violation)
     mode = settings.mode
     if mode == "error" and may_raise:
@@ -596,7 +476,8 @@ def handle(violation: Violation, forward_warning=None) -> None:
     """Record ``violation`` and act on it in the current mode.
 
     Called by torch's debug-mode hook and by the wrappers; with CUPTI on,
-    the CUDA calls of the same Python call are merged into it first.
+    the CUDA calls of the same Python call are merged into it first
+    (:mod:`._merge`).
 
     Args:
         forward_warning: in ``warn`` mode, a ``showwarning``-style callable to
@@ -611,18 +492,15 @@ def handle(violation: Violation, forward_warning=None) -> None:
         violation.layers = (LAYER_TORCH,) if violation.kind == KIND_EXPLICIT else (LAYER_WRAPPER,)
     events = region_events.get()
     if events is not None:
-        with _events_lock:
-            same = [p for p in events.pending if p.call_key == violation.call_key]
-            if len(same) != len(events.pending):
-                events.pending = [p for p in events.pending if p.call_key != violation.call_key]
-                _flush(events)
-            events.pending = []
-            for cupti_view in same:
-                violation.absorb(cupti_view)
-            if LAYER_WRAPPER in violation.layers:
-                # A wrapper reports before its call runs: the CUDA calls of that call join this sync.
-                events.open_key, events.open_site = violation.call_key, recorder.key(violation)
-                events.open_blocked_ns = violation.blocked_ns
-            else:
-                events.open_key = None
-    _record_and_act(violation, forward_warning)
+        merge_into_torch_level(events, violation)
+    record_and_act(violation, forward_warning)
+
+
+def _no_merge(events, violation: Violation) -> None:
+    return None
+
+
+# The state of the outermost checked region of this thread/task while CUPTI watches (see ._merge), and
+# how a torch-level report takes CUPTI's view of the same call; both set by ._merge.
+region_events: ContextVar = ContextVar("syncless_region_events", default=None)
+merge_into_torch_level = _no_merge

@@ -48,7 +48,8 @@ def _warn_once(message: str) -> None:
     """Issue the bad-value warning; under ``-W error`` log it instead, so that the import still succeeds."""
     message = f"{message}; the hidden-sync detector stays off"
     try:
-        warnings.warn(message, SyncCheckConfigWarning, stacklevel=2)
+        # Line 0 of this module: Python prints the warning as one line, with no source line under it.
+        warnings.warn_explicit(message, SyncCheckConfigWarning, __file__, 0, module=__name__)
     except SyncCheckConfigWarning:
         _log.warning("%s", message)
 

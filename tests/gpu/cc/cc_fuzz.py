@@ -30,9 +30,9 @@ that with vector clocks:
   the target finished (the promise ``register_inplace_h2d_target`` asks for).
 
 Anything the model is unsure of, it forbids: a conservative model generates
-fewer programs, never a wrong one. The generator picks an operation, and if
-the model forbids it, inserts an ordering that makes it legal (a
-``wait_stream``, an event, a synchronize) or drops it.
+fewer programs, never a wrong one. The generator (``cc_fuzz_gen.py``) picks
+an operation, and if the model forbids it, inserts an ordering that makes it
+legal (a ``wait_stream``, an event, a synchronize) or drops it.
 
 This module is plain Python; ``cc_fuzz_run.py`` runs programs on torch (a
 GPU) or on a simulated GPU on the CPU (``tests/unit/cc/test_cc_fuzz_cpu.py``).
@@ -50,6 +50,11 @@ INIT = "init"  # the stream the program's initial buffers were made on (settled 
 N_DEV, N_HOST, N_EVENTS = 5, 4, 3
 SIDE = 32  # every buffer is SIDE x SIDE
 DTYPES = ("float32", "float16", "bfloat16", "int32", "float64")
+# CONCURRENT blocks: two host threads at once, each on its own streams, buffers and events.
+PARTS = (
+    {"streams": ("S0", "D2"), "dev": (0, 1), "host": (0, 1), "events": (0,)},
+    {"streams": ("S1", "D3"), "dev": (2, 3, 4), "host": (2, 3), "events": (1, 2)},
+)
 SHORT_SLEEPS = (0, 0, 2_000, 10_000, 40_000)  # GPU cycles: 0 to ~20 us on an H200
 LONG_SLEEP = 2_000_000  # ~1 ms: in a few programs, to open race windows wide
 
@@ -60,13 +65,35 @@ class Op:
 
     kind: str
     args: tuple = ()
-    body: tuple = ()  # THREAD only: the ops run on the second host thread
+    body: tuple = ()  # THREAD: the ops run on a second host thread; CONCURRENT: two THREADs run at once
 
     def __str__(self) -> str:
-        if self.kind == "THREAD":
-            inner = "; ".join(str(op) for op in self.body)
-            return f"THREAD {{ {inner} }}"
+        if self.kind in ("THREAD", "CONCURRENT"):
+            inner = " | ".join(str(op) for op in self.body) if self.kind == "CONCURRENT" else "; ".join(
+                str(op) for op in self.body)
+            return f"{self.kind} {{ {inner} }}"
         return f"{self.kind}{self.args}"
+
+
+_STREAM_ARGS = {  # positions of stream names, device slots, host slots, events in each kind's args
+    "SLEEP": ((0,), (), (), ()), "KERNEL": ((0,), (1,), (), ()), "FILL": ((0,), (1,), (), ()),
+    "H2D": ((0,), (3,), (1,), ()), "H2D_FRESH": ((0,), (2,), (1,), ()), "D2H": ((0,), (1,), (3,), ()),
+    "D2H_FRESH": ((0,), (1,), (2,), ()), "D2D": ((0,), (1, 3), (), ()), "WAIT_STREAM": ((0, 1), (), (), ()),
+    "RECORD": ((1,), (), (), (0,)), "WAIT_EVENT": ((0,), (), (), (1,)), "EVENT_SYNC": ((), (), (), (0,)),
+    "EVENT_SPIN": ((), (), (), (0,)), "EVENT_QUERY": ((), (), (), (0,)), "STREAM_SYNC": ((0,), (), (), ()),
+    "DEVICE_SYNC": ((), (), (), ()), "HOST_READ": ((), (), (0,), ()), "HOST_WRITE": ((), (), (0,), ()),
+    "RECORD_STREAM": ((1,), (0,), (), ()), "FREE": ((), (0,), (), ()), "ALLOC": ((0,), (1,), (), ()),
+    "REGISTER": ((1,), (0,), (), ()),
+}
+
+
+def within(op: Op, part: dict) -> bool:
+    """Return whether ``op`` (and everything in its body) touches only the streams, buffers and events of ``part``."""
+    if op.kind in ("THREAD", "CONCURRENT"):
+        return op.kind == "THREAD" and all(within(inner, part) for inner in op.body)
+    streams, dev, host, events = _STREAM_ARGS[op.kind]
+    return (all(op.args[i] in part["streams"] for i in streams) and all(op.args[i] in part["dev"] for i in dev)
+            and all(op.args[i] in part["host"] for i in host) and all(op.args[i] in part["events"] for i in events))
 
 
 @dataclass
@@ -172,6 +199,7 @@ class Model:
         self.dev = [_Buf(write=(INIT, 1), dtype=spec.dev_dtypes[i], used_on={INIT: 1}) for i in range(N_DEV)]
         self.hst = [_Buf(write=("host", 0), dtype=spec.host_dtypes[i]) for i in range(N_HOST)]
         self.pinned = list(spec.host_pinned)
+        self.part: dict | None = None  # while generating one body of a CONCURRENT block: its resources
 
     def clone(self) -> Model:
         other = Model.__new__(Model)
@@ -181,6 +209,7 @@ class Model:
         other.dev = [None if b is None else b.clone() for b in self.dev]
         other.hst = [b.clone() for b in self.hst]
         other.pinned = list(self.pinned)
+        other.part = self.part
         return other
 
     # ordering predicates
@@ -235,9 +264,9 @@ class Model:
     def apply(self, op: Op) -> None:
         """Apply ``op`` to the state, or raise :class:`Illegal` (the state is then unchanged).
 
-        Each kind checks before it changes anything; only a THREAD block, several ops, needs a snapshot.
+        Each kind checks before it changes anything; only THREAD and CONCURRENT blocks, several ops, need a snapshot.
         """
-        if op.kind != "THREAD":
+        if op.kind not in ("THREAD", "CONCURRENT"):
             self._apply(op)
             return
         snapshot = self.clone()
@@ -253,6 +282,9 @@ class Model:
         if k == "THREAD":
             for inner in op.body:
                 self._apply(inner)
+            return
+        if k == "CONCURRENT":
+            self._apply_concurrent(op)
             return
         if k == "SLEEP":
             self._tick(a[0])
@@ -385,6 +417,35 @@ class Model:
         else:
             raise ValueError(f"unknown op kind {k!r}")
 
+    def _apply_concurrent(self, op: Op) -> None:
+        """Two bodies run at once on two threads: each must be legal alone, from this state, on its own part.
+
+        Since they share no stream, buffer or event, any interleaving gives the same results; afterwards the
+        host knows what either body synchronized.
+        """
+        if len(op.body) != len(PARTS):
+            raise Illegal("a CONCURRENT block has one body per part", [])
+        results = []
+        for part, body in zip(PARTS, op.body):
+            if not within(body, part):
+                raise Illegal(f"a concurrent body leaves its part: {body}", [])
+            trial = self.clone()
+            trial._apply(body)
+            results.append(trial)
+        host = dict(self.host)
+        for part, trial in zip(PARTS, results):
+            for s in part["streams"]:
+                self.vc[s] = trial.vc[s]
+            for i in part["dev"]:
+                self.dev[i] = trial.dev[i]
+            for i in part["host"]:
+                self.hst[i], self.pinned[i] = trial.hst[i], trial.pinned[i]
+            for e in part["events"]:
+                self.events[e] = trial.events[e]
+            for k, v in trial.host.items():
+                host[k] = max(host.get(k, 0), v)
+        self.host = host
+
     @staticmethod
     def _raise(needs: list, op: Op) -> None:
         if needs:
@@ -400,183 +461,6 @@ def is_legal(spec: ProgramSpec) -> bool:
     except Illegal:
         return False
     return True
-
-
-# -- the generator --------------------------------------------------------------------------------------------
-
-class Generator:
-    """Random legal programs, reproducible from a seed."""
-
-    def __init__(self, seed: int, n_ops: tuple[int, int] = (10, 32)):
-        self.seed = seed
-        self.rng = random.Random(seed)
-        self.n_ops = n_ops
-        self.long_sleeps = self.rng.random() < 0.03
-
-    def program(self) -> ProgramSpec:
-        rng = self.rng
-        spec = ProgramSpec(
-            seed=self.seed,
-            host_pinned=tuple(rng.random() < 0.7 for _ in range(N_HOST)),
-            host_dtypes=tuple(rng.choice(DTYPES) for _ in range(N_HOST)),
-            dev_dtypes=tuple(rng.choice(DTYPES) for _ in range(N_DEV)),
-        )
-        model = Model(spec)
-        target = rng.randint(*self.n_ops)
-        ops: list[Op] = []
-        attempts = 0
-        while len(ops) < target and attempts < target * 6:
-            attempts += 1
-            if rng.random() < 0.05 and len(ops) + 3 < target:
-                sub = self._thread_block(model)
-                if sub is not None:
-                    ops.append(sub)
-                continue
-            ops.extend(self._legal_step(model))
-        # End state: nothing is left unsynchronized (the runner reads every buffer after a device synchronize).
-        ops.append(Op("DEVICE_SYNC", (0,)))
-        model.apply(ops[-1])
-        spec.ops = ops
-        return spec
-
-    def _thread_block(self, model: Model) -> Op | None:
-        trial = model.clone()
-        body: list[Op] = []
-        for _ in range(self.rng.randint(1, 4)):
-            body.extend(self._legal_step(trial))
-        if not body:
-            return None
-        op = Op("THREAD", (), tuple(body))
-        model.apply(op)
-        return op
-
-    def _legal_step(self, model: Model) -> list[Op]:
-        """Propose one op; make it legal with up to three inserted orderings; return the ops added (maybe none)."""
-        op = self._propose(model)
-        if op is None:
-            return []
-        added: list[Op] = []
-        for _ in range(4):
-            try:
-                model.apply(op)
-                return added + [op]
-            except Illegal as err:
-                if not err.needs:
-                    return added
-                fix = self._fix(model, err.needs[0])
-                if fix is None:
-                    return added
-                for f in fix:
-                    model.apply(f)
-                added.extend(fix)
-        return added
-
-    def _fix(self, model: Model, need: tuple) -> list[Op] | None:
-        """Return ops that provide ``need`` (an ordering the model asked for), chosen at random among torch's ways."""
-        rng = self.rng
-        if need[0] == "stream":
-            _, s, p, _ = need
-            roll = rng.random()
-            if p == INIT or roll < 0.2:
-                return self._host_sync_for(p)
-            if roll < 0.6:
-                return [Op("WAIT_STREAM", (s, p))]
-            e = rng.randrange(N_EVENTS)
-            return [Op("RECORD", (e, p, rng.randrange(3))), Op("WAIT_EVENT", (s, e, rng.randrange(3)))]
-        if need[0] == "host":
-            return self._host_sync_for(need[1])
-        if need[0] == "free":
-            _, g, who, _ = need
-            if who != INIT and rng.random() < 0.7:
-                return [Op("RECORD_STREAM", (g, who))]
-            return self._host_sync_for(who)
-        return None
-
-    def _host_sync_for(self, p: str) -> list[Op]:
-        """Ops after which the host knows that stream ``p``'s work so far has finished."""
-        rng = self.rng
-        roll = rng.random()
-        if p == INIT or roll < 0.3:
-            return [Op("DEVICE_SYNC", (rng.randrange(2),))] if p == INIT or roll < 0.1 else [Op("STREAM_SYNC", (p,))]
-        e = rng.randrange(N_EVENTS)
-        ops = (Op("RECORD", (e, p, rng.randrange(3))), Op("EVENT_SPIN" if rng.random() < 0.3 else "EVENT_SYNC", (e,)))
-        if rng.random() < 0.1:  # the wait happens on the second host thread
-            return [Op("THREAD", (), ops)]
-        return list(ops)
-
-    def _sleep_cycles(self) -> int:
-        if self.long_sleeps and self.rng.random() < 0.3:
-            return LONG_SLEEP
-        return self.rng.choice(SHORT_SLEEPS)
-
-    def _propose(self, model: Model) -> Op | None:  # noqa: C901 - a weighted table of op kinds
-        rng = self.rng
-        s = rng.choice(STREAMS)
-        live = [i for i in range(N_DEV) if model.dev[i] is not None]
-        empty = [i for i in range(N_DEV) if model.dev[i] is None]
-        h = rng.randrange(N_HOST)
-        roll = rng.random()
-        if roll < 0.10:
-            return Op("SLEEP", (s, self._sleep_cycles()))
-        if roll < 0.18 and live:
-            g = rng.choice(live)
-            view, _ = random_view_pair(rng)
-            return Op("KERNEL", (s, g, view, rng.randrange(4), self._sleep_cycles()))
-        if roll < 0.22 and live:
-            g = rng.choice(live)
-            view, _ = random_view_pair(rng)
-            return Op("FILL", (s, g, view, rng.randint(-100, 100)))
-        if roll < 0.36 and live:
-            gv, hv = random_view_pair(rng)
-            return Op("H2D", (s, h, hv, rng.choice(live), gv, rng.random() < 0.8))
-        if roll < 0.42 and empty:
-            dtype = rng.choice((None, None) + DTYPES)
-            return Op("H2D_FRESH", (s, h, rng.choice(empty), rng.random() < 0.8, rng.randrange(3), dtype))
-        if roll < 0.58 and live:
-            hv, gv = random_view_pair(rng)
-            # Mostly on D2H streams: that is where the worker takes the copy.
-            s2 = rng.choice(("D2", "D3")) if rng.random() < 0.7 else s
-            return Op("D2H", (s2, rng.choice(live), gv, h, hv, rng.random() < 0.85))
-        if roll < 0.63 and live:
-            s2 = rng.choice(("D2", "D3")) if rng.random() < 0.7 else s
-            return Op("D2H_FRESH", (s2, rng.choice(live), h, rng.random() < 0.85, rng.choice((None, None) + DTYPES)))
-        if roll < 0.68 and len(live) >= 2:
-            g1, g2 = rng.sample(live, 2)
-            v2, v1 = random_view_pair(rng)
-            return Op("D2D", (s, g1, v1, g2, v2, rng.random() < 0.5))
-        if roll < 0.74:
-            a, b = rng.sample(STREAMS, 2)
-            return Op("WAIT_STREAM", (a, b))
-        if roll < 0.79:
-            return Op("RECORD", (rng.randrange(N_EVENTS), s, rng.randrange(3)))
-        if roll < 0.83:
-            recorded = [e for e, c in model.events.items() if c is not None]
-            return Op("WAIT_EVENT", (s, rng.choice(recorded), rng.randrange(3))) if recorded else None
-        if roll < 0.86:
-            recorded = [e for e, c in model.events.items() if c is not None]
-            if not recorded:
-                return None
-            return Op(rng.choice(("EVENT_SYNC", "EVENT_SPIN", "EVENT_QUERY")), (rng.choice(recorded),))
-        if roll < 0.88:
-            return Op("STREAM_SYNC", (s,)) if rng.random() < 0.7 else Op("DEVICE_SYNC", (rng.randrange(2),))
-        if roll < 0.93:
-            hv, _ = random_view_pair(rng)
-            return Op("HOST_READ", (h, hv))
-        if roll < 0.95:
-            hv, _ = random_view_pair(rng)
-            return Op("HOST_WRITE", (h, hv, rng.randrange(4)))
-        if roll < 0.975 and live:
-            return Op("FREE", (rng.choice(live),))
-        if roll < 0.99 and empty:
-            return Op("ALLOC", (s, rng.choice(empty), rng.choice(DTYPES), rng.randint(-100, 100)))
-        if live:
-            return Op("REGISTER", (rng.choice(live), s))
-        return None
-
-
-def program_for(seed: int, n_ops: tuple[int, int] = (10, 32)) -> ProgramSpec:
-    """The program of ``seed`` (the same on every machine and Python of the same version)."""
-    return Generator(seed, n_ops).program()
 
 
 # -- the minimizer --------------------------------------------------------------------------------------------
@@ -614,7 +498,7 @@ def minimize(spec: ProgramSpec, still_fails: Callable[[ProgramSpec], bool], max_
 def count_copies(ops: Sequence[Op]) -> int:
     n = 0
     for op in ops:
-        if op.kind == "THREAD":
+        if op.kind in ("THREAD", "CONCURRENT"):
             n += count_copies(op.body)
         elif op.kind in ("H2D", "H2D_FRESH", "D2H", "D2H_FRESH", "D2D"):
             n += 1

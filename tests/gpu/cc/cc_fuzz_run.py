@@ -260,6 +260,7 @@ class Runner:
 
         self.b = backend
         self.torch = torch
+        self._sink = threading.local()
         gen = torch.Generator().manual_seed(1234)
         # Read-only operands of KERNEL and HOST_WRITE, the same for every program (fresh data is in the buffers).
         self.host_patterns = {name: [values(gen, getattr(torch, name)) for _ in range(4)] for name in DTYPES}
@@ -294,6 +295,8 @@ class Runner:
         b.progress()
         if k == "THREAD":
             self._run_thread(op)
+        elif k == "CONCURRENT":
+            self._run_concurrent(op)
         elif k == "SLEEP":
             with b.current(a[0]):
                 b.sleep(a[1])
@@ -346,7 +349,8 @@ class Runner:
         elif k == "DEVICE_SYNC":
             b.device_sync(a[0])
         elif k == "HOST_READ":
-            self.reads.append(digest(apply_view(self.host[a[0]], a[1]).clone()))
+            # A concurrent body reads into its own list (the bodies' reads interleave in any order).
+            getattr(self._sink, "reads", self.reads).append(digest(apply_view(self.host[a[0]], a[1]).clone()))
         elif k == "HOST_WRITE":
             h, hv, pattern = a
             target = apply_view(self.host[h], hv)
@@ -411,19 +415,47 @@ class Runner:
             for inner in op.body:
                 self._run(inner)
             return
+        self._in_threads([op.body], [getattr(self._sink, "reads", None)])  # inside a concurrent body: its list
+
+    def _run_concurrent(self, op: Op) -> None:
+        bodies = [list(thread.body) for thread in op.body]
+        sinks: list[list[str]] = [[] for _ in bodies]
+        if not self.b.simulated:
+            self._in_threads(bodies, sinks)
+        else:
+            # The simulator interleaves the two bodies at random, op by op (each body keeps its own order).
+            rng = self.b.rng
+            while any(bodies):
+                pending = [i for i, body in enumerate(bodies) if body]
+                i = pending[0] if rng is None else rng.choice(pending)
+                self._sink.reads = sinks[i]
+                try:
+                    self._run(bodies[i].pop(0))
+                finally:
+                    del self._sink.reads
+        for sink in sinks:
+            self.reads.extend(sink)
+
+    def _in_threads(self, bodies: list, sinks: list | None = None) -> None:
+        """Run each body on its own new host thread, all at once; re-raise the first error."""
         errors: list[BaseException] = []
 
-        def body() -> None:
+        def run_body(ops, sink) -> None:
+            if sink is not None:
+                self._sink.reads = sink
             try:
-                for inner in op.body:
+                for inner in ops:
                     self._run(inner)
             except BaseException as err:  # noqa: BLE001 - re-raised on the main thread below
                 errors.append(err)
 
-        thread = threading.Thread(target=body, name="cc-fuzz-second-thread")
-        thread.start()
-        thread.join(60)
-        if thread.is_alive():
-            raise TimeoutError("the second host thread did not finish within 60 s")
+        threads = [threading.Thread(target=run_body, args=(ops, None if sinks is None else sinks[i]),
+                                    name=f"cc-fuzz-thread-{i}") for i, ops in enumerate(bodies)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+            if thread.is_alive():
+                raise TimeoutError(f"{thread.name} did not finish within 60 s")
         if errors:
             raise errors[0]

@@ -13,6 +13,7 @@ differences between them are the pieces' costs:
     plain .to                      torch alone (the target: the shim may cost 1.5x this)
     .to on the staging stream      + switching to the staging stream, allocating from its pool
     + stream sync (emulated CC)    + the host waiting for the transfer, as CC makes it (inherent)
+      (or: + polling)              the same wait by spinning on cuStreamQuery (is the driver's wake-up slow?)
     + order current after staging  + event record and stream wait
     + record_stream                + the allocator's bookkeeping
     shim, emulated CC              syncless.cc.install("emulate"), the real path
@@ -67,6 +68,17 @@ def main() -> None:
         _streams.wait_stream_raw(staging)
         return out
 
+    drv = _cuda.driver_module()
+    not_ready = drv.CUresult.CUDA_ERROR_NOT_READY
+
+    def on_staging_polled():
+        with torch.cuda.stream(staging):
+            out = host.to(dev, non_blocking=True)
+        while True:  # spin: no driver wake-up latency
+            result = drv.cuStreamQuery(staging.cuda_stream)
+            if (result[0] if isinstance(result, tuple) else result) != not_ready:
+                return out
+
     def ordered():
         out = on_staging_synced()
         _streams.order_after(current, staging)
@@ -84,6 +96,7 @@ def main() -> None:
         ("plain .to", None, plain),
         (".to on the staging stream", None, on_staging),
         ("+ stream sync (emulated CC)", None, on_staging_synced),
+        ("  (or: + polling cuStreamQuery)", None, on_staging_polled),
         ("+ order current after staging", None, ordered),
         ("+ record_stream", None, recorded),
         ("shim, emulated CC", "emulate", plain),

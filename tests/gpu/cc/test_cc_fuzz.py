@@ -1,4 +1,4 @@
-"""The differential fuzzer for syncless.cc on one GPU: plain torch is the oracle (see cc_fuzz.py).
+"""The differential fuzzer for syncless.cc on one GPU: plain torch is the oracle (see cc_fuzz.py, cc_fuzz_gen.py, cc_fuzz_run.py).
 
 ``SYNCLESS_FUZZ_PROGRAMS`` programs (default 20,000), seeds
 ``SYNCLESS_FUZZ_SEED + i``, spread round-robin over the four configurations
@@ -20,6 +20,7 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))  # cc_fuzz and cc_fuzz_run live next to this file
 import cc_fuzz as fuzz  # noqa: E402
+from cc_fuzz_gen import program_for  # noqa: E402
 from cc_fuzz_run import Runner, TorchBackend  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
@@ -68,7 +69,7 @@ def test_differential_fuzz():
     cc.reset_stats()
     runner = Runner(TorchBackend(cc, dev))
     started = time.monotonic()
-    specs = [fuzz.program_for(seed0 + i) for i in range(n_programs)]
+    specs = [program_for(seed0 + i) for i in range(n_programs)]
     print(f"\ncc fuzz: generated {n_programs} programs (seeds {seed0}..{seed0 + n_programs - 1}) in "
           f"{time.monotonic() - started:.1f} s", flush=True)
 
@@ -99,6 +100,9 @@ def test_differential_fuzz():
     finally:
         cc.uninstall()
 
+    if failures:
+        listed = ", ".join(f"{specs[i].seed}/{CONFIGS[c][0]}" for i, c, _ in failures[:20])
+        print(f"\ncc fuzz: {len(failures)} failing runs (seed/configuration): {listed}", flush=True)
     for i, c, difference in failures[:MAX_MINIMIZED]:
         name, shim, emulation = CONFIGS[c]
 

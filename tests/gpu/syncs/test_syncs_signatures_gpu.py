@@ -151,9 +151,8 @@ def test_every_call_form_behaves_as_in_torch_on_the_gpu(seed, plain_then_detecto
     in_region = {}
     for form in FORMS:
         syncs.reset()
-        env = gpu_env(seed)
-        with syncs.checking():
-            in_region[form.label] = (outcome(form, env, _settled), syncs.report().total)
+        found = outcome(form, gpu_env(seed), _settled, region=syncs.checking)
+        in_region[form.label] = (found, syncs.report().total)
         problems.append(difference(form, plain[form.label], in_region[form.label][0]))
         expected = plain[form.label]["result"]
         if expected[0] == "raised" and expected[1] is TypeError and in_region[form.label][1]:
@@ -161,9 +160,7 @@ def test_every_call_form_behaves_as_in_torch_on_the_gpu(seed, plain_then_detecto
     syncs.disable()
     _enable("error")
     for form in FORMS:
-        env = gpu_env(seed)
-        with syncs.checking():
-            got = outcome(form, env, _settled)
+        got = outcome(form, gpu_env(seed), _settled, region=syncs.checking)
         if in_region[form.label][1]:
             recorded += 1
             if got["result"][1] is not SyncViolation:

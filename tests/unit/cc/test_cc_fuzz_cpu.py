@@ -15,6 +15,7 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "gpu" / "cc"))
 import cc_fuzz as fuzz  # noqa: E402
+from cc_fuzz_gen import program_for  # noqa: E402
 from cc_fuzz_run import Runner, SimBackend  # noqa: E402
 
 Op = fuzz.Op
@@ -27,7 +28,7 @@ def _spec(ops, pinned=(True, True, False, True)):
 
 def test_programs_are_reproducible_and_legal():
     for seed in range(200):
-        a, b = fuzz.program_for(seed), fuzz.program_for(seed)
+        a, b = program_for(seed), program_for(seed)
         assert a.describe() == b.describe()
         assert fuzz.is_legal(a), a.describe()
 
@@ -41,17 +42,17 @@ def test_generated_programs_cover_every_kind_of_op():
             walk(op.body)
 
     for seed in range(400):
-        walk(fuzz.program_for(seed).ops)
+        walk(program_for(seed).ops)
     kinds = {"SLEEP", "KERNEL", "FILL", "H2D", "H2D_FRESH", "D2H", "D2H_FRESH", "D2D", "WAIT_STREAM", "RECORD",
              "WAIT_EVENT", "EVENT_SYNC", "EVENT_SPIN", "EVENT_QUERY", "STREAM_SYNC", "DEVICE_SYNC", "HOST_READ",
-             "HOST_WRITE", "RECORD_STREAM", "FREE", "ALLOC", "REGISTER", "THREAD"}
+             "HOST_WRITE", "RECORD_STREAM", "FREE", "ALLOC", "REGISTER", "THREAD", "CONCURRENT"}
     assert kinds <= seen, kinds - seen
 
 
 def test_every_schedule_of_the_simulated_gpu_gives_the_same_results():
     sequential = Runner(SimBackend(None))
-    for seed in range(150):
-        spec = fuzz.program_for(seed)
+    for seed in range(300):
+        spec = program_for(seed)
         expected = sequential.run(spec)
         for schedule in range(4):
             got = Runner(SimBackend(schedule_seed=seed * 10 + schedule)).run(spec)
@@ -116,7 +117,7 @@ def test_registered_target_needs_its_readers_finished():
 
 
 def test_minimizer_keeps_what_the_failure_needs_and_stays_legal():
-    spec = fuzz.program_for(11, n_ops=(30, 30))
+    spec = program_for(11, n_ops=(30, 30))
     d2h_on_d2h_stream = [op for op in spec.ops if op.kind == "D2H" and op.args[0] in ("D2", "D3")]
     assert d2h_on_d2h_stream, "seed 11 has an offloadable copy"
     culprit = d2h_on_d2h_stream[0]
@@ -133,3 +134,11 @@ def test_minimizer_keeps_what_the_failure_needs_and_stays_legal():
 def test_copies_are_counted_inside_threads():
     body = (Op("D2H", ("D2", 0, ("full",), 0, ("full",), True)), Op("SLEEP", ("S0", 0)))
     assert fuzz.count_copies([Op("THREAD", (), body), Op("D2D", ("S0", 0, ("full",), 1, ("full",), True))]) == 2
+
+
+def test_concurrent_bodies_must_keep_to_their_own_resources():
+    body_a = Op("THREAD", (), (Op("KERNEL", ("S0", 0, ("full",), 1, 0)),))
+    body_b = Op("THREAD", (), (Op("KERNEL", ("S1", 2, ("full",), 1, 0)),))
+    assert fuzz.is_legal(_spec([Op("CONCURRENT", (), (body_a, body_b))]))
+    crossing = Op("THREAD", (), (Op("KERNEL", ("S1", 0, ("full",), 1, 0)),))  # buffer 0 belongs to the first body
+    assert not fuzz.is_legal(_spec([Op("CONCURRENT", (), (body_a, crossing))]))

@@ -80,3 +80,14 @@ def test_every_reason_is_a_known_stats_reason():
 def test_needs_emulated_wait(args, expected):
     assert r.needs_emulated_wait(*args) is expected
 
+
+
+def test_d2h_into_pageable_memory_stays_torchs_copy():
+    """torch's non_blocking D2H into pageable memory is synchronous; offloading it would let the host read early."""
+    from syncless.cc import _routing as r
+
+    on_d2h = r.CopyFacts(src_type="cuda", dst_type="cpu", non_blocking=True, into_existing=True, on_d2h_stream=True)
+    assert r.route_copy(on_d2h, 1 << 20) == (r.OFFLOAD, "")
+    pageable = r.CopyFacts(src_type="cuda", dst_type="cpu", non_blocking=True, into_existing=True, on_d2h_stream=True,
+                           pageable_target=True)
+    assert r.route_copy(pageable, 1 << 20) == (r.ORIGINAL, "pageable_target")

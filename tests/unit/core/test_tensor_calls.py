@@ -28,3 +28,39 @@ def test_parse_to_reads_calls_like_torch_and_ignores_copy():
     assert parse_to((torch.float16,), {}) == (None, torch.float16, False, None)
     with pytest.raises(TypeError):
         parse_to(("cpu",), {"nonsense": 1})
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (("cpu", torch.float16, True, True), (torch.device("cpu"), torch.float16, True, None)),
+        (("cpu", None, False, True), (torch.device("cpu"), None, False, None)),
+        ((torch.float16, True, True), (None, torch.float16, True, None)),
+        (("cpu", torch.float16, True), (torch.device("cpu"), torch.float16, True, None)),  # no copy here
+    ],
+)
+def test_parse_to_leaves_out_a_positional_copy(args, expected):
+    # torch accepts copy in its position (to(device, dtype, non_blocking, copy), to(dtype, non_blocking, copy),
+    # to(other, non_blocking, copy)); its parser refuses it. cc's emulation parses after the call succeeded.
+    assert parse_to(args, {}) == expected
+    x = torch.randn(2)
+    assert x.to(*args).dtype == (expected[1] or x.dtype)  # torch itself takes the form
+
+
+def test_parse_to_reads_the_other_tensor_form_with_positional_copy():
+    other = torch.randn(2, dtype=torch.float64)
+    assert parse_to((other, True, True), {}) == (torch.device("cpu"), torch.float64, True, None)
+
+
+def test_cc_emulation_takes_a_positional_copy_like_torch():
+    # The emulator parses a .to() call after torch ran it; a positional copy used to make it raise there.
+    import syncless.cc as cc
+
+    x = torch.randn(3)
+    expected = x.to("cpu", None, True, True)
+    assert cc.install("emulate")
+    try:
+        got = x.to("cpu", None, True, True)
+    finally:
+        cc.uninstall()
+    assert got is not x and torch.equal(got, expected)

@@ -113,6 +113,11 @@ def test_alloc_persistent_allocates_gpu_memory_only():
         persistent_memory.alloc_persistent({"x": ((4,), torch.float32)}, device="cpu")
 
 
+def test_the_device_allocation_is_whole_pages():
+    granule = persistent_memory.ALLOCATION_GRANULE
+    assert [persistent_memory.whole_pages(n) for n in (1, granule, granule + 1)] == [granule, granule, 2 * granule]
+
+
 def test_plan_pads_every_tensor_to_the_alignment():
     layout, nbytes = persistent_memory.plan(
         {"a": ((3,), torch.uint8), "b": ((300,), torch.uint8), "c": ((1,), torch.int8)}

@@ -102,6 +102,8 @@ def _export_tree(**changes):
     (b'{"record": "StageDevice", "fields": {"host": "h", "uuid": "u", "ordinal": true}}', "StageDevice.ordinal"),
     (_export_tree(buffer_handle={"bytes": "ab" * 63}), "_Export.buffer_handle must be 64 bytes"),
     (_export_tree(token={"bytes": "00" * 16}), "_Export.token must be None or 32 bytes"),
+    (_export_tree(socket_name="/var/run/docker.sock"), "_Export.socket_name must be None or the abstract name"),
+    (_export_tree(socket_name="\0other-service"), "_Export.socket_name must be"),
     (_export_tree(targets={"list": [{"tuple": [0, -5]}]}), "_Export.targets must be"),
     (_nested(wire.MAX_DEPTH + 5), "deeper than"),
     (b"[" * 100_000 + b"]" * 100_000, "not valid JSON|unexpected"),

@@ -250,7 +250,8 @@ def _describe_value(value: Any, env: types.SimpleNamespace) -> Any:
     return repr(value)
 
 
-def outcome(form: Form, env: types.SimpleNamespace, settle: Callable[[], Any] = contextlib.nullcontext) -> dict[str, Any]:
+def outcome(form: Form, env: types.SimpleNamespace, settle: Callable[[], Any] = contextlib.nullcontext,
+            region: Callable[[], Any] = contextlib.nullcontext) -> dict[str, Any]:
     """Run ``form`` on ``env`` and describe everything a caller could observe.
 
     Args:
@@ -258,14 +259,21 @@ def outcome(form: Form, env: types.SimpleNamespace, settle: Callable[[], Any] = 
             call. On a GPU it waits for the call's work and lets the reads of
             the results through (``syncs.allowed``), so they are neither racy
             nor reported.
+        region: a context manager factory the call runs in (``syncs.checking``
+            for a checked run). It is entered inside the block that records
+            warnings, as pytest's per-test block encloses a user's region, so
+            the detector's warnings hook is in front while the call runs.
     """
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         try:
-            returned = form.call(env)
+            with region():
+                returned = form.call(env)
         except Exception as err:  # noqa: BLE001 - the outcome under test is whatever torch raises
             result: Any = ("raised", type(err), str(err))
+            torch_function_log = list(LoggingTensor.log)
         else:
+            torch_function_log = list(LoggingTensor.log)  # before the description below adds its own calls
             with settle():
                 result = ("returned", _describe_value(returned, env))
     with settle():
@@ -278,7 +286,7 @@ def outcome(form: Form, env: types.SimpleNamespace, settle: Callable[[], Any] = 
         # category and text are compared (docs/_incoming/syncs.md). The detector's own are not torch's.
         "warnings": [(w.category, str(w.message)) for w in seen if not str(w.message).startswith(ours)],
         "inputs_after": inputs_after,
-        "torch_function_log": list(LoggingTensor.log),
+        "torch_function_log": torch_function_log,
     }
 
 

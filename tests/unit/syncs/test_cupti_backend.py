@@ -80,6 +80,18 @@ def test_an_item_like_op_is_one_sync_seen_by_torch_and_cupti(cupti_env):
     assert "torch+cupti" in text and "blocked ms" in text and "CUDA call: cudaStreamSynchronize x3" in text
 
 
+def test_a_torch_warning_that_comes_first_still_makes_one_sync(cupti_env):
+    enabled(cupti_env)
+    with syncs.checking():
+        for _ in range(2):
+            line = here()
+            fake.warn_then_call([("cudaMemcpyAsync", [fake.PAGEABLE_ADDR, fake.DEVICE_ADDR, 4, D2H, 0]),
+                                 ("cudaStreamSynchronize", [0])])
+    (site,) = syncs.report().sites
+    assert (site.first.lineno, site.count, site.layers) == (line, 2, ("torch", "cupti"))
+    assert site.api_calls == {"cudaMemcpyAsync": 2, "cudaStreamSynchronize": 2} and site.timed_count == 2
+
+
 def test_a_sync_only_cupti_sees_is_counted_per_call_at_the_users_line(cupti_env):
     enabled(cupti_env)
     with syncs.checking():
@@ -357,3 +369,59 @@ def test_describe_for_doctor_says_what_would_be_used(monkeypatch):
     monkeypatch.setattr(_backend, "_package_version", lambda name: None)
     described = _backend.describe()
     assert described["would_use"] == "torch" and "syncless[cupti]" in described["reason"]
+
+
+def test_trace_with_the_cupti_backend_shows_blocked_time_per_site(cupti_env, tmp_path, capsys):
+    import argparse
+    import textwrap
+
+    from syncless.syncs import _trace
+
+    script = tmp_path / "loop.py"
+    script.write_text(textwrap.dedent("""
+        import cupti
+
+        def step(i):
+            cupti.call("cuStreamSynchronize", [0], body=cupti.wait_ms(1))
+            return i
+
+        assert sum(step(i) for i in range(3)) == 3
+    """))
+    parser = argparse.ArgumentParser()
+    _trace.add_arguments(parser)
+    cupti_env.requested = "torch"  # what trace puts back
+    assert _trace.run(parser.parse_args(["--backend", "cupti", "--fn", "__main__:step", str(script)])) == 0
+    out = capsys.readouterr().out
+    assert "checked by torch + wrappers + CUPTI" in out and "blocked ms" in out, out
+    (row,) = [line.split() for line in out.splitlines() if f"{script.name}:5" in line and line.split()[0].isdigit()]
+    assert row[0] == "3" and "cupti" in row
+    assert float(row[row.index("cupti") + 1]) >= 3.0  # blocked ms in total: three calls of >= 1 ms
+    assert cupti_env.requested == "torch" and not syncs.is_enabled()
+
+
+def test_pointer_types_read_what_the_driver_writes(monkeypatch):
+    import ctypes
+
+    from syncless.syncs import _cupti
+
+    answers = {0x1000: (2, 0), 0x2000: (1, 0), 0x3000: (0, 0), 0x4000: (2, 1)}  # memory type, is managed
+
+    class Driver:
+        class cuPointerGetAttributes:  # noqa: N801 - the driver's name
+            argtypes = restype = None
+
+            def __call__(self, count, attributes, outputs, address):
+                if address == 0x5000:
+                    return 201  # CUDA_ERROR_INVALID_CONTEXT
+                assert list(attributes) == [2, 8] and count == 2
+                memory_type, managed = answers[address]
+                ctypes.c_uint32.from_address(outputs[0]).value = memory_type
+                ctypes.c_uint32.from_address(outputs[1]).value = managed
+                return 0
+
+        cuPointerGetAttributes = cuPointerGetAttributes()
+
+    monkeypatch.setattr(_cupti.ctypes, "CDLL", lambda name: Driver())
+    types = _cupti.PointerTypes()
+    assert [types(a) for a in (0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 0x3000)] == [
+        "device", "pinned", "pageable", "managed", "unknown", "pageable"]

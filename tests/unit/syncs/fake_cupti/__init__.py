@@ -164,6 +164,13 @@ def torch_op(calls, warn: bool = True):
         warnings.warn(TORCH_SYNC_TEXT + " (Triggered internally at c10/cuda/CUDAFunctions.cpp:1.)", UserWarning)
 
 
+def warn_then_call(calls):
+    """A synchronizing op whose warning is not held back: the warning first, then its CUDA calls."""
+    warnings.warn(TORCH_SYNC_TEXT + " (Triggered internally at c10/cuda/CUDAFunctions.cpp:1.)", UserWarning)
+    for name, params in calls:
+        call(name, params)
+
+
 def wait_ms(ms: float):
     """A call body that keeps the host in the call for at least ``ms`` milliseconds."""
     return lambda: time.sleep(ms / 1000)
