@@ -406,17 +406,20 @@ class CopyEngineTransport(Transport):
                 _faults.hook("step:before_meta")
             parts.meta_out.send(step, rows)
         except BaseException as err:
+            failure: BaseException
             if isinstance(err, PeerTimeoutError):
-                self._failure = PeerTimeoutError(
+                failure = PeerTimeoutError(
                     f"{self._stages.name()} sending step {step}: its metadata did not go out ({err}); "
                     "this transport is unusable: close() or abort() it"
                 )
             else:
-                self._failure = TransportFailedError(
+                failure = TransportFailedError(
                     f"{self._stages.name()} sending step {step}: stopped after its data was enqueued and before "
                     f"its metadata went out ({err!r}); this transport is unusable: close() or abort() it"
                 )
-            raise self._failure from err
+            if self._failure is None:  # an abort() on another thread may have come first: it stays the error
+                self._failure = failure
+            raise failure from err
         self._send_step = step
         if _faults.hook is not None:
             _faults.hook("step:after_meta")
@@ -476,10 +479,11 @@ class CopyEngineTransport(Transport):
         try:
             meta = self._parts.meta_in.recv(self._timeout_s, self._recv_what.format(step))
         except BaseException as err:  # an interrupt too: part of a message may have been read
-            self._failure = err if isinstance(err, PeerTimeoutError) else TransportFailedError(
-                f"{self._recv_what.format(step)}: interrupted while reading its metadata ({err!r}); "
-                "this transport is unusable: close() or abort() it"
-            )
+            if self._failure is None:  # an abort() on another thread may have come first: it stays the error
+                self._failure = err if isinstance(err, PeerTimeoutError) else TransportFailedError(
+                    f"{self._recv_what.format(step)}: interrupted while reading its metadata ({err!r}); "
+                    "this transport is unusable: close() or abort() it"
+                )
             raise
         try:
             return self._recv_enqueue(step, meta)

@@ -142,8 +142,13 @@ def _fault_time(sync_dir: str) -> float | None:
     return float(path.read_text()) if path.exists() else None
 
 
-def _free_bytes(torch: Any, device: Any) -> int | None:
-    """Free device memory once this rank's current stream is idle (at most 10 s of waiting)."""
+def _used_bytes(torch: Any, device: Any) -> int | None:
+    """Device memory in use outside torch's caching allocator, once this rank's current stream is idle.
+
+    The allocator's own cache may grow between two readings (it never gives memory back unasked, and
+    ``empty_cache`` could wait for a stuck stream), so what it reserved is subtracted. None on the CPU,
+    or when the current stream stays busy for 10 s (a receive of a dead NCCL peer).
+    """
     if device.type != "cuda":
         return None
     event = torch.cuda.Event()
@@ -151,9 +156,10 @@ def _free_bytes(torch: Any, device: Any) -> int | None:
     end = time.monotonic() + 10.0
     while not event.query():
         if time.monotonic() > end:
-            return None  # the stream is stuck (a receive of a dead NCCL peer): no reading
+            return None
         time.sleep(0.005)
-    return torch.cuda.mem_get_info(device)[0]
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free - torch.cuda.memory_reserved(device)
 
 
 def _run_steps(torch: Any, transport: Any, stage: int, device: Any, seed: int, first: int, last: int,
@@ -210,9 +216,9 @@ def fault_row(rank: int, world: int, row: dict[str, Any]) -> dict[str, Any]:
     warm = make_transport(pair, persistent, backend=transport_kind, timeout_s=timeout_s, device=device)
     _run_steps(torch, warm, stage, device, 99, 1, 20, None, src, persistent)
     warm.close()
-    dist.barrier(group=pair)
-    baseline = _free_bytes(torch, device)
-    out["baseline_free"] = baseline
+    _meet(sync_dir, "warm", [0, 1], rank)  # (no collective: it would start the NCCL communicator in CE rows)
+    baseline = _used_bytes(torch, device)
+    out["baseline_used"] = baseline
     fault = _Fault(kind, phase, timeout_s, sync_dir) if rank == victim else None
     _faults.install(fault)
     transport = None
@@ -264,10 +270,10 @@ def fault_row(rank: int, world: int, row: dict[str, Any]) -> dict[str, Any]:
     out["close_total_s"] = round(time.monotonic() - close_start, 2)
     out["leaked_nbytes"] = 0 if transport is None else transport.leaked_nbytes
     out["error_attr"] = None if transport is None or transport.error is None else type(transport.error).__name__
-    after = _free_bytes(torch, device)
-    out["after_free"] = after
+    after = _used_bytes(torch, device)
+    out["after_used"] = after
     if baseline is not None and after is not None:
-        out["memory_delta"] = baseline - after  # bytes still in use against the baseline
+        out["memory_delta"] = after - baseline  # bytes still in use against the baseline
     survivor = 1 - victim
     if kind == "sigkill":
         if rank != survivor:
