@@ -33,7 +33,6 @@ TIMEOUT_S = 3.0
         ("copy_engine", "sigkill", "between"),  # the receiver dies: the sender's GPU wait is released, it raises
         ("copy_engine", "stall", "step:after_meta"),  # the sender stalls: the receiver raises after the timeout
         ("copy_engine", "sigint", "close"),  # an interrupted close() resumes; nothing is leaked
-        ("copy_engine", "stall", "setup:open"),  # a stall in set-up: the other stage's set-up raises in time
         ("torch_distributed", "sigint", "step:before_meta"),  # NCCL fallback: a step stopped before its metadata
     ],
 )
