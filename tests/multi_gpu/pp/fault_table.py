@@ -204,7 +204,7 @@ def fault_row(rank: int, world: int, row: dict[str, Any]) -> dict[str, Any]:
         return dist.new_group(ranks=ranks, use_local_synchronization=True)
 
     if rank == 2:  # the standby: waits for the survivor's call, then takes the dead victim's stage
-        _meet(sync_dir, "rebuild", [1 - victim, 2], 2, timeout_s=90)
+        _meet(sync_dir, "rebuild", [1 - victim, 2], 2, timeout_s=40)
         out.update(_rebuild(torch, make_transport, _new_world(dist, row, victim), [0, 1], victim, device, row))
         return out
 
@@ -278,10 +278,10 @@ def fault_row(rank: int, world: int, row: dict[str, Any]) -> dict[str, Any]:
     if kind == "sigkill":
         if rank != survivor:
             raise AssertionError("a killed victim cannot get here")
-        _meet(sync_dir, "rebuild", [survivor, 2], rank, timeout_s=90)
+        _meet(sync_dir, "rebuild", [survivor, 2], rank, timeout_s=40)
         out.update(_rebuild(torch, make_transport, _new_world(dist, row, survivor), [0, 1], stage, device, row))
         return out
-    _meet(sync_dir, "rebuild", [0, 1], rank, timeout_s=90)
+    _meet(sync_dir, "rebuild", [0, 1], rank, timeout_s=40)
     group = pair if transport_kind == "copy_engine" else fresh_group([0, 1])
     out.update(_rebuild(torch, make_transport, group, [0, 1], rank, device, row))
     return out
@@ -386,7 +386,7 @@ def run_row(row: dict[str, Any], timeout_s: float, steps: int) -> dict[str, Any]
     started = time.monotonic()
     try:
         results = run_ranks(fault_row, world, args=(plan,), backend=backend, init="file", devices=devices,
-                            timeout_s=90 + 4 * timeout_s, may_die={victim} if row["fault"] == "sigkill" else (),
+                            timeout_s=45 + 6 * timeout_s, may_die={victim} if row["fault"] == "sigkill" else (),
                             load_by_file=True, progress=True, env={"PYTHONUNBUFFERED": "1"})
         outcome = {"ranks": results}
     except RankFailed as err:
