@@ -201,6 +201,7 @@ class CopyEngineEnding:
                                self._stages.name(), "close()" if collective else "abort()", "; ".join(kept),
                                self._teardown.leaked_nbytes)
 
+
 def _shut(endpoint: Any) -> None:
     """Shut a metadata socket both ways, so a thread blocked reading it returns at once; never raises."""
     sock = getattr(endpoint, "_sock", None)
