@@ -256,9 +256,9 @@ class TorchDistTransport(Transport):
                 self._wait_sent(works)
             except RuntimeError as err:
                 self._failure = PeerTimeoutError(
-                    f"{self._stages.name()}: a send of {MAX_SENDS_IN_FLIGHT} steps ago did not complete (its connection "
-                    f"broke, or the timeout of {self._timeout_s:g} s passed); the next stage died or stopped "
-                    f"receiving: {err}"
+                    f"{self._stages.name()}: a send of {MAX_SENDS_IN_FLIGHT} steps ago did not complete (its "
+                    f"connection broke, or the timeout of {self._timeout_s:g} s passed); the next stage died or "
+                    f"stopped receiving: {err}"
                 )
                 raise self._failure from err
             self._pending.popleft()

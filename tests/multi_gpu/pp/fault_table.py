@@ -403,7 +403,8 @@ def judge(row: dict[str, Any]) -> dict[str, Any]:
     bound = row["timeout_s"] + SLACK_S
     problems = []
     if ranks is None:
-        row.update(survivor_raised="(harness failed)", verdict="FAIL", problems=["harness: " + row["harness_error"][-300:]])
+        row.update(survivor_raised="(harness failed)", verdict="FAIL",
+                   problems=["harness: " + row["harness_error"][-300:]])
         return row
     s = ranks[survivor_index]
     if row["phase"] == "close":
@@ -433,10 +434,12 @@ def judge(row: dict[str, Any]) -> dict[str, Any]:
         problems.append(memory)
     rebuilt = [r for r in ranks if r is not None and "rebuilt_ok" in r]
     receiver = [r for r in rebuilt if r.get("rebuilt_mismatches") is not None]
-    if len(rebuilt) == 2 and all(r["rebuilt_ok"] for r in rebuilt) and receiver and receiver[0]["rebuilt_mismatches"] == 0:
+    exact = receiver and receiver[0]["rebuilt_mismatches"] == 0
+    if len(rebuilt) == 2 and all(r["rebuilt_ok"] for r in rebuilt) and exact:
         rebuild = f"{row['steps']} steps bit-exact"
     else:
-        rebuild = "; ".join(r.get("rebuilt_error", f"mismatches {r.get('rebuilt_mismatches')}") for r in rebuilt) or "not run"
+        stories = [r.get("rebuilt_error", f"mismatches {r.get('rebuilt_mismatches')}") for r in rebuilt]
+        rebuild = "; ".join(stories) or "not run"
         problems.append(f"rebuild: {rebuild}")
     row.update(survivor_raised=raised, seconds=seconds, memory=memory, rebuild=rebuild,
                verdict="ok" if not problems else "FAIL", problems=problems)
@@ -446,7 +449,8 @@ def judge(row: dict[str, Any]) -> dict[str, Any]:
 def write_table(out_dir: pathlib.Path, rows: list[dict[str, Any]]) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "table.json").write_text(json.dumps(rows, indent=1, default=str))
-    lines = ["| transport | fault | phase | victim | survivor raised | s after fault | survivor memory | rebuilt | verdict |",
+    lines = ["| transport | fault | phase | victim | survivor raised | s after fault | survivor memory | rebuilt "
+             "| verdict |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['transport']} | {r['fault']} | {r['phase']} | stage {VICTIM[r['phase']]} | "
@@ -474,7 +478,8 @@ def main(argv: list[str] | None = None) -> int:
         result = run_row(row, args.timeout_s, args.steps)
         done.append(result)
         write_table(args.out_dir, done)
-        print(f"ROW {result['transport']:17} {result['fault']:7} {result['phase']:17} raised={result.get('survivor_raised')} "
+        print(f"ROW {result['transport']:17} {result['fault']:7} {result['phase']:17} "
+              f"raised={result.get('survivor_raised')} "
               f"after={result.get('seconds')}s memory={result.get('memory')} rebuild={result.get('rebuild')} "
               f"-> {result['verdict']} {result['problems'] or ''}", flush=True)
     failed = [r for r in done if r["verdict"] != "ok"]
