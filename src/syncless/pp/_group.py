@@ -98,10 +98,13 @@ def cpu_group(ranks: Sequence[int], timeout_s: float) -> Any:
     not, and a cache would then hand one rank the broken group and the other
     a new one (whose rendezvous waits for a peer that never comes). A new
     group per transport keeps every rank's sequence of groups the same,
-    whoever saw the failure (torch names a group over the same ranks by how
-    many this process made before, so none is ever destroyed either: that
-    would shift the names on one rank only). Blocks the host for the
-    rendezvous (a few milliseconds over the store).
+    whoever saw the failure. Torch names a ``use_local_synchronization``
+    group by its ranks and by how many groups this process holds, so the
+    stages must hold the same number of groups when they call it (as torch
+    requires of any such group); none is destroyed here either, since that
+    would shift the names on one rank only. ``destroy_process_group``
+    destroys them with the rest. Blocks the host for the rendezvous (a few
+    milliseconds over the store; at most ``timeout_s``).
     """
     import torch.distributed as dist
 

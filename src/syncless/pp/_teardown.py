@@ -83,7 +83,7 @@ class Teardown:
 
     def shared(self, fn: Callable[..., Any], *args: Any, nbytes: int, what: str,
                on_leak: Callable[[], None] | None = None) -> None:
-        """Free with ``fn(*args)`` only after a successful barrier; else leak it (``on_leak()``) and count ``nbytes``."""
+        """Free with ``fn(*args)`` only after a successful barrier; else keep it (``on_leak()``), count ``nbytes``."""
         self._entries.append(_Entry("shared", fn, args, nbytes=nbytes, what=what, on_leak=on_leak))
 
     def barrier(self, fn: Callable[..., bool], *args: Any) -> None:

@@ -155,13 +155,15 @@ class TorchDistTransport(Transport):
         except BaseException as err:
             # Part of the step may be posted (its metadata without its data): the peers' views of the step
             # numbers may differ from here on, so nothing more may go out.
-            self._failure = TransportFailedError(
+            failure = TransportFailedError(
                 f"{self._stages.name()} sending step {step}: stopped while posting it ({err!r}); this transport "
                 "is unusable: close() or abort() it"
             )
+            if self._failure is None:
+                self._failure = failure
             if works:
                 self._pending.append((works, [meta, *payloads]))
-            raise self._failure from err
+            raise failure from err
         self._pending.append((works, [meta, *payloads]))
         self._send_step = step
         if _faults.hook is not None:
@@ -193,8 +195,9 @@ class TorchDistTransport(Transport):
                 self._side_group, self._stages.prev_rank, self._meta_tag, 1 + len(names), self._timeout_s, what
             ).tolist()
         except BaseException as err:  # an interrupt too: whether the metadata was consumed is unknown
-            self._failure = err if isinstance(err, PeerTimeoutError) else TransportFailedError(
-                f"{what}: interrupted while receiving its metadata ({err!r}); this transport is unusable")
+            if self._failure is None:
+                self._failure = err if isinstance(err, PeerTimeoutError) else TransportFailedError(
+                    f"{what}: interrupted while receiving its metadata ({err!r}); this transport is unusable")
             raise
         rows = dict(zip(names, meta[1:]))
         if meta[0] != step or any(not 0 <= r <= self._recv_specs[n].max_rows for n, r in rows.items()):
@@ -253,8 +256,9 @@ class TorchDistTransport(Transport):
                 self._wait_sent(works)
             except RuntimeError as err:
                 self._failure = PeerTimeoutError(
-                    f"{self._stages.name()}: a send of {MAX_SENDS_IN_FLIGHT} steps ago did not complete within "
-                    f"{self._timeout_s:g} s; the next stage died or stopped receiving: {err}"
+                    f"{self._stages.name()}: a send of {MAX_SENDS_IN_FLIGHT} steps ago did not complete (its "
+                    f"connection broke, or the timeout of {self._timeout_s:g} s passed); the next stage died or "
+                    f"stopped receiving: {err}"
                 )
                 raise self._failure from err
             self._pending.popleft()

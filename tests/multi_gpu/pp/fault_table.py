@@ -142,8 +142,13 @@ def _fault_time(sync_dir: str) -> float | None:
     return float(path.read_text()) if path.exists() else None
 
 
-def _free_bytes(torch: Any, device: Any) -> int | None:
-    """Free device memory once this rank's current stream is idle (at most 10 s of waiting)."""
+def _used_bytes(torch: Any, device: Any) -> int | None:
+    """Device memory in use outside torch's caching allocator, once this rank's current stream is idle.
+
+    The allocator's own cache may grow between two readings (it never gives memory back unasked, and
+    ``empty_cache`` could wait for a stuck stream), so what it reserved is subtracted. None on the CPU,
+    or when the current stream stays busy for 10 s (a receive of a dead NCCL peer).
+    """
     if device.type != "cuda":
         return None
     event = torch.cuda.Event()
@@ -151,9 +156,10 @@ def _free_bytes(torch: Any, device: Any) -> int | None:
     end = time.monotonic() + 10.0
     while not event.query():
         if time.monotonic() > end:
-            return None  # the stream is stuck (a receive of a dead NCCL peer): no reading
+            return None
         time.sleep(0.005)
-    return torch.cuda.mem_get_info(device)[0]
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free - torch.cuda.memory_reserved(device)
 
 
 def _run_steps(torch: Any, transport: Any, stage: int, device: Any, seed: int, first: int, last: int,
@@ -198,7 +204,7 @@ def fault_row(rank: int, world: int, row: dict[str, Any]) -> dict[str, Any]:
         return dist.new_group(ranks=ranks, use_local_synchronization=True)
 
     if rank == 2:  # the standby: waits for the survivor's call, then takes the dead victim's stage
-        _meet(sync_dir, "rebuild", [1 - victim, 2], 2, timeout_s=90)
+        _meet(sync_dir, "rebuild", [1 - victim, 2], 2, timeout_s=40)
         out.update(_rebuild(torch, make_transport, _new_world(dist, row, victim), [0, 1], victim, device, row))
         return out
 
@@ -210,9 +216,9 @@ def fault_row(rank: int, world: int, row: dict[str, Any]) -> dict[str, Any]:
     warm = make_transport(pair, persistent, backend=transport_kind, timeout_s=timeout_s, device=device)
     _run_steps(torch, warm, stage, device, 99, 1, 20, None, src, persistent)
     warm.close()
-    dist.barrier(group=pair)
-    baseline = _free_bytes(torch, device)
-    out["baseline_free"] = baseline
+    _meet(sync_dir, "warm", [0, 1], rank)  # (no collective: it would start the NCCL communicator in CE rows)
+    baseline = _used_bytes(torch, device)
+    out["baseline_used"] = baseline
     fault = _Fault(kind, phase, timeout_s, sync_dir) if rank == victim else None
     _faults.install(fault)
     transport = None
@@ -264,18 +270,18 @@ def fault_row(rank: int, world: int, row: dict[str, Any]) -> dict[str, Any]:
     out["close_total_s"] = round(time.monotonic() - close_start, 2)
     out["leaked_nbytes"] = 0 if transport is None else transport.leaked_nbytes
     out["error_attr"] = None if transport is None or transport.error is None else type(transport.error).__name__
-    after = _free_bytes(torch, device)
-    out["after_free"] = after
+    after = _used_bytes(torch, device)
+    out["after_used"] = after
     if baseline is not None and after is not None:
-        out["memory_delta"] = baseline - after  # bytes still in use against the baseline
+        out["memory_delta"] = after - baseline  # bytes still in use against the baseline
     survivor = 1 - victim
     if kind == "sigkill":
         if rank != survivor:
             raise AssertionError("a killed victim cannot get here")
-        _meet(sync_dir, "rebuild", [survivor, 2], rank, timeout_s=90)
+        _meet(sync_dir, "rebuild", [survivor, 2], rank, timeout_s=40)
         out.update(_rebuild(torch, make_transport, _new_world(dist, row, survivor), [0, 1], stage, device, row))
         return out
-    _meet(sync_dir, "rebuild", [0, 1], rank, timeout_s=90)
+    _meet(sync_dir, "rebuild", [0, 1], rank, timeout_s=40)
     group = pair if transport_kind == "copy_engine" else fresh_group([0, 1])
     out.update(_rebuild(torch, make_transport, group, [0, 1], rank, device, row))
     return out
@@ -380,7 +386,7 @@ def run_row(row: dict[str, Any], timeout_s: float, steps: int) -> dict[str, Any]
     started = time.monotonic()
     try:
         results = run_ranks(fault_row, world, args=(plan,), backend=backend, init="file", devices=devices,
-                            timeout_s=90 + 4 * timeout_s, may_die={victim} if row["fault"] == "sigkill" else (),
+                            timeout_s=45 + 6 * timeout_s, may_die={victim} if row["fault"] == "sigkill" else (),
                             load_by_file=True, progress=True, env={"PYTHONUNBUFFERED": "1"})
         outcome = {"ranks": results}
     except RankFailed as err:
@@ -397,7 +403,8 @@ def judge(row: dict[str, Any]) -> dict[str, Any]:
     bound = row["timeout_s"] + SLACK_S
     problems = []
     if ranks is None:
-        row.update(survivor_raised="(harness failed)", verdict="FAIL", problems=["harness: " + row["harness_error"][-300:]])
+        row.update(survivor_raised="(harness failed)", verdict="FAIL",
+                   problems=["harness: " + row["harness_error"][-300:]])
         return row
     s = ranks[survivor_index]
     if row["phase"] == "close":
@@ -427,10 +434,12 @@ def judge(row: dict[str, Any]) -> dict[str, Any]:
         problems.append(memory)
     rebuilt = [r for r in ranks if r is not None and "rebuilt_ok" in r]
     receiver = [r for r in rebuilt if r.get("rebuilt_mismatches") is not None]
-    if len(rebuilt) == 2 and all(r["rebuilt_ok"] for r in rebuilt) and receiver and receiver[0]["rebuilt_mismatches"] == 0:
+    exact = receiver and receiver[0]["rebuilt_mismatches"] == 0
+    if len(rebuilt) == 2 and all(r["rebuilt_ok"] for r in rebuilt) and exact:
         rebuild = f"{row['steps']} steps bit-exact"
     else:
-        rebuild = "; ".join(r.get("rebuilt_error", f"mismatches {r.get('rebuilt_mismatches')}") for r in rebuilt) or "not run"
+        stories = [r.get("rebuilt_error", f"mismatches {r.get('rebuilt_mismatches')}") for r in rebuilt]
+        rebuild = "; ".join(stories) or "not run"
         problems.append(f"rebuild: {rebuild}")
     row.update(survivor_raised=raised, seconds=seconds, memory=memory, rebuild=rebuild,
                verdict="ok" if not problems else "FAIL", problems=problems)
@@ -440,7 +449,8 @@ def judge(row: dict[str, Any]) -> dict[str, Any]:
 def write_table(out_dir: pathlib.Path, rows: list[dict[str, Any]]) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "table.json").write_text(json.dumps(rows, indent=1, default=str))
-    lines = ["| transport | fault | phase | victim | survivor raised | s after fault | survivor memory | rebuilt | verdict |",
+    lines = ["| transport | fault | phase | victim | survivor raised | s after fault | survivor memory | rebuilt "
+             "| verdict |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['transport']} | {r['fault']} | {r['phase']} | stage {VICTIM[r['phase']]} | "
@@ -468,7 +478,8 @@ def main(argv: list[str] | None = None) -> int:
         result = run_row(row, args.timeout_s, args.steps)
         done.append(result)
         write_table(args.out_dir, done)
-        print(f"ROW {result['transport']:17} {result['fault']:7} {result['phase']:17} raised={result.get('survivor_raised')} "
+        print(f"ROW {result['transport']:17} {result['fault']:7} {result['phase']:17} "
+              f"raised={result.get('survivor_raised')} "
               f"after={result.get('seconds')}s memory={result.get('memory')} rebuild={result.get('rebuild')} "
               f"-> {result['verdict']} {result['problems'] or ''}", flush=True)
     failed = [r for r in done if r["verdict"] != "ok"]

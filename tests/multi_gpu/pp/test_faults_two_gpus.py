@@ -33,7 +33,6 @@ TIMEOUT_S = 3.0
         ("copy_engine", "sigkill", "between"),  # the receiver dies: the sender's GPU wait is released, it raises
         ("copy_engine", "stall", "step:after_meta"),  # the sender stalls: the receiver raises after the timeout
         ("copy_engine", "sigint", "close"),  # an interrupted close() resumes; nothing is leaked
-        ("copy_engine", "stall", "setup:open"),  # a stall in set-up: the other stage's set-up raises in time
         ("torch_distributed", "sigint", "step:before_meta"),  # NCCL fallback: a step stopped before its metadata
     ],
 )
@@ -60,3 +59,14 @@ def test_calls_under_graph_capture_are_refused_and_the_transport_goes_on(backend
     for stage, call in ((0, "send"), (1, "recv")):
         assert len(messages[stage]) == 1 and f"{call}() was called while the current CUDA stream is capturing" in (
             messages[stage][0])
+
+
+def test_abort_from_another_thread_and_a_dropped_transport():
+    results = run_ranks(cases.abort_and_drop, 2, devices=[0, 1], timeout_s=150)
+    receiver = results[1]
+    assert receiver["recv_s"] < 3.0 and receiver["error"] == "TransportFailedError", receiver
+    assert receiver["leaked_nbytes"] > 0 and receiver["raises_after"], receiver
+    assert receiver["close_s"] < 3.0, receiver
+    for stage in results:
+        assert stage["collected"] and stage["watchdogs_alive"] == 0, stage
+        assert stage["local_released"] and stage["kept"] == {"allocation": 1, "context": 1}, stage

@@ -503,3 +503,83 @@ def graph_capture_refused(rank, world, backend):
     if transport.error is not None:
         raise AssertionError(f"the refusal broke the transport: {transport.error!r}")
     return messages
+
+
+def abort_and_drop(rank, world, timeout_s=20.0):
+    """abort() from another thread ends a blocked recv() at once and keeps the buffer; a dropped transport is freed.
+
+    Two stages (any GPUs). Returns what each stage saw.
+    """
+    import gc
+    import threading
+    import weakref
+
+    from syncless.pp import TransportError, TransportFailedError
+    from syncless.pp._driver import live_resources
+
+    device = _device("cuda")
+    max_rows = 8
+    result = {}
+    persistent = None if rank == 0 else _persistent(device, max_rows)
+    transport = make_transport(None, persistent, backend="copy_engine", device=device, timeout_s=timeout_s)
+    for step in range(1, 4):
+        if rank == 0:
+            transport.send(expected(31, step, max_rows, device))
+        elif int(_mismatches(transport.recv(), expected(31, step, max_rows, device))) != 0:
+            raise AssertionError(f"step {step} wrong")
+    torch.cuda.synchronize()
+    dist.barrier()
+    if rank == 1:
+        # Nothing more is sent: recv() blocks in the metadata socket until abort() on another thread.
+        threading.Timer(0.5, transport.abort).start()
+        start = time.monotonic()
+        try:
+            transport.recv()
+        except TransportError as err:
+            result["recv_s"] = time.monotonic() - start
+            result["recv_error"] = type(err).__name__
+        else:
+            raise AssertionError("recv() returned after abort()")
+        result["error"] = type(transport.error).__name__
+        start = time.monotonic()
+        transport.close()  # finishes what abort() left to the running recv(); no barrier
+        result["close_s"] = time.monotonic() - start
+        result["leaked_nbytes"] = transport.leaked_nbytes
+        try:
+            transport.recv()
+        except TransportFailedError:
+            result["raises_after"] = True
+    dist.barrier()
+    if rank == 0:  # only now: closing its socket earlier would end the receiver's recv() before abort() does
+        result["leaked_nbytes"] = transport.abort()  # its peer aborted: no barrier would pair up
+    dist.barrier()
+    del transport
+    gc.collect()
+    # A transport dropped without close(): collected, its watchdog thread ends, what is local is released.
+    before = live_resources()
+    dropped = make_transport(None, persistent, backend="copy_engine", device=device, timeout_s=timeout_s)
+    for step in range(1, 4):
+        if rank == 0:
+            dropped.send(expected(32, step, max_rows, device))
+        elif int(_mismatches(dropped.recv(), expected(32, step, max_rows, device))) != 0:
+            raise AssertionError(f"step {step} wrong")
+    torch.cuda.synchronize()
+    dist.barrier()
+    gone = weakref.ref(dropped)
+    del dropped
+    gc.collect()
+    result["collected"] = gone() is None
+    deadline = time.monotonic() + 5
+    while any(t.name == "syncless-pp-watchdog" and t.is_alive() for t in threading.enumerate()):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    result["watchdogs_alive"] = sum(t.name == "syncless-pp-watchdog" and t.is_alive() for t in threading.enumerate())
+    after = live_resources()
+    # Streams, events and mappings are back where they were; the buffer (and the context retain that
+    # keeps it) stay, by design: without a barrier no stage knows whether its peer still maps them.
+    result["local_released"] = all(after.get(kind, 0) == before.get(kind, 0) for kind in ("stream", "event",
+                                                                                        "ipc_mapping"))
+    result["kept"] = {kind: after.get(kind, 0) - before.get(kind, 0) for kind in ("allocation", "context")}
+    dist.barrier()
+    return result

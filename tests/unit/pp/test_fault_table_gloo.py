@@ -20,7 +20,7 @@ _spec.loader.exec_module(table)
 
 pytestmark = pytest.mark.timeout(150)
 
-TIMEOUT_S = 2.0
+TIMEOUT_S = 3.0  # set-up exchanges must meet within it: on two busy CI cores 2 s is tight
 
 
 @pytest.mark.parametrize(
