@@ -168,3 +168,14 @@ def test_stopping_the_demo_stops_its_stages(how, status, line):
                 os.kill(pid, signal.SIGKILL)
         if process.poll() is None:
             process.kill()
+
+
+def test_debug_works_after_the_subcommand_too(monkeypatch):
+    from syncless import doctor
+
+    def broken(args):
+        raise RuntimeError("probe exploded")
+
+    monkeypatch.setattr(doctor, "run", broken)
+    with pytest.raises(RuntimeError, match="probe exploded"):
+        cli.main(["doctor", "--debug"])
