@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -147,6 +148,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"syncless {command}: terminated; every process it started was stopped", file=sys.stderr)
         return EXIT_TERMINATED
+    except BrokenPipeError:
+        # The reader went away (`syncless doctor | head -1`): stop quietly, as other command-line tools do.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_ERROR
     except (UsageError, ConfigError) as err:
         if debug:
             raise
