@@ -25,8 +25,6 @@ def test_transformers_generate_under_trace_lists_syncs_in_transformers_code():
     print(result.stderr, file=sys.stderr)
     assert result.returncode == 0
     assert "transformers generate: 4 sequences x 16 new tokens on cuda" in result.stdout
-    header = re.search(r"syncless: (\d+) hidden GPU sync\(s\) at (\d+) call site\(s\)", result.stdout)
-    assert header, "the trace printed no table of syncs"
-    # Sites are in transformers' own files, each with a count.
+    # The table's rows: a count, then a site in transformers' own files.
     sites = [line for line in result.stdout.splitlines() if re.match(r"\s+\d+\s+\S*transformers/\S+:\d+", line)]
     assert sites, "no sync site in transformers' code"
