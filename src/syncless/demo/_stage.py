@@ -115,8 +115,11 @@ def run_stage(rank: int, world_size: int, options: DemoOptions) -> StageResult:
         cc_state = {"mode": decision.mode, "reason": decision.reason}
         cc.install(decision.mode)  # "off" patches nothing; "emulate" adds the emulator beneath the shim
     else:
-        requested = options.cc_mode or "SYNCLESS_CC"
-        cc_state = {"mode": "off", "reason": f"CPU run: no host<->device copies ({requested} not applied)"}
+        from syncless._core import config
+
+        requested = options.cc_mode or config.read("SYNCLESS_CC")
+        ignored = f"; SYNCLESS_CC={requested} does not apply" if requested in ("on", "emulate") else ""
+        cc_state = {"mode": "off", "reason": f"CPU run: no host<->device copies{ignored}"}
 
     cfg = options.model
     layer_ranges = split_layers(cfg.layers, world_size)
