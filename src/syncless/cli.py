@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -70,12 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
     """Build the argument parser with every subcommand (never raises on a bad ``SYNCLESS_*`` value)."""
     parser = argparse.ArgumentParser(prog="syncless", description="Keep GPU inference pipelines asynchronous.")
     parser.add_argument("--version", action="version", version=f"syncless {__version__}")
-    parser.add_argument("--debug", action="store_true",
-                        help="print the full traceback of an error (default: off; SYNCLESS_DEBUG=1 does the same)")
+    debug_help = "print the full traceback of an error (default: off; SYNCLESS_DEBUG=1 does the same)"
+    parser.add_argument("--debug", action="store_true", help=debug_help)
+    # The same flag after the subcommand (`syncless demo --debug`); SUPPRESS keeps the top level's value.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         module = _load(module_name)
-        sub = subparsers.add_parser(name, help=help_text, description=help_text)
+        sub = subparsers.add_parser(name, help=help_text, description=help_text, parents=[common])
         if isinstance(module, ConfigError):
             # The module cannot load with this environment: accept any arguments and report why at run time.
             sub.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
@@ -144,6 +148,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"syncless {command}: terminated; every process it started was stopped", file=sys.stderr)
         return EXIT_TERMINATED
+    except BrokenPipeError:
+        # The reader went away (`syncless doctor | head -1`): stop quietly, as other command-line tools do.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_ERROR
     except (UsageError, ConfigError) as err:
         if debug:
             raise

@@ -1,16 +1,40 @@
-"""The demo on one GPU with emulated CC: no hidden sync in the loop."""
+"""The demo on one GPU: emulated CC, no hidden sync in the loop, and a planted one caught with its file:line."""
 
 import pytest
 
 from syncless import cli
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(240)
+
+
+def _rows(out):
+    """The summary's run table: label -> the cells after it."""
+    return {line.split()[0]: line.split()[1:] for line in out.splitlines()
+            if line.startswith(("  syncless ", "  torch.distributed ")) and " / " not in line}
 
 
 @pytest.mark.gpu
 def test_demo_one_gpu_with_emulated_cc_has_no_hidden_sync(capsys):
-    assert cli.main(["demo", "--stages", "1", "--steps", "32", "--cc", "emulate", "--timeout-s", "120"]) == 0
+    assert cli.main(["demo", "--stages", "1", "--model", "small", "--steps", "32", "--cc", "emulate",
+                     "--timeout-s", "180"]) == 0
     out = capsys.readouterr().out
-    assert "stage 0: cuda:0" in out and "transport: none (one stage)" in out
-    assert "hidden syncs in the hot loop: none (checked in record mode)" in out
+    print(out)
+    assert "stage 0: cuda:0" in out
+    rows = _rows(out)
+    assert list(rows) == ["syncless"]  # one stage: nothing to compare
+    assert rows["syncless"][-1] == "none"
     assert "confidential computing: emulate" in out
+
+
+@pytest.mark.gpu
+def test_a_planted_item_is_caught_at_its_line_in_both_runs(capsys):
+    # Two stages share the one GPU: both runs happen, neither may hide the planted .item().
+    assert cli.main(["demo", "--stages", "2", "--model", "small", "--steps", "16", "--plant-sync",
+                     "--timeout-s", "180"]) == 0
+    out = capsys.readouterr().out
+    print(out)
+    caught = [line for line in out.splitlines() if "--plant-sync: the planted .item() was caught at " in line]
+    assert caught, out
+    assert "demo/_stage.py:" in caught[0]  # the planted line, not a launcher or torch frame
+    # Once per micro-batch and measured step, in each run: 16 steps x 2 micro-batches x 2 runs.
+    assert "(64 times over both runs)" in caught[0]

@@ -20,7 +20,7 @@ import time
 from typing import TYPE_CHECKING
 
 from syncless._core.hardware import cuda_device_count
-from syncless._core.launch import run_ranks
+from syncless._core.launch import RanksTimedOut, run_ranks
 from syncless.cli import UsageError
 from syncless.demo._config import (
     DEFAULT_CPU_BATCH,
@@ -145,6 +145,10 @@ def run(args: argparse.Namespace) -> int:
           f"{options.micro_batches} micro-batch(es) x {options.batch} sequences, run with {runs}", flush=True)
     backend = "cpu:gloo,cuda:nccl" if gpus else "gloo"
     start_s = time.perf_counter()
-    results = run_ranks(run_stage, options.stages, args=(options,), backend=backend, timeout_s=args.timeout_s)
+    try:
+        results = run_ranks(run_stage, options.stages, args=(options,), backend=backend, timeout_s=args.timeout_s)
+    except RanksTimedOut as err:
+        raise RanksTimedOut(f"the stages gave no result within --timeout-s {args.timeout_s:g} and were stopped; "
+                            f"raise --timeout-s (the default is 600)") from err
     print(format_summary(options, results, time.perf_counter() - start_s))
     return 0 if unplanted_sync_count(results) == 0 else 1

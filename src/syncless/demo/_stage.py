@@ -115,15 +115,18 @@ def run_stage(rank: int, world_size: int, options: DemoOptions) -> StageResult:
         cc_state = {"mode": decision.mode, "reason": decision.reason}
         cc.install(decision.mode)  # "off" patches nothing; "emulate" adds the emulator beneath the shim
     else:
-        requested = options.cc_mode or "SYNCLESS_CC"
-        cc_state = {"mode": "off", "reason": f"CPU run: no host<->device copies ({requested} not applied)"}
+        from syncless._core import config
+
+        requested = options.cc_mode or config.read("SYNCLESS_CC")
+        ignored = f"; SYNCLESS_CC={requested} does not apply" if requested in ("on", "emulate") else ""
+        cc_state = {"mode": "off", "reason": f"CPU run: no host<->device copies{ignored}"}
 
     cfg = options.model
     layer_ranges = split_layers(cfg.layers, world_size)
     stage = Stage(cfg, layer_ranges[rank], first=rank == 0, last=rank == world_size - 1,
                   batch=options.batch * options.micro_batches, device=device, dtype=_dtype(options.dtype, device),
                   seed=options.seed)
-    ends = dist.new_group([0, world_size - 1]) if world_size > 1 else None
+    groups: dict[str, Any] = {}  # the first and last stages' group, made in the first run (see _decode)
     d2h_stream = None
     if rank == world_size - 1 and device.type == "cuda":
         d2h_stream = cc.new_d2h_stream(device) if cc.is_installed() else torch.cuda.Stream(device)
@@ -131,7 +134,7 @@ def run_stage(rank: int, world_size: int, options: DemoOptions) -> StageResult:
     runs = []
     for label in options.runs:
         backend = options.transport if label == options.runs[0] else BASELINE_BACKEND
-        runs.append(_decode(rank, world_size, options, label, backend, stage, device, ends, d2h_stream))
+        runs.append(_decode(rank, world_size, options, label, backend, stage, device, groups, d2h_stream))
     unchecked = None
     if not any(run.sync_checked for run in runs):
         from syncless.syncs import _debugmode
@@ -147,8 +150,15 @@ def run_stage(rank: int, world_size: int, options: DemoOptions) -> StageResult:
 
 
 def _decode(rank: int, world_size: int, options: DemoOptions, label: str, backend: str | None, stage: Stage,
-            device: torch.device, ends: Any, d2h_stream: Any) -> RunResult:
-    """Run warm-up and ``options.steps`` measured decode steps over transports built with ``backend``."""
+            device: torch.device, groups: dict[str, Any], d2h_stream: Any) -> RunResult:
+    """Run warm-up and ``options.steps`` measured decode steps over transports built with ``backend``.
+
+    ``groups`` keeps the first and last stages' group across runs. Every rank
+    creates it, after the activation transport's set-up: torch.distributed
+    needs all ranks to create groups in the same order, and the transport's
+    set-up makes a group of its own the first time (more than two stages
+    hang if the two are swapped).
+    """
     from syncless import pp, syncs
 
     cfg = options.model
@@ -157,6 +167,9 @@ def _decode(rank: int, world_size: int, options: DemoOptions, label: str, backen
     dtype = _dtype(options.dtype, device)
     hidden_in = None if first else {"hidden": torch.empty(rows, cfg.hidden, device=device, dtype=dtype)}
     activations = pp.make_transport(None, hidden_in, backend=backend) if world_size > 1 else None
+    if world_size > 1 and "ends" not in groups:
+        groups["ends"] = dist.new_group([0, world_size - 1])
+    ends = groups.get("ends")
     token_link = None
     if world_size > 1 and (first or last):
         tokens_in = {"ids": torch.empty(rows, device=device, dtype=torch.int64)} if first else None

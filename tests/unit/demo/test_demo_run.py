@@ -22,3 +22,11 @@ def test_demo_runs_two_cpu_stages_twice_and_summarizes(capsys):
     # The fallback and "nothing to check" are said once, in the summary, not once per process and transport.
     assert "using torch.distributed instead of copy engines" not in captured.err
     assert "nothing to check" not in captured.err
+
+
+def test_demo_with_more_than_two_stages_runs_both_runs(capsys):
+    # All ranks must create groups in the same order; with a middle stage a wrong order hangs.
+    assert cli.main(["demo", "--cpu", "--stages", "3", "--steps", "2", "--batch", "1", "--timeout-s", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "stage 2: cpu, layers 3-3" in out
+    assert "syncless / torch.distributed:" in out
