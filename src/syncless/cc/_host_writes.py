@@ -11,13 +11,13 @@ not for the *host* source when a ``non_blocking`` D2H still has to write it::
 So every ``non_blocking`` D2H into pinned memory that the shim sees is noted
 here under the host storage's address, until it is known finished: a plain
 one (torch's own copy, on an ordinary stream) with an event recorded after
-it on its stream; an offloaded one with its job number, whose gate flag the
-worker writes after the copy (see :mod:`._d2h`). Before a staging copy reads
-host memory, :func:`order_after_pending_writes` makes the staging stream
-wait for those writes on the GPU (an event wait, or a wait on the gate
-flag), so the H2D reads what torch would have read. Under CC a D2H on an
-ordinary stream has finished when its call returns, so only offloaded copies
-ever make the staging stream wait there.
+it on its stream; an offloaded one with its job number (see :mod:`._d2h`).
+Before a staging copy reads host memory, :func:`order_after_pending_writes`
+orders it after those writes: the staging stream waits for the event on the
+GPU; for an offloaded copy, which no GPU stream holds yet, the host waits
+for the worker's job (the worker never needs the caller to go on, so this
+cannot deadlock). Under CC a D2H on an ordinary stream has finished when its
+call returns, so only offloaded copies ever make the host wait there.
 
 Pageable host memory needs nothing: a ``non_blocking`` D2H into it has
 finished when the call returns.
@@ -31,7 +31,7 @@ from typing import Any
 from syncless.cc import _streams
 
 _lock = threading.Lock()
-_pending: dict[int, list[tuple]] = {}  # host storage address -> [("event", ev) | ("gate", device, address, seq)]
+_pending: dict[int, list[tuple]] = {}  # host storage address -> [("event", ev) | ("job", seq)]
 _PURGE_AT = 256
 
 
@@ -46,7 +46,7 @@ def _is_done(entry: tuple) -> bool:
         return torch.cuda.Event.__mro__[1].query(entry[1])  # torch's own query (no D2H marks on this event)
     from syncless.cc._d2h import WORKER
 
-    return not WORKER.is_pending(entry[3])
+    return not WORKER.is_pending(entry[1])
 
 
 def _remember(key: int, entry: tuple) -> None:
@@ -73,17 +73,16 @@ def note_plain_d2h(dst: Any, stream: Any) -> None:
     _remember(_key(dst), ("event", event))
 
 
-def note_offloaded_d2h(dst: Any, device_index: int, gate_address: int, seq: int) -> None:
-    """Note offloaded D2H job ``seq`` into host ``dst``; its gate flag on GPU ``device_index`` is at ``gate_address``."""
-    _remember(_key(dst), ("gate", device_index, gate_address, seq))
+def note_offloaded_d2h(dst: Any, seq: int) -> None:
+    """Note offloaded D2H job ``seq`` into host ``dst`` (host-only bookkeeping)."""
+    _remember(_key(dst), ("job", seq))
 
 
 def order_after_pending_writes(staging: Any, src: Any) -> None:
-    """Make ``staging`` wait (GPU-side) for the noted D2H copies still writing host ``src``'s memory.
+    """Order a copy about to read host ``src`` on ``staging`` after the noted D2H copies still writing it.
 
-    Blocks the host only for an offloaded copy made on another GPU than the
-    staging stream's (its gate flag lives on that GPU): then it waits for
-    that job on the host.
+    A plain D2H: ``staging`` waits for its event (GPU-side). An offloaded
+    one: the host waits for the worker's job (it blocks only in that case).
     """
     if not _pending:
         return
@@ -98,18 +97,15 @@ def order_after_pending_writes(staging: Any, src: Any) -> None:
         return
     import torch
 
-    index = staging.device.index
+    from syncless.cc._d2h import WORKER
+
     for entry in entries:
         if entry[0] == "event":
             # staging : [wait E] H2D ...      (E: after the D2H on its stream)
             torch.cuda.Event.__mro__[1].wait(entry[1], staging)
-        elif entry[1] == index:
-            # staging : [wait flag >= seq] H2D ...      (the worker writes seq after its copy)
-            _streams.wait_flag_geq(staging, entry[2], entry[3])
         else:
-            from syncless.cc._d2h import WORKER
-
-            WORKER.wait_for(entry[3])
+            # host    : wait for job #seq (the copy is in host memory) ; then enqueue the H2D
+            WORKER.wait_for(entry[1])
 
 
 def clear() -> None:

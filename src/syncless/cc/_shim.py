@@ -126,13 +126,17 @@ def _wrap_to(next_to):
     import torch
 
     def to(self, *args, **kwargs):
-        if is_compiling() or not maybe_non_blocking_to(args, kwargs):
+        if is_compiling():
+            return next_to(self, *args, **kwargs)
+        if not maybe_non_blocking_to(args, kwargs):
+            _settle_for_to(self, args, kwargs)
             return next_to(self, *args, **kwargs)
         try:
             device, dtype, non_blocking, memory_format = parse_to(args, kwargs)
         except (TypeError, RuntimeError, ValueError):
             return next_to(self, *args, **kwargs)  # let torch raise its own error for a bad call
         if device is None or not non_blocking:
+            _settle_for_to(self, args, kwargs)
             return next_to(self, *args, **kwargs)
         index = None
         if device.type == "cuda":
@@ -142,6 +146,8 @@ def _wrap_to(next_to):
         autograd = self.requires_grad and torch.is_grad_enabled()
         route, _, record = _decide(self, device.type, index, into_existing=False, registered=False,
                                    dtype_changes=dtype is not None and dtype != self.dtype, autograd=autograd)
+        if route != _routing.OFFLOAD:
+            _settle_d2h_stream(index)
         if route == _routing.STAGE_FRESH:
             COUNTERS.add("staged")
             landed = _staging.land(self, index)
@@ -172,6 +178,8 @@ def _wrap_cuda(next_cuda):
         # torch's signature (see ._layers); extra arguments only reach here in a form torch refuses or the
         # deprecated ``async=``, which are passed on as given.
         if non_blocking is not True or args or kwargs or is_compiling():  # torch itself accepts only a bool
+            if WORKER.is_pending(WORKER.submitted) and self.device.type != "cuda" and not is_compiling():
+                _settle_for_cuda(device)
             return forward_cuda(next_cuda, self, device, non_blocking, args, memory_format, kwargs)
         if self.device.type == "cuda":
             COUNTERS.left_alone("device_to_device")
@@ -180,6 +188,7 @@ def _wrap_cuda(next_cuda):
         route, _, _ = _decide(self, "cuda", index, into_existing=False, registered=False, dtype_changes=False,
                               autograd=False)
         if route != _routing.STAGE_FRESH:
+            _settle_d2h_stream(index)
             return forward_cuda(next_cuda, self, device, non_blocking, args, memory_format, kwargs)
         COUNTERS.add("staged")
         landed = _staging.land(self, index, next_fn=next_cuda, device=index, non_blocking=True)
@@ -191,17 +200,56 @@ def _wrap_cuda(next_cuda):
     return cuda
 
 
-def _finish_d2h_before(dst: Any, src: Any) -> None:
-    """Before a blocking ``dst.copy_(src)`` from a D2H stream, wait for the D2H copies queued so far.
+def _settle_d2h_stream(index: int | None) -> None:
+    """Before a copy that is not offloaded: if it goes on a D2H stream of GPU ``index``, wait for its offloaded copies.
 
-    Earlier offloaded copies may write the same host memory, so they finish first to keep host writes in
-    issue order. Blocks the host only in that case.
+    torch would run such a copy on the D2H stream after the copies issued there before it (a read of the
+    host memory they write, an overwrite of their source); the offloaded ones are not on the stream yet, so
+    the host waits for them (:mod:`._d2h`). Costs one integer compare while no offloaded copy is pending.
     """
+    if index is None or not WORKER.is_pending(WORKER.submitted) or not _d2h.has_streams():
+        return
     import torch
 
-    if isinstance(src, torch.Tensor) and dst.device.type == "cpu" and src.device.type == "cuda":
-        if _d2h_record(src) is not None:
-            _d2h.drain()
+    record = _d2h.lookup(torch.cuda.current_stream(index))
+    if record is not None:
+        _d2h.wait_for_stream(record)
+
+
+def _settle_for_cuda(device: Any) -> None:
+    """:func:`_settle_d2h_stream` for a host tensor's ``.cuda(device)`` that is not staged."""
+    if not WORKER.is_pending(WORKER.submitted):
+        return
+    try:
+        index = _streams.device_index(None if device is UNSET else device)
+    except (TypeError, RuntimeError, ValueError):
+        return  # torch refuses the call
+    _settle_d2h_stream(index)
+
+
+def _cuda_index(*tensors: Any) -> int | None:
+    """The GPU of the first CUDA tensor among ``tensors`` (None: none is)."""
+    import torch
+
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+            return t.device.index
+    return None
+
+
+def _settle_for_to(self: Any, args: tuple, kwargs: dict) -> None:
+    """:func:`_settle_d2h_stream` for a ``Tensor.to`` that is not offloaded (the GPU it copies on)."""
+    if not WORKER.is_pending(WORKER.submitted):
+        return
+    if self.device.type == "cuda":
+        _settle_d2h_stream(self.device.index)
+        return
+    try:
+        device = parse_to(args, kwargs)[0]
+    except (TypeError, RuntimeError, ValueError):
+        return  # torch refuses the call
+    if device is not None and device.type == "cuda":
+        _settle_d2h_stream(_streams.device_index(device))
 
 
 def _wrap_copy(next_copy):
@@ -213,11 +261,13 @@ def _wrap_copy(next_copy):
         if non_blocking is not True or args or kwargs:  # torch itself accepts only a bool
             # The hot path: a blocking copy goes straight beneath, unless D2H copies are still queued.
             if WORKER.is_pending(WORKER.submitted) and not is_compiling():
-                _finish_d2h_before(self, other)
+                _settle_d2h_stream(_cuda_index(self, other))
             return forward_copy(next_copy, self, other, non_blocking, args, kwargs)
         if is_compiling() or not isinstance(other, torch.Tensor):
             return forward_copy(next_copy, self, other, non_blocking, args, kwargs)
         src = other
+        if src.device.type != "cuda" or self.device.type != "cpu":  # anything but a D2H, which may be offloaded
+            _settle_d2h_stream(_cuda_index(self, src))
         if self.device.type == "cuda" and src.device.type != "cuda":
             index = self.device.index
             registered = _staging.is_registered_target(self)
@@ -239,6 +289,7 @@ def _wrap_copy(next_copy):
             COUNTERS.add("offloaded")
             _d2h.offload(record, self, src, _describe("copy_(non_blocking=True)", src))
             return self
+        _settle_d2h_stream(_cuda_index(src))
         result = next_copy(self, src, non_blocking)
         if self.device.type == "cpu" and src.device.type == "cuda":
             _note_plain_d2h(self, src)

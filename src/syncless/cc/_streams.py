@@ -29,7 +29,6 @@ _lock = threading.Lock()
 _worker_streams: dict[int, Any] = {}
 _staging: dict[int, Any] = {}
 _order_events = threading.local()  # per thread: {device index: event}
-_gates: dict[int, tuple[Any, int]] = {}  # device index -> (flag tensor, its device address)
 
 
 def bindings_problem(version: str) -> str | None:
@@ -187,65 +186,6 @@ def record_event_raw(event: Any, stream: Any) -> None:
     import torch
 
     torch.cuda.Event.__mro__[1].record(event, stream)
-
-
-def gate_flag(index: int) -> tuple[Any, int]:
-    """Return ``(flag, address)``: the 64-bit counter on GPU ``index`` that D2H gates wait on.
-
-    Made on first use (never on the path of a copy): a one-element int64
-    tensor, zero-filled on the current stream, which the host then waits for
-    (driver wait), so no gate can ever read memory that is not yet zero. It
-    lives as long as the process. The D2H worker writes job numbers into it
-    (:func:`write_flag`); streams wait for it (:func:`wait_flag_geq`).
-
-    Raises:
-        SynclessError: GPU ``index`` cannot wait on 64-bit flags from a stream.
-    """
-    found = _gates.get(index)
-    if found is not None:
-        return found
-    import torch
-
-    from syncless._core.errors import SynclessError
-
-    if not _cuda.supports_64bit_stream_mem_ops(index):
-        raise SynclessError(
-            f"GPU {index} does not support 64-bit stream memory operations (cuStreamWaitValue64), which D2H "
-            "streams use to order later work after the worker's copies; use an ordinary stream (the copy stays "
-            "blocking) or a GPU/driver that reports CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS"
-        )
-    with _lock:
-        found = _gates.get(index)
-        if found is None:
-            with _on_device(index):
-                flag = torch.zeros(1, dtype=torch.int64, device=torch.device("cuda", index))
-                wait_stream_raw(torch.cuda.current_stream(index))
-            found = _gates[index] = (flag, flag.data_ptr())
-    return found
-
-
-def wait_flag_geq(stream: Any, address: int, value: int) -> None:
-    """Enqueue on ``stream``: hold its later work until the 64-bit flag at ``address`` is >= ``value``.
-
-    GPU-side only (``cuStreamWaitValue64``, GEQ); the host does not block.
-    """
-    drv = _cuda.ensure_driver()
-    with _on_device(stream.device.index):
-        _cuda.call("cuStreamWaitValue64", stream.cuda_stream, address, value,
-                   int(drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ))
-
-
-def write_flag(stream: Any, address: int, value: int) -> None:
-    """Enqueue on ``stream``: write ``value`` to the 64-bit flag at ``address`` after its earlier work.
-
-    GPU-side only (``cuStreamWriteValue64``, default flags: the write is
-    ordered after the stream's earlier work, copies included); the host does
-    not block.
-    """
-    drv = _cuda.ensure_driver()
-    with _on_device(stream.device.index):
-        _cuda.call("cuStreamWriteValue64", stream.cuda_stream, address, value,
-                   int(drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT))
 
 
 def is_capturing(stream: Any) -> bool:

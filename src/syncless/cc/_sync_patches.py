@@ -1,23 +1,27 @@
-"""Event/stream/device synchronization that also covers offloaded D2H copies.
+"""Event/stream/device ordering and synchronization that also cover offloaded D2H copies.
 
-Each offloaded copy has a sequence number (:data:`._d2h.WORKER`). Recording
-an event stamps it with the number of copies submitted so far; a
-synchronize on that event waits for those copies too (and raises the first
-failure among them), and a query says False while any is pending. Stream
-and device synchronizes (and queries) cover every copy submitted before the
-call, conservatively, on any D2H stream.
+Each offloaded copy has a job number (:data:`._d2h.WORKER`), and each D2H
+stream remembers its last one. An offloaded copy is not on any GPU stream
+when its call returns, so whatever torch would order after it on ``D`` is
+ordered here, on the host, before the call goes on (see :mod:`._d2h`):
 
-These host-side covers are what surface a failed copy (as
-:class:`._worker.D2HCopyError`) at the synchronize that covers it. The
-GPU-side ordering needs none of them: each offloaded copy gates its D2H
-stream (see :mod:`._d2h`), so an event recorded on that stream, or on any
-stream that waited for it, fires only after the copy, even if it is a C-made
-``torch.Event`` these patches cannot see. Events are recorded where the
-caller asked; nothing is redirected.
+- recording an event on a D2H stream stamps it with the stream's last job;
+  a synchronize or query of the event covers those jobs (and raises the
+  first failure among them), and so does *waiting* on it from another
+  stream (``P.wait_event(e)``, and ``P.wait_stream(D)``, which records such
+  an event): the host waits for the jobs before it enqueues the GPU wait;
+- synchronizing or querying a D2H stream covers its jobs; a device
+  synchronize covers every job submitted before the call; synchronizing an
+  ordinary stream covers every job too, conservatively.
+
+An event recorded on an ordinary stream carries no stamp: that stream can
+only be ordered after ``D``'s copies through one of the waits above, which
+already waited for them on the host.
 
 What is covered:
-- ``torch.cuda.Event``: ``record``, ``synchronize``, ``query`` (all events,
-  whenever they were created: the class's methods are patched).
+- ``torch.cuda.Event``: ``record``, ``wait``, ``synchronize``, ``query`` (all
+  events, whenever they were created: the class's methods are patched), so
+  also ``torch.cuda.Stream.wait_stream``/``wait_event``/``record_event``.
 - ``torch.cuda.Stream`` (and ``ExternalStream``): ``synchronize``, ``query``.
 - ``torch.cuda.synchronize`` and ``torch.accelerator.synchronize`` (looked
   up through the module; a reference taken before ``install()`` is not
@@ -36,19 +40,40 @@ from __future__ import annotations
 from typing import Any
 
 from syncless._core import patching
+from syncless.cc import _d2h
 from syncless.cc._d2h import WORKER
 from syncless.cc._layers import SHIM_KEY
 
 _MARK = "_syncless_d2h_seq"
 
 
-def _mark(event: Any) -> None:
-    seq = WORKER.submitted
-    if seq:
-        try:
-            setattr(event, _MARK, seq)
-        except AttributeError:  # a C-made torch.Event has no __dict__: not covered (documented)
-            pass
+def _mark(event: Any, stream: Any, device: Any = None) -> None:
+    """Stamp ``event`` with the last job of the D2H stream it is recorded on (clear the stamp elsewhere).
+
+    ``stream`` None means the current stream of ``device`` (None: of the current device), as torch's own
+    ``record`` reads it.
+    """
+    record = None
+    if _d2h.has_streams():
+        if stream is None:
+            import torch
+
+            index = device.index if device is not None and device.type == "cuda" else None
+            stream = torch.cuda.current_stream(index)
+        record = _d2h.lookup(stream)
+    seq = record.last_job if record is not None else 0
+    try:
+        if seq or getattr(event, _MARK, 0):
+            setattr(event, _MARK, seq)  # a re-record on an ordinary stream drops an old stamp
+    except AttributeError:  # a C-made torch.Event has no __dict__: not covered (documented)
+        pass
+
+
+def _wait_before_gpu_wait(event: Any) -> None:
+    """Before a stream waits on ``event``: the host waits for the offloaded copies it stands for."""
+    seq = getattr(event, _MARK, 0)
+    if seq and WORKER.is_pending(seq):
+        WORKER.wait_for(seq)
 
 
 def _wait_marked(event: Any) -> None:
@@ -66,10 +91,18 @@ def _cover_all() -> int:
 
 def _wrap_event_record(next_record):
     def record(self, stream=None):
-        _mark(self)
+        _mark(self, stream)
         return next_record(self, stream)
 
     return record
+
+
+def _wrap_event_wait(next_wait):
+    def wait(self, stream=None):
+        _wait_before_gpu_wait(self)
+        return next_wait(self, stream)
+
+    return wait
 
 
 def _wrap_event_synchronize(next_sync):
@@ -93,9 +126,15 @@ def _wrap_event_query(next_query):
 # torch.cuda.Stream -------------------------------------------------------------------
 
 
+def _stream_jobs(stream: Any) -> int:
+    """The jobs a synchronize of ``stream`` covers: its own on a D2H stream, every one submitted elsewhere."""
+    record = _d2h.lookup(stream)
+    return record.last_job if record is not None else _cover_all()
+
+
 def _wrap_stream_synchronize(next_sync):
     def synchronize(self):
-        seq = _cover_all()
+        seq = _stream_jobs(self)
         result = next_sync(self)
         WORKER.wait_and_raise(seq)
         return result
@@ -105,7 +144,7 @@ def _wrap_stream_synchronize(next_sync):
 
 def _wrap_stream_query(next_query):
     def query(self):
-        if WORKER.is_pending(WORKER.submitted):
+        if WORKER.is_pending(_stream_jobs(self)):
             return False
         return next_query(self)
 
@@ -133,8 +172,12 @@ def _wrap_torch_event(base):
         """``torch.Event`` whose record/synchronize/query also cover syncless's D2H copies."""
 
         def record(self, stream=None):
-            _mark(self)
+            _mark(self, stream, getattr(self, "device", None))
             return super().record(stream)
+
+        def wait(self, stream=None):
+            _wait_before_gpu_wait(self)
+            return super().wait(stream)
 
         def synchronize(self):
             result = super().synchronize()
@@ -157,6 +200,7 @@ def patch_targets() -> list[tuple[Any, str, Any]]:
 
     targets = [
         (torch.cuda.Event, "record", _wrap_event_record),
+        (torch.cuda.Event, "wait", _wrap_event_wait),
         (torch.cuda.Event, "synchronize", _wrap_event_synchronize),
         (torch.cuda.Event, "query", _wrap_event_query),
         (torch.cuda.Stream, "synchronize", _wrap_stream_synchronize),

@@ -169,14 +169,17 @@ class Generator:
         roll = rng.random()
         if roll < 0.10:
             return Op("SLEEP", (s, self._sleep_cycles()))
+        # Kernels (and allocations, whose zero-fill is one) go on ordinary streams: a D2H stream carries copies,
+        # and a kernel launched on it after an offloaded copy is not ordered after that copy (docs/cc.md, Limits).
+        plain = [x for x in streams if x not in d2h_streams]
         if roll < 0.18 and live:
             g = rng.choice(live)
             view, _ = random_view_pair(rng)
-            return Op("KERNEL", (s, g, view, rng.randrange(4), self._sleep_cycles()))
+            return Op("KERNEL", (rng.choice(plain), g, view, rng.randrange(4), self._sleep_cycles()))
         if roll < 0.22 and live:
             g = rng.choice(live)
             view, _ = random_view_pair(rng)
-            return Op("FILL", (s, g, view, rng.randint(-100, 100)))
+            return Op("FILL", (rng.choice(plain), g, view, rng.randint(-100, 100)))
         if roll < 0.36 and live:
             gv, hv = random_view_pair(rng)
             return Op("H2D", (s, h, hv, rng.choice(live), gv, rng.random() < 0.8))
@@ -219,7 +222,7 @@ class Generator:
         if roll < 0.975 and live:
             return Op("FREE", (rng.choice(live),))
         if roll < 0.99 and empty:
-            return Op("ALLOC", (s, rng.choice(empty), rng.choice(DTYPES), rng.randint(-100, 100)))
+            return Op("ALLOC", (rng.choice(plain), rng.choice(empty), rng.choice(DTYPES), rng.randint(-100, 100)))
         if live:
             return Op("REGISTER", (rng.choice(live), s))
         return None

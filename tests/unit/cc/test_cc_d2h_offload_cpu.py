@@ -1,11 +1,13 @@
 """The D2H offload's ordering bookkeeping on a CPU-only torch (recording stand-ins for the CUDA calls).
 
-What is under test is which stream each GPU-side mark goes on, and in what
-order: the ready event on the D2H stream itself (so every ``wait_stream``
-and ``wait_event`` it saw is covered, not one remembered producer), then the
-gate for the job's number; the worker waits for the ready event, copies, and
-releases the gate even when the copy fails. Issue 14's bugs (a) and (b) were
-the ready event recorded on the last ``wait_stream`` producer.
+What is under test is which stream the ready event goes on: the D2H stream
+itself (so every ``wait_stream`` and ``wait_event`` it saw is covered, not
+one remembered producer); that nothing else is enqueued on the D2H stream
+(no GPU-side wait on the worker, which deadlocked when streams shared a
+hardware queue); that the worker waits for the ready event, copies and
+waits for its copy; and the host-side ordering after the copy (the stream's
+last job, waits on events stamped with it). Issue 14's bugs (a) and (b)
+were the ready event recorded on the last ``wait_stream`` producer.
 """
 
 from __future__ import annotations
@@ -49,9 +51,7 @@ def gpu_calls(monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(_streams, "worker_stream", lambda index: worker_stream)
     monkeypatch.setattr(_streams, "record_event_raw", lambda event, stream: note("record", event.name, stream.name))
-    monkeypatch.setattr(_streams, "wait_flag_geq", lambda stream, addr, value: note("gate", stream.name, addr, value))
     monkeypatch.setattr(_streams, "wait_event_raw", lambda event: note("worker waits", event.name))
-    monkeypatch.setattr(_streams, "write_flag", lambda stream, addr, value: note("flag", stream.name, addr, value))
     monkeypatch.setattr(_streams, "wait_stream_raw", lambda stream: note("worker drains", stream.name))
     worker = OrderedWorker("test-d2h")
     monkeypatch.setattr(_d2h, "WORKER", worker)
@@ -59,11 +59,11 @@ def gpu_calls(monkeypatch):
     worker.shutdown(5.0)
 
 
-def _d2h_stream(name="D", address=0x1000):
-    return _d2h._D2HStream(SimpleNamespace(name=name, device=torch.device("cuda", 0)), address)
+def _d2h_stream(name="D"):
+    return _d2h._D2HStream(SimpleNamespace(name=name, device=torch.device("cuda", 0)))
 
 
-def test_ready_event_goes_on_the_d2h_stream_then_the_gate(gpu_calls):
+def test_ready_event_goes_on_the_d2h_stream_and_nothing_else(gpu_calls):
     log, worker = gpu_calls
     record = _d2h_stream()
     src, dst = torch.randn(32), torch.full((32,), float("nan"))
@@ -72,35 +72,32 @@ def test_ready_event_goes_on_the_d2h_stream_then_the_gate(gpu_calls):
     seq = _d2h.offload(record, dst, src, "copy")
     worker.wait_and_raise(seq, timeout_s=5.0)
     assert torch.equal(dst, src)
+    assert record.last_job == seq
     ready = log[0][1]
-    # The caller's thread and the worker's run concurrently: compare each thread's own calls in order.
-    assert [e for e in log if e[0] in ("record", "gate")] == [
-        ("record", ready, "D"),            # on the D2H stream itself
-        ("gate", "D", 0x1000, seq),        # later work on D waits for the copy
-    ]
-    assert [e for e in log if e[0] not in ("record", "gate")] == [
+    assert log == [
+        ("record", ready, "D"),       # on the D2H stream itself, and nothing else is enqueued there
         ("worker waits", ready),
-        ("flag", "W", 0x1000, seq),        # after the copy, on the worker's stream
-        ("worker drains", "W"),
+        ("worker drains", "W"),       # the job is done only once its copy is
     ]
 
 
-def test_failed_copy_still_releases_its_gate_and_surfaces(gpu_calls):
+def test_failed_copy_surfaces_and_still_counts_as_finished(gpu_calls):
     log, worker = gpu_calls
     record = _d2h_stream()
     seq = _d2h.offload(record, torch.empty(3), torch.randn(5), "bad copy")  # the worker's copy_ raises
     with pytest.raises(D2HCopyError, match="bad copy"):
         worker.wait_and_raise(seq, timeout_s=5.0)
-    assert ("flag", "W", 0x1000, seq) in log  # D is never left waiting on a gate nobody opens
+    assert not worker.is_pending(seq)  # a host wait ordered after it never hangs
 
 
-def test_records_and_gates_are_enqueued_in_job_order_across_threads(gpu_calls):
+def test_each_stream_numbers_its_own_last_job_across_threads(gpu_calls):
     log, worker = gpu_calls
-    streams = [_d2h_stream(f"D{i}", 0x1000) for i in range(4)]
+    streams = [_d2h_stream(f"D{i}") for i in range(4)]
+    seqs: dict[str, list[int]] = {r.stream.name: [] for r in streams}
 
     def issue(record):
         for _ in range(25):
-            _d2h.offload(record, torch.empty(4), torch.randn(4), "copy")
+            seqs[record.stream.name].append(_d2h.offload(record, torch.empty(4), torch.randn(4), "copy"))
 
     threads = [threading.Thread(target=issue, args=(r,)) for r in streams]
     for t in threads:
@@ -108,16 +105,37 @@ def test_records_and_gates_are_enqueued_in_job_order_across_threads(gpu_calls):
     for t in threads:
         t.join(30)
     worker.wait_and_raise(worker.submitted, timeout_s=30.0)
-    host_marks = [e for e in log if e[0] in ("record", "gate")]
-    assert len(host_marks) == 200
-    # Every record is followed at once by its own gate, and the gates come in job-number order: no gate #m is
-    # ever enqueued after a ready event #n > m (the no-deadlock argument of the module docstring).
-    for i in range(0, 200, 2):
-        assert host_marks[i][0] == "record" and host_marks[i + 1][0] == "gate"
-        assert host_marks[i][2] == host_marks[i + 1][1]  # same stream
-        assert host_marks[i + 1][3] == i // 2 + 1
-    flags = [e[3] for e in log if e[0] == "flag"]
-    assert flags == list(range(1, 101))
+    records = [e for e in log if e[0] == "record"]
+    assert len(records) == 100 and sorted(n for got in seqs.values() for n in got) == list(range(1, 101))
+    for record in streams:
+        assert record.last_job == max(seqs[record.stream.name])
+    # The ready events are numbered in the order they were enqueued (jobs run in that order).
+    ready_order = [int(e[1][1:]) for e in records]
+    assert ready_order == sorted(ready_order)
+
+
+def test_waiting_on_an_event_stamped_by_a_d2h_stream_waits_for_its_copies(gpu_calls, monkeypatch):
+    from syncless.cc import _sync_patches
+
+    log, worker = gpu_calls
+    record = _d2h_stream()
+    monkeypatch.setattr(_d2h, "_streams_by_key", {(0, 7): record})
+    monkeypatch.setattr(_d2h, "lookup", lambda stream: record if stream is record.stream else None)
+    monkeypatch.setattr(_sync_patches, "WORKER", worker)
+    hold = threading.Event()
+    monkeypatch.setattr(_streams, "wait_event_raw", lambda event: hold.wait(5))  # the copy's producer still runs
+    seq = _d2h.offload(record, torch.empty(4), torch.randn(4), "copy")
+    event = SimpleNamespace()
+    _sync_patches._mark(event, record.stream)
+    assert getattr(event, _sync_patches._MARK) == seq
+    plain = SimpleNamespace()
+    _sync_patches._mark(plain, SimpleNamespace(name="P"))  # an ordinary stream: no stamp
+    assert getattr(plain, _sync_patches._MARK, 0) == 0
+    released = threading.Timer(0.2, hold.set)
+    released.start()
+    _sync_patches._wait_before_gpu_wait(event)  # P.wait_event(e) / P.wait_stream(D): the host waits first
+    assert not worker.is_pending(seq)
+    released.join()
 
 
 def test_new_d2h_stream_without_cuda_is_a_clear_error(monkeypatch):

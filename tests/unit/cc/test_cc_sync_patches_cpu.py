@@ -28,16 +28,35 @@ def _a_cuda_event():
         return object.__new__(torch.cuda.Event)
 
 
-def test_event_record_goes_to_the_stream_asked_for_and_is_stamped(monkeypatch):
+def _one_d2h_stream(monkeypatch, last_job):
+    """Make one stand-in stream a D2H stream whose last offloaded copy is ``last_job``; return it."""
+    from syncless.cc import _d2h
+
+    d2h = object()
+    record = _d2h._D2HStream(d2h, last_job)
+    monkeypatch.setattr(_d2h, "_streams_by_key", {(0, 1): record})
+    monkeypatch.setattr(_d2h, "lookup", lambda stream: record if stream is d2h else None)
+    return d2h
+
+
+def test_event_record_goes_to_the_stream_asked_for_and_only_a_d2h_stream_stamps_it(monkeypatch):
     recorded_on = []
     record = _sync_patches._wrap_event_record(lambda event, stream=None: recorded_on.append(stream))
     monkeypatch.setattr(_sync_patches, "WORKER", _worker_with_submitted(7))  # seven copies submitted so far
-    d2h, other = object(), object()
+    d2h = _one_d2h_stream(monkeypatch, last_job=5)  # its last copy is #5
+    other = object()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: other)
+    stamps = []
     for stream in (d2h, other, None):
         event = _a_cuda_event()
         record(event, stream)
-        assert getattr(event, _sync_patches._MARK) == 7
+        stamps.append(getattr(event, _sync_patches._MARK, 0))
+    assert stamps == [5, 0, 0]  # an ordinary stream is ordered after D's copies only through a (host) wait
     assert recorded_on == [d2h, other, None]  # nothing redirected: torch's own semantics
+    event = _a_cuda_event()
+    record(event, d2h)
+    record(event, other)  # re-recorded on an ordinary stream: the old stamp goes
+    assert getattr(event, _sync_patches._MARK, 0) == 0
 
 
 def test_torch_event_subclass_records_where_asked(monkeypatch):
@@ -49,15 +68,35 @@ def test_torch_event_subclass_records_where_asked(monkeypatch):
 
     event_type = _sync_patches._wrap_torch_event(FakeTorchEvent)
     monkeypatch.setattr(_sync_patches, "WORKER", _worker_with_submitted(3))
+    d2h = _one_d2h_stream(monkeypatch, last_job=3)
     event = event_type()
-    marker = object()
-    event.record(marker)
-    assert seen == [marker]
+    event.record(d2h)
+    assert seen == [d2h]
     assert getattr(event, _sync_patches._MARK) == 3
 
 
-def test_no_stream_method_is_patched_for_ordering():
-    """wait_stream/record_event/wait_event stay torch's own: the D2H gate orders them on the GPU."""
+def test_ordering_goes_through_the_event_and_stream_methods_stay_torchs():
+    """wait_stream/record_event/wait_event stay torch's own; they reach the patched Event.record and Event.wait."""
     names = {(owner, name) for owner, name, _ in _sync_patches.patch_targets()}
     for name in ("wait_stream", "wait_event", "record_event"):
         assert (torch.cuda.Stream, name) not in names
+    assert (torch.cuda.Event, "record") in names and (torch.cuda.Event, "wait") in names
+
+
+def test_a_wait_on_a_stamped_event_waits_on_the_host_before_the_gpu_wait(monkeypatch):
+    order = []
+
+    class Worker:
+        def is_pending(self, seq):
+            return seq == 4
+
+        def wait_for(self, seq):
+            order.append(("host waits for job", seq))
+
+    monkeypatch.setattr(_sync_patches, "WORKER", Worker())
+    wait = _sync_patches._wrap_event_wait(lambda event, stream=None: order.append(("gpu wait", stream)))
+    stamped, plain = _a_cuda_event(), _a_cuda_event()
+    setattr(stamped, _sync_patches._MARK, 4)
+    wait(stamped, "P")
+    wait(plain, "P")
+    assert order == [("host waits for job", 4), ("gpu wait", "P"), ("gpu wait", "P")]
