@@ -17,6 +17,12 @@ from syncless._core.errors import SyncViolation
 from syncless.syncs import _copies, _debugmode
 from syncless.syncs._copies import TensorFacts
 
+
+@pytest.fixture(autouse=True)
+def _pretend_cuda_is_available(monkeypatch):
+    """cc.install() patches nothing on a torch without CUDA; these tests are about the patch layers."""
+    monkeypatch.setattr(cc, "_cuda_available", lambda: True)
+
 NAMES = ("to", "copy_")
 
 
