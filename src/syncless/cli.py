@@ -22,6 +22,7 @@ import importlib
 import os
 import signal
 import sys
+import warnings
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
@@ -122,7 +123,11 @@ def _report_failure(command: str, err: BaseException) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the process exit code."""
-    parser = build_parser()
+    with warnings.catch_warnings():
+        # The command line reports a bad SYNCLESS_SYNC_CHECK itself, in one line (below); the warning that
+        # importing syncless.syncs gives everywhere else would say it twice.
+        warnings.filterwarnings("ignore", message=r"SYNCLESS_SYNC_CHECK=")
+        parser = build_parser()
     args = parser.parse_args(argv)  # usage errors: argparse prints usage and the error, exits 2
     if args.command is None:
         parser.print_help()
