@@ -6,8 +6,11 @@ outermost checked region of a thread (or task), :class:`RegionEvents`,
 keyed by the user's frame and the instruction it is executing
 (:func:`._report.call_key`):
 
-* a wrapper reports *before* its call runs, so it opens an event that the
-  CUDA calls of the same Python call join;
+* a wrapper runs its wait inside an allow scope and reports *after* it
+  returns (so a call torch refuses raises torch's error alone): the CUDA
+  calls it made wait in ``joins`` and the wrapper's report takes those with
+  its key; a report that came first opens an event that later CUDA calls of
+  the same Python call join;
 * torch's debug-mode warning is buffered by torch and delivered when the op
   returns, *after* the CUDA calls, so CUPTI's events wait (``pending``) and
   the warning takes those with its key (a warning that took none opens an
@@ -39,6 +42,7 @@ class RegionEvents:
 
     Attributes:
         pending: CUPTI events no torch-level report has claimed yet.
+        joins: ``(call key, event)`` of CUDA calls made inside an allow scope, waiting for the wrapper's report.
         open_key, open_site: the wrapper's event that CUDA calls of its Python call join.
         open_blocked_ns: host time those calls took so far.
         to_raise: in ``error`` mode, the first CUPTI-only sync, raised when the region exits.
@@ -46,6 +50,7 @@ class RegionEvents:
 
     def __init__(self) -> None:
         self.pending: list[Violation] = []
+        self.joins: list[tuple[tuple | None, Violation]] = []
         self.open_key: tuple | None = None
         self.open_site: tuple[str, int, str] | None = None
         self.open_blocked_ns = 0
@@ -104,13 +109,17 @@ def cupti_join(start: FrameType | None, api: str, reason: str, blocked_ns: int) 
     the sync they reported.
     """
     events = _report.region_events.get()
-    if events is None or events.open_key is None:
+    if events is None:
         return
-    if _report.user_call_key(start) != events.open_key:
-        return
+    key = _report.user_call_key(start)
     with _events_lock:
         joined = Violation(KIND_WAIT, "", "", 0, "", "", "", "", (LAYER_CUPTI,), {api: 1}, {api: reason}, blocked_ns, True)
-        _join_open(events, joined)
+        if events.open_key is not None and key == events.open_key:
+            _join_open(events, joined)
+        elif key is not None:
+            # The wrapper reports after its wait returns: hold the call for that report (dropped if none comes).
+            events.joins = [j for j in events.joins if j[0] == key]
+            events.joins.append((key, joined))
 
 
 def _join_open(events: RegionEvents, violation: Violation) -> None:
@@ -151,6 +160,10 @@ def _merge_into_torch_level(events: RegionEvents, violation: Violation) -> None:
         events.pending = []
         for cupti_view in same:
             violation.absorb(cupti_view)
+        joins, events.joins = events.joins, []
+        for key, cupti_view in joins:
+            if key == violation.call_key:
+                violation.absorb(cupti_view)
         if LAYER_WRAPPER in violation.layers or not same:
             # A wrapper reports before its call runs, and so would a torch warning that torch did not
             # buffer (it took no CUDA call of its own): the CUDA calls of that call join this sync.

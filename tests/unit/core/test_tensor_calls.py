@@ -52,9 +52,11 @@ def test_parse_to_reads_the_other_tensor_form_with_positional_copy():
     assert parse_to((other, True, True), {}) == (torch.device("cpu"), torch.float64, True, None)
 
 
-def test_cc_emulation_takes_a_positional_copy_like_torch():
+def test_cc_emulation_takes_a_positional_copy_like_torch(monkeypatch):
     # The emulator parses a .to() call after torch ran it; a positional copy used to make it raise there.
     import syncless.cc as cc
+
+    monkeypatch.setattr(cc, "_cuda_available", lambda: True)  # install() patches nothing without CUDA
 
     x = torch.randn(3)
     expected = x.to("cpu", None, True, True)
