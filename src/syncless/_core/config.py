@@ -186,6 +186,13 @@ _declare(
     "Tests: the first seed of the syncless.cc differential fuzzer (program i uses seed + i).",
 )
 _declare(
+    "SYNCLESS_FUZZ_TIME_S",
+    _count,
+    "0",
+    "a whole number of seconds >= 0 (0: no limit)",
+    "Tests: stop the syncless.cc differential fuzzer after this long, at the end of a round, and report the count.",
+)
+_declare(
     "SYNCLESS_DEBUG",
     _boolean,
     "0",

@@ -1,6 +1,7 @@
 """The differential fuzzer for syncless.cc on one GPU: plain torch is the oracle (see cc_fuzz.py, cc_fuzz_gen.py, cc_fuzz_run.py).
 
-``SYNCLESS_FUZZ_PROGRAMS`` programs (default 20,000), seeds
+``SYNCLESS_FUZZ_PROGRAMS`` programs (default 20,000; ``SYNCLESS_FUZZ_TIME_S``
+stops it early, at a round of 400, and it reports how many ran), seeds
 ``SYNCLESS_FUZZ_SEED + i``, spread round-robin over the four configurations
 shim x emulation (off/off runs the oracle's program a second time: a
 generator that made a racy program shows up there). Each run's host-visible
@@ -12,6 +13,7 @@ the plain configuration; use ``<seed> - k`` to land it on configuration k).
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import sys
 import time
@@ -47,6 +49,18 @@ def _outcome(runner, spec):
         return [f"raised {type(err).__name__}: {err}"]
 
 
+def _sum_stats(total, more):
+    """Add two ``cc.stats()`` snapshots (None: nothing yet)."""
+    if total is None:
+        return more
+    left_alone = dict(total.left_alone)
+    for reason, count in more.left_alone.items():
+        left_alone[reason] = left_alone.get(reason, 0) + count
+    return dataclasses.replace(total, staged=total.staged + more.staged, in_place=total.in_place + more.in_place,
+                               offloaded=total.offloaded + more.offloaded,
+                               emulated_waits=total.emulated_waits + more.emulated_waits, left_alone=left_alone)
+
+
 def _first_difference(expected, got) -> str:
     if len(expected) != len(got):
         return f"{len(got)} results instead of {len(expected)}: {got[-1] if got else ''}"
@@ -64,41 +78,48 @@ def test_differential_fuzz():
 
     n_programs = config.read("SYNCLESS_FUZZ_PROGRAMS")
     seed0 = config.read("SYNCLESS_FUZZ_SEED")
+    budget_s = config.read("SYNCLESS_FUZZ_TIME_S")
     dev = torch.device("cuda", 0)
     cc.uninstall()
     cc.reset_stats()
     runner = Runner(TorchBackend(cc, dev))
     started = time.monotonic()
-    specs = [program_for(seed0 + i) for i in range(n_programs)]
-    print(f"\ncc fuzz: generated {n_programs} programs (seeds {seed0}..{seed0 + n_programs - 1}) in "
-          f"{time.monotonic() - started:.1f} s", flush=True)
-
-    oracle = []
-    for i, spec in enumerate(specs):
-        oracle.append(_outcome(runner, spec))
-        if (i + 1) % 5000 == 0:
-            print(f"cc fuzz: oracle {i + 1}/{n_programs} ({time.monotonic() - started:.0f} s)", flush=True)
-    oracle_errors = [(specs[i].seed, out[0]) for i, out in enumerate(oracle) if out and out[0].startswith("raised")]
-
+    specs = []
     failures = []  # (index, config index, difference)
-    per_config = {}
+    oracle_errors = []
+    ran = {name: 0 for name, _, _ in CONFIGS}
+    stats = {name: None for name, _, _ in CONFIGS}
     copies = 0
+    chunk = 400  # programs per round: the oracle runs them, then each configuration its quarter
     try:
-        for c, (name, shim, emulation) in enumerate(CONFIGS):
-            _configure(cc, shim, emulation)
-            cc.reset_stats()
-            ran = 0
-            for i in range(c, n_programs, len(CONFIGS)):
-                got = _outcome(runner, specs[i])
-                ran += 1
-                copies += fuzz.count_copies(specs[i].ops)
-                if got != oracle[i]:
-                    failures.append((i, c, _first_difference(oracle[i], got)))
-            per_config[name] = (ran, cc.stats())
-            print(f"cc fuzz: {name}: {ran} programs, {sum(1 for f in failures if f[1] == c)} failures, "
-                  f"{cc.stats()} ({time.monotonic() - started:.0f} s)", flush=True)
+        for first in range(0, n_programs, chunk):
+            if budget_s and time.monotonic() - started > budget_s:
+                print(f"cc fuzz: time budget of {budget_s:g} s spent after {len(specs)} programs", flush=True)
+                break
+            batch = [program_for(seed0 + i) for i in range(first, min(first + chunk, n_programs))]
+            specs.extend(batch)
+            cc.uninstall()
+            oracle = [_outcome(runner, spec) for spec in batch]
+            oracle_errors += [(spec.seed, out[0]) for spec, out in zip(batch, oracle) if out and out[0].startswith("raised")]
+            for c, (name, shim, emulation) in enumerate(CONFIGS):
+                _configure(cc, shim, emulation)
+                cc.reset_stats()
+                for k in range(c, len(batch), len(CONFIGS)):
+                    got = _outcome(runner, batch[k])
+                    ran[name] += 1
+                    copies += fuzz.count_copies(batch[k].ops)
+                    if got != oracle[k]:
+                        failures.append((first + k, c, _first_difference(oracle[k], got)))
+                stats[name] = _sum_stats(stats[name], cc.stats())
+            if len(specs) % 4000 == 0:
+                print(f"cc fuzz: {len(specs)}/{n_programs} programs, {len(failures)} failures "
+                      f"({time.monotonic() - started:.0f} s)", flush=True)
     finally:
         cc.uninstall()
+    for name, _, _ in CONFIGS:
+        print(f"cc fuzz: {name}: {ran[name]} programs, {stats[name]}", flush=True)
+    n_programs = len(specs)
+    per_config = {name: (ran[name], stats[name]) for name, _, _ in CONFIGS}
 
     if failures:
         listed = ", ".join(f"{specs[i].seed}/{CONFIGS[c][0]}" for i, c, _ in failures[:20])
