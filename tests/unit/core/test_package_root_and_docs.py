@@ -89,3 +89,28 @@ def test_no_file_of_the_project_cites_a_page_outside_the_repository_or_a_missing
             cited |= set(re.findall(r"docs/([a-z_-]+\.md)", text))
     missing = sorted(page for page in cited if not (DOCS / page).is_file())
     assert not missing, f"pages cited but absent from docs/: {missing}"
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_every_link_between_the_pages_reaches_a_file_and_heading_that_exist():
+    pages = [REPO / "README.md", *sorted(DOCS.glob("*.md"))]
+    anchors = {}
+    for page in pages:
+        headings = re.findall(r"^#+ (.+)$", page.read_text(), flags=re.MULTILINE)
+        anchors[page.resolve()] = {_slug(h) for h in headings}
+    broken = []
+    for page in pages:
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]+))?\)", page.read_text()):
+            if target.startswith(("http://", "https://")):
+                continue
+            path = (page.parent / target).resolve() if target else page.resolve()
+            if not path.exists():
+                broken.append(f"{page.name}: {target}")
+            elif anchor and path.suffix == ".md" and anchor not in anchors.get(path, set()):
+                broken.append(f"{page.name}: {target}#{anchor}")
+    assert not broken, broken
