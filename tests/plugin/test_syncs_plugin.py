@@ -134,8 +134,10 @@ def test_where_the_detector_cannot_start_the_summary_says_so_once(pytester, isol
     result = pytester.runpytest_subprocess(*PLUGIN, "--sync-check=record")
     result.assert_outcomes(passed=1)
     out = result.stdout.str()
-    result.stdout.fnmatch_lines(["*syncless sync check (record)*",
-                                 "syncless: NOTHING WAS CHECKED: this torch build has no CUDA sync debug mode (forced*"])
+    result.stdout.fnmatch_lines([
+        "*syncless sync check (record)*",
+        "syncless: NOTHING WAS CHECKED: this torch build has no CUDA sync debug mode (forced*",
+    ])
     assert out.count("nothing was checked") + out.count("NOTHING WAS CHECKED") == 1, out
     assert "no hidden GPU syncs recorded" not in out
 

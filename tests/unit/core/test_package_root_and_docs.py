@@ -41,7 +41,8 @@ def test_the_capabilities_raise_the_same_classes_the_root_exports():
 
 
 def test_importing_the_root_imports_neither_torch_nor_cuda():
-    code = ("import sys, syncless; bad = [m for m in ('torch', 'cuda.bindings', 'pynvml', 'cupti') if m in sys.modules];"
+    code = ("import sys, syncless;"
+            "bad = [m for m in ('torch', 'cuda.bindings', 'pynvml', 'cupti') if m in sys.modules];"
             "print(bad); assert not bad; syncless.TransportError")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
@@ -66,7 +67,8 @@ def test_docs_configuration_lists_every_registered_variable_with_its_default():
         f"not settings: {sorted(set(rows) - set(registered))}")
     for name, (default, allowed) in rows.items():
         setting = registered[name]
-        assert default == setting.default, f"{name}: the page says default {default!r}, the registry {setting.default!r}"
+        assert default == setting.default, (
+            f"{name}: the page says default {default!r}, the registry {setting.default!r}")
         # Every word of a choice list, or every number of a range, that the registry allows is on the page.
         for token in re.findall(r"[A-Za-z_]+|\d+(?:\.\d+)?", setting.allowed):
             if token in {"a", "or", "such", "as", "from", "to", "number", "of", "seconds", "one", "day", "whole",
