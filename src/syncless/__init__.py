@@ -7,16 +7,49 @@ Three capabilities live in sub-packages, each imported on demand:
   Confidential Computing.
 * :mod:`syncless.pp` moves pipeline-parallel activations on copy engines.
 
-Importing this package touches no CUDA API. It warns (once, through the
-``syncless`` logger) about any ``SYNCLESS_*`` variable that is not a
-setting, such as a misspelt one: see ``docs/configuration.md``.
+This package itself holds the version and the one error hierarchy that every
+capability raises from (``syncless._core.errors``), so that
+``except syncless.TransportError`` works without importing a capability.
+Names that belong to one capability (``syncs.SyncWarning``,
+``syncs.SyncCheckConfigWarning``, ``cc.D2HCopyError``, ...) stay in it: their
+packages import torch, and this one imports neither torch nor any CUDA
+library.
+
+Importing it warns (once, through the ``syncless`` logger) about any
+``SYNCLESS_*`` variable that is not a setting, such as a misspelt one: see
+``docs/configuration.md``.
 """
 
 from syncless._core.config import warn_unknown_names as _warn_unknown_names
-from syncless._core.errors import CudaError, SynclessError
+from syncless._core.errors import (
+    ConfigError,
+    CopyEngineUnavailable,
+    CudaError,
+    MissingDependencyError,
+    PeerTimeoutError,
+    SynclessError,
+    SyncViolation,
+    TransportClosedError,
+    TransportError,
+    TransportFailedError,
+    TransportSetupError,
+)
 
 __version__ = "0.1.0"
 
-__all__ = ["CudaError", "SynclessError", "__version__"]
+__all__ = [
+    "ConfigError",
+    "CopyEngineUnavailable",
+    "CudaError",
+    "MissingDependencyError",
+    "PeerTimeoutError",
+    "SyncViolation",
+    "SynclessError",
+    "TransportClosedError",
+    "TransportError",
+    "TransportFailedError",
+    "TransportSetupError",
+    "__version__",
+]
 
 _warn_unknown_names()

@@ -115,6 +115,33 @@ def test_record_prints_the_sites_in_the_terminal_summary(pytester, isolated):
     ])
 
 
+def test_where_the_detector_cannot_start_the_summary_says_so_once(pytester, isolated):
+    # As on a CPU-only build of torch (forced here, so that it also holds on a GPU machine).
+    pytester.makeconftest("""
+        from syncless.syncs import _debugmode
+
+        _faking = _debugmode.fake()  # kept referenced: a collected generator would put the real one back
+        _stand_in = _faking.__enter__()  # the plugin enables the detector after conftests load
+        _stand_in.unavailable_reason = lambda: "this torch build has no CUDA sync debug mode (forced by the test)"
+    """)
+    pytester.makepyfile(test_cpu="""
+        import pytest
+
+        @pytest.mark.sync_checked
+        def test_body():
+            assert True
+    """)
+    result = pytester.runpytest_subprocess(*PLUGIN, "--sync-check=record")
+    result.assert_outcomes(passed=1)
+    out = result.stdout.str()
+    result.stdout.fnmatch_lines([
+        "*syncless sync check (record)*",
+        "syncless: NOTHING WAS CHECKED: this torch build has no CUDA sync debug mode (forced*",
+    ])
+    assert out.count("nothing was checked") + out.count("NOTHING WAS CHECKED") == 1, out
+    assert "no hidden GPU syncs recorded" not in out
+
+
 def test_warn_reports_a_sync_warning(pytester, isolated):
     _fake_project(pytester)
     result = pytester.runpytest_subprocess(*PLUGIN, "--sync-check=warn", "-W", "ignore::UserWarning",

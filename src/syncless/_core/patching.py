@@ -27,7 +27,7 @@ An entry costs one Python call per use. Attributes that are classes (cc's
 ``torch.Event``) or static/class methods cannot be fronted by a function
 without changing what they are; they are replaced directly, as before, and a
 layer change under another library's later patch of them is refused with a
-warning (see ``docs/_incoming/syncs.md``).
+warning (see ``docs/syncs.md``, "Composition with other libraries").
 """
 
 from __future__ import annotations

@@ -126,15 +126,23 @@ def run_stage(rank: int, world_size: int, options: DemoOptions) -> StageResult:
     stage = Stage(cfg, layer_ranges[rank], first=rank == 0, last=rank == world_size - 1,
                   batch=options.batch * options.micro_batches, device=device, dtype=_dtype(options.dtype, device),
                   seed=options.seed)
-    groups: dict[str, Any] = {}  # the first and last stages' group, made in the first run (see _decode)
     d2h_stream = None
     if rank == world_size - 1 and device.type == "cuda":
         d2h_stream = cc.new_d2h_stream(device) if cc.is_installed() else torch.cuda.Stream(device)
 
+    backends = [options.transport if label == options.runs[0] else BASELINE_BACKEND for label in options.runs]
+    links = _make_links(rank, world_size, options, backends, device)
     runs = []
-    for label in options.runs:
-        backend = options.transport if label == options.runs[0] else BASELINE_BACKEND
-        runs.append(_decode(rank, world_size, options, label, backend, stage, device, groups, d2h_stream))
+    try:
+        for label, (activations, token_link) in zip(options.runs, links):
+            runs.append(_decode(rank, world_size, options, label, stage, device, activations, token_link, d2h_stream))
+    except BaseException:
+        # The runs not reached: their transports go without the collective close (a stage has failed).
+        for pair in links[len(runs) + 1:]:
+            for link in pair:
+                if link is not None:
+                    link.abort()
+        raise
     unchecked = None
     if not any(run.sync_checked for run in runs):
         from syncless.syncs import _debugmode
@@ -149,33 +157,55 @@ def run_stage(rank: int, world_size: int, options: DemoOptions) -> StageResult:
                        sync_unchecked_reason=unchecked, pending=pending)
 
 
-def _decode(rank: int, world_size: int, options: DemoOptions, label: str, backend: str | None, stage: Stage,
-            device: torch.device, groups: dict[str, Any], d2h_stream: Any) -> RunResult:
-    """Run warm-up and ``options.steps`` measured decode steps over transports built with ``backend``.
+def _make_links(rank: int, world_size: int, options: DemoOptions, backends: list[str | None],
+                device: torch.device) -> list[tuple[Any, Any]]:
+    """Make every run's transports before the first run: (activations, token link) per entry of ``backends``.
 
-    ``groups`` keeps the first and last stages' group across runs. Every rank
-    creates it, after the activation transport's set-up: torch.distributed
-    needs all ranks to create groups in the same order, and the transport's
-    set-up makes a group of its own the first time (more than two stages
-    hang if the two are swapped).
+    Each ``make_transport`` makes a gloo group of its own, which torch names
+    by its ranks and by how many groups the process already holds; so
+    whenever one over every stage is made, every stage must hold the same
+    number of groups. The token links are over the first and last stages
+    only, so they come after every transport over all stages (made one run
+    at a time instead, the second run's activation set-up hangs with more
+    than two stages). The first and last stages' group is made by every
+    rank in between, as ``dist.new_group`` requires.
     """
-    from syncless import pp, syncs
+    from syncless import pp
 
+    if world_size == 1:
+        return [(None, None) for _ in backends]
     cfg = options.model
     first, last = rank == 0, rank == world_size - 1
     rows, micro = options.batch, options.micro_batches
     dtype = _dtype(options.dtype, device)
-    hidden_in = None if first else {"hidden": torch.empty(rows, cfg.hidden, device=device, dtype=dtype)}
-    activations = pp.make_transport(None, hidden_in, backend=backend) if world_size > 1 else None
-    if world_size > 1 and "ends" not in groups:
-        groups["ends"] = dist.new_group([0, world_size - 1])
-    ends = groups.get("ends")
-    token_link = None
-    if world_size > 1 and (first or last):
-        tokens_in = {"ids": torch.empty(rows, device=device, dtype=torch.int64)} if first else None
-        # Each step's `micro` tokens are received only in the next step, so the link holds that many.
-        token_link = pp.make_transport(ends, tokens_in, stage_ranks=[world_size - 1, 0], backend=backend,
-                                       depth=max(2, micro))
+
+    def hidden_in() -> dict[str, torch.Tensor] | None:
+        return None if first else {"hidden": torch.empty(rows, cfg.hidden, device=device, dtype=dtype)}
+
+    activations = [pp.make_transport(None, hidden_in(), backend=backend) for backend in backends]
+    ends = dist.new_group([0, world_size - 1])
+    token_links: list[Any] = [None] * len(backends)
+    if first or last:
+        for index, backend in enumerate(backends):
+            tokens_in = {"ids": torch.empty(rows, device=device, dtype=torch.int64)} if first else None
+            # Each step's `micro` tokens are received only in the next step, so the link holds that many.
+            token_links[index] = pp.make_transport(ends, tokens_in, stage_ranks=[world_size - 1, 0],
+                                                   backend=backend, depth=max(2, micro))
+    return list(zip(activations, token_links))
+
+
+def _decode(rank: int, world_size: int, options: DemoOptions, label: str, stage: Stage, device: torch.device,
+            activations: Any, token_link: Any, d2h_stream: Any) -> RunResult:
+    """Run warm-up and ``options.steps`` measured decode steps over this run's transports; close them.
+
+    ``activations`` and ``token_link`` come from :func:`_make_links` (None
+    where this stage has no such link).
+    """
+    from syncless import syncs
+
+    cfg = options.model
+    first, last = rank == 0, rank == world_size - 1
+    rows, micro = options.batch, options.micro_batches
 
     generator = torch.Generator().manual_seed(options.seed + 17)
     prompts = [torch.randint(0, cfg.vocab, (rows,), generator=generator) for _ in range(micro)]

@@ -1,6 +1,6 @@
 """Whether the copy-engine transport can run: the decisions in plain Python, the facts from the hardware.
 
-The rules (DESIGN.md section 3): CUDA; one node; every pair of pipeline GPUs
+The rules (docs/pp.md, "Eligibility"): CUDA; one node; every pair of pipeline GPUs
 connected by NVLink (PCIe peers are refused: the receiver's wait relies on
 NVLink delivering the data before the flag write that follows it; stages on
 one GPU count as connected); 64-bit stream memory operations. The functions

@@ -22,7 +22,7 @@ The wrappers of ``Tensor.to``, ``Tensor.cuda`` and ``Tensor.copy_`` are
 installed through :mod:`syncless._core.patching` (layer key ``"syncs"``, the
 top rank), so they see the user's call and never syncless's internal copies.
 They take and pass on the caller's arguments untouched, so torch parses every
-call itself (the contract is in ``docs/_incoming/syncs.md``). Outside a
+call itself (the contract is in ``docs/syncs.md``, "Calling conventions"). Outside a
 checked region a wrapper costs the patch layer's entry call and one
 ContextVar read.
 """

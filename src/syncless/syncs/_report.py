@@ -1,7 +1,8 @@
 """Violations: where they happened in the user's code, what to do, and the record.
 
 A violation names the operation, the user's own file:line (frames of
-syncless, of torch and of the warnings machinery are skipped) and the fix.
+syncless, of torch and of the warnings machinery are skipped; the demo's
+stages count as user code) and the fix.
 Every violation is recorded (a count and the first stack per call site), in
 every mode; ``record`` mode only records, ``warn`` also warns, ``error``
 also raises :class:`~syncless._core.errors.SyncViolation`.
@@ -61,6 +62,17 @@ FIX_WAIT = (
 )
 
 _SYNCLESS_DIR = os.path.dirname(os.path.abspath(syncless.__file__)) + os.sep
+
+# syncless code that is an application of syncless rather than its plumbing: the demo's stages run a
+# decode loop under the detector, and their syncs (``--plant-sync``'s ``.item()``) belong to their own
+# lines, not to the multiprocessing frame that started the stage.
+_APPLICATION_DIRS = (os.path.join(_SYNCLESS_DIR, "demo") + os.sep,)
+
+
+def is_plumbing_file(filename: str) -> bool:
+    """Whether frames of ``filename`` sit between a sync and the user's code (syncless's own, but not the demo)."""
+    return filename.startswith(_SYNCLESS_DIR) and not filename.startswith(_APPLICATION_DIRS)
+
 
 def _module_files(*names: str) -> frozenset[str]:
     files = set()
@@ -201,7 +213,7 @@ def _user_frame(start: FrameType | None) -> tuple[FrameType | None, bool]:
         if torch_dir is not None and filename.startswith(torch_dir):
             if filename.endswith(_COMPILE_TIME_SUFFIXES):
                 return frame, True
-        elif not (filename.startswith(_SYNCLESS_DIR) or filename in _STDLIB_SKIP or filename.startswith("<frozen")
+        elif not (is_plumbing_file(filename) or filename in _STDLIB_SKIP or filename.startswith("<frozen")
                   or (_extra_skip_dirs and filename.startswith(_extra_skip_dirs))):
             return frame, False
         frame = frame.f_back
@@ -259,7 +271,7 @@ def locate(kind: str, operation, fix: str, start: FrameType | None) -> Violation
     if settings.mode != "error" and recorder.knows(filename, lineno, operation):
         stack = ""  # a repeat: the record keeps the first one's stack, and only error mode hands this one out
     else:
-        frames = [e for e in traceback.extract_stack(frame, limit=24) if not e.filename.startswith(_SYNCLESS_DIR)]
+        frames = [e for e in traceback.extract_stack(frame, limit=24) if not is_plumbing_file(e.filename)]
         stack = "".join(traceback.format_list(frames[-16:]))
     return Violation(kind, operation, filename, lineno, frame.f_code.co_name, fix, stack,
                      threading.current_thread().name, call_key=call_key(frame))

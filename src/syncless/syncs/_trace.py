@@ -36,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="MODULE:QUALNAME",
-        help="a function to check, e.g. mypkg.engine:Engine.step or __main__:decode_step (repeatable)",
+        help="a function to check, e.g. mypkg.engine:Engine.step or __main__:decode_step (repeatable; "
+        "default: none, only the regions the code marks itself)",
     )
     parser.add_argument(
         "--backend",
@@ -45,8 +46,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="which layers find syncs (default: SYNCLESS_SYNC_BACKEND, else auto); cupti also sees syncs in "
         "C/C++ extensions, cupy and the allocator, and adds the host time blocked per site (needs syncless[cupti])",
     )
-    parser.add_argument("script", help="the Python script to run")
-    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    # Both optional for argparse, so that a missing script is reported in words by run(), not as
+    # "the following arguments are required: script, script_args".
+    parser.add_argument("script", nargs="?", default=None, help="the Python script to run (required)")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
+                        help="arguments passed to the script (default: none)")
+    parser.usage = "%(prog)s [-h] [--debug] [--fn MODULE:QUALNAME]... [--backend {auto,torch,cupti}] script [ARGS...]"
+
+
+class _TargetError(Exception):
+    """A ``--fn`` target that cannot be checked; the message names the option and its value."""
 
 
 def parse_target(text: str) -> tuple[str, str]:
@@ -111,7 +120,7 @@ def _patch_module_function(module_name: str, qualname: str) -> tuple[object, str
     elif callable(raw):
         replacement = syncs.checked(raw)
     else:
-        raise TypeError(f"{module_name}:{qualname} is a {type(raw).__name__}, not a function")
+        raise TypeError(f"it is a {type(raw).__name__}, not a function")
     setattr(owner, name, replacement)
     return owner, name, raw
 
@@ -143,6 +152,10 @@ def _run_as_main(code: types.CodeType, path: Path, argv: list[str]) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run the script with the functions checked; print the sync sites; return its exit code."""
+    if args.script is None:
+        print("syncless trace: error: no script given; name the Python script to run, e.g. "
+              "`syncless trace --fn mypkg.engine:Engine.step script.py ARGS...`", file=sys.stderr)
+        return 2
     path = Path(args.script)
     if not path.is_file():
         print(f"syncless trace: error: no such script: {path}", file=sys.stderr)
@@ -169,8 +182,11 @@ def run(args: argparse.Namespace) -> int:
             code = _compile_script(path, {q for m, q in targets if m in script_names})
             for module_name, qualname in targets:
                 if module_name not in script_names:
-                    restore.append(_patch_module_function(module_name, qualname))
-        except (ValueError, TypeError, ImportError, AttributeError, KeyError, SyntaxError) as err:
+                    try:
+                        restore.append(_patch_module_function(module_name, qualname))
+                    except (ImportError, AttributeError, TypeError) as err:
+                        raise _TargetError(f"--fn {module_name}:{qualname}: {err}") from err
+        except (_TargetError, ValueError, SyntaxError) as err:
             print(f"syncless trace: error: {err}", file=sys.stderr)
             return 2
         finally:

@@ -283,7 +283,7 @@ def outcome(form: Form, env: types.SimpleNamespace, settle: Callable[[], Any] = 
     return {
         "result": result,
         # Warnings torch issues inside a wrapped call are attributed to the wrapper's line, so only their
-        # category and text are compared (docs/_incoming/syncs.md). The detector's own are not torch's.
+        # category and text are compared (docs/syncs.md, "Calling conventions"). The detector's own are not torch's.
         "warnings": [(w.category, str(w.message)) for w in seen if not str(w.message).startswith(ours)],
         "inputs_after": inputs_after,
         "torch_function_log": torch_function_log,

@@ -109,6 +109,34 @@ def test_trace_rejects_bad_targets(tmp_path, capsys, restored_globals):
     assert "defines no function missing" in capsys.readouterr().err
     assert run_trace([str(tmp_path / "absent.py")]) == 2
     assert "no such script" in capsys.readouterr().err
+    # A module that cannot be imported, or a name that is not a function: the message names the option.
+    assert run_trace(["--fn", "syncless_no_such_module:f", str(script)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "syncless trace: error: --fn syncless_no_such_module:f: No module named 'syncless_no_such_module'")
+    assert run_trace(["--fn", "os:sep", str(script)]) == 2
+    assert capsys.readouterr().err.strip() == "syncless trace: error: --fn os:sep: it is a str, not a function"
+
+
+def test_trace_without_a_script_says_so_in_words(capsys, restored_globals):
+    from syncless import cli
+
+    assert cli.main(["trace"]) == 2
+    err = capsys.readouterr().err
+    assert "no script given; name the Python script to run" in err
+    assert "script_args" not in err and "required" not in err
+    assert cli.main(["trace", "--fn", "m:f"]) == 2
+    assert "no script given" in capsys.readouterr().err
+
+
+def test_trace_help_shows_the_defaults(capsys):
+    from syncless import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["trace", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "script [ARGS...]" in out
+    assert "(repeatable; default: none" in out and "default: SYNCLESS_SYNC_BACKEND, else auto" in out
+    assert "arguments passed to the script (default: none)" in out
 
 
 def test_trace_returns_the_scripts_exit_status(tmp_path, capsys, restored_globals):
@@ -187,6 +215,37 @@ def test_a_sync_under_compile_time_torch_code_is_skipped():
     line = sys._getframe().f_lineno + 1
     found = elsewhere(_report.locate, _report.KIND_EXPLICIT, "a sync", _report.FIX_EXPLICIT)
     assert (found.filename, found.lineno) == (__file__, line)
+
+
+def _syncless_helper(relative_path):
+    """A function whose code claims to live in syncless at ``relative_path``; it locates a sync inside a nested call."""
+    import syncless
+
+    filename = os.path.join(os.path.dirname(os.path.abspath(syncless.__file__)), *relative_path.split("/"))
+    namespace = {}
+    source = ("import sys\n"
+              "def run(inner, *args):\n"
+              "    return inner(*args)\n")  # the line every located sync below is attributed to, when it counts
+    exec(compile(source, filename, "exec"), namespace)
+    return namespace["run"]
+
+
+def test_the_demos_frames_count_as_user_code_and_syncless_plumbing_does_not():
+    def locate_from_caller(*args):
+        return _report.locate(*args, sys._getframe().f_back)
+
+    # The demo's stage (e.g. --plant-sync's .item()) is where the sync is, not the process launcher above it.
+    in_demo = _syncless_helper("demo/_stage_for_test.py")
+    found = in_demo(locate_from_caller, _report.KIND_EXPLICIT, "a sync", _report.FIX_EXPLICIT)
+    assert found.filename.endswith(os.path.join("syncless", "demo", "_stage_for_test.py")), found.filename
+    assert (found.lineno, found.function) == (3, "run")
+    assert "_stage_for_test.py" in found.stack
+    # Any other syncless frame is plumbing: the sync is attributed to this test, the caller.
+    in_plumbing = _syncless_helper("syncs/_plumbing_for_test.py")
+    line = sys._getframe().f_lineno + 1
+    found = in_plumbing(locate_from_caller, _report.KIND_EXPLICIT, "a sync", _report.FIX_EXPLICIT)
+    assert (found.filename, found.lineno) == (__file__, line)
+    assert "_plumbing_for_test.py" not in found.stack
 
 
 def _violation():
