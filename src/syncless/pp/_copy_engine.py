@@ -474,7 +474,6 @@ class CopyEngineTransport(CopyEngineEnding, Transport):
             self._in_call = False
 
     def _recv(self) -> dict[str, torch.Tensor]:
-        layout = self._recv_layout
         step = self._recv_step + 1
         try:
             meta = self._parts.meta_in.recv(self._timeout_s, self._recv_what.format(step))

@@ -1,6 +1,7 @@
 """Setting up the copy-engine transport: four collective steps, every rank failing alike.
 
-1. What each rank can tell alone: CUDA, 64-bit stream memory operations.
+1. What each rank can tell alone: CUDA, 64-bit stream memory operations,
+   more than one hardware queue (``CUDA_DEVICE_MAX_CONNECTIONS``).
 2. Topology (one node, NVLink between every pair of stage GPUs), then each
    rank allocates and zeroes its buffer (``_copy_engine`` describes its
    layout) and shares the IPC handle, with the name and token of the socket
@@ -30,14 +31,21 @@ from typing import Any, NamedTuple
 import torch
 
 from syncless._core import cuda as cuda_core
-from syncless._core.errors import CopyEngineUnavailable, CudaError, PeerTimeoutError
+from syncless._core.errors import CopyEngineUnavailable, CudaError, PeerTimeoutError, TransportSetupError
 from syncless.pp import _driver as drv
-from syncless.pp import _faults, _fork
+from syncless.pp import _faults
 from syncless.pp import _meta_channel as meta_channel
 from syncless.pp import _persistent as persistent_memory
 from syncless.pp import _wire as wire
 from syncless.pp._copy_engine import REGION_OFFSET, SCRATCH_NBYTES, SCRATCH_OFFSET, CopyEngineTransport
-from syncless.pp._eligibility import StageDevice, local_stage_device, mem_ops_problem, query_nvlink, topology_problem
+from syncless.pp._eligibility import (
+    StageDevice,
+    connections_problem,
+    local_stage_device,
+    mem_ops_problem,
+    query_nvlink,
+    topology_problem,
+)
 from syncless.pp._group import StageMap, agree, barrier
 from syncless.pp._layout import Layout, Ring, TensorSpec
 from syncless.pp._teardown import Teardown, keep_forever
@@ -76,14 +84,14 @@ def open_copy_engine(
     stack = Teardown()
     outcome = _Outcome()
     try:
-        # Step 1: what each rank can tell alone (CUDA, memory ops).
+        # Step 1: what each rank can tell alone (CUDA, memory ops, hardware queues).
         def local_checks() -> StageDevice:
             _faults.reach("setup:check")
             if inject_failure == "mem_ops":
                 raise CopyEngineUnavailable("64-bit stream memory operations refused (injected failure for tests)")
             if device.type != "cuda":
                 raise CopyEngineUnavailable(f"this stage's tensors are on {device}, not a CUDA GPU")
-            problem = mem_ops_problem(device.index)
+            problem = mem_ops_problem(device.index) or connections_problem()
             if problem:
                 raise CopyEngineUnavailable(problem)
             return local_stage_device(device.index)
@@ -146,7 +154,6 @@ def open_copy_engine(
             except OSError as err:
                 raise CopyEngineUnavailable(f"could not create a local socket for the step metadata: {err}") from err
             stack.local(parts.listener.close)
-            _fork.close_in_child(parts.listener)
             return _Export(handle, parts.listener.name, parts.listener.token, targets, target_handles)
 
         exported: list[_Export] = outcome.agree(side_group, stages, local_allocate)
@@ -175,10 +182,13 @@ def open_copy_engine(
                         logger.debug("%s sends one copy per tensor: %s", stages.name(), parts.batch_problem)
                 if next_ring is not None and not depth:
                     nxt = exported[stages.index + 1]
-                    bases = []
+                    bases, sizes = [], []
                     for target_handle in nxt.target_handles:
                         bases.append(drv.ipc_open(target_handle))
                         stack.unmap(_in(ctx, drv.ipc_close), bases[-1], what="the next stage's persistent tensors")
+                        sizes.append(_mapped_size(bases[-1]))
+                    # The pairs come from another process: check them before any copy is aimed with them.
+                    check_targets(nxt.targets, sizes, next_ring.layout, stages.name(stages.index + 1))
                     parts.next_targets = [bases[which] + offset if which >= 0 else 0 for which, offset in nxt.targets]
             if next_ring is not None:
                 nxt = exported[stages.index + 1]
@@ -189,7 +199,6 @@ def open_copy_engine(
                 except PeerTimeoutError as err:
                     raise CopyEngineUnavailable(str(err)) from err
                 stack.local(parts.meta_out.close)
-                _fork.close_in_child(parts.meta_out)
 
         outcome.agree(side_group, stages, local_open)
 
@@ -203,7 +212,6 @@ def open_copy_engine(
             except PeerTimeoutError as err:
                 raise CopyEngineUnavailable(str(err)) from err
             stack.local(parts.meta_in.close)
-            _fork.close_in_child(parts.meta_in)
             parts.listener.close()  # nobody else may connect later (closing twice is harmless)
 
         outcome.agree(side_group, stages, local_accept)
@@ -357,6 +365,61 @@ def _share_persistent(
                     "shareable) or use depth >= 1"
                 ) from err
     return targets, handles
+
+
+def _mapped_size(base: int) -> int:
+    """Return the bytes of the peer allocation this process mapped at ``base`` (the driver's own record)."""
+    try:
+        start, nbytes = drv.allocation_of(base)
+    except CudaError as err:
+        raise CopyEngineUnavailable(
+            f"depth=0: the driver could not tell the size of the next stage's mapped persistent memory ({err}); "
+            "without it the sender cannot check where its copies land. Use depth >= 1"
+        ) from err
+    if start != base:
+        raise CopyEngineUnavailable(
+            f"depth=0: the driver places the next stage's mapped persistent memory at {start:#x}, not at the "
+            f"mapped address {base:#x}; use depth >= 1"
+        )
+    return nbytes
+
+
+def check_targets(targets: Sequence[tuple[int, int]], sizes: Sequence[int], layout: Layout, who: str) -> None:
+    """Check the next stage's depth-0 ``(handle index, byte offset)`` pairs against what this stage mapped.
+
+    The next stage sends them in set-up step 2; this stage's copy engine then writes each step's rows at
+    ``mapping[index] + offset``. A pair out of bounds (a bug, or a hostile peer) would aim those writes
+    past the mapping, into unrelated memory of this process. Each tensor's largest step (``max_rows``
+    rows) must fit in its mapped allocation; ``(-1, 0)`` is allowed only for a tensor of no bytes.
+
+    Args:
+        targets: one pair per tensor of ``layout``, in layout order.
+        sizes: bytes of each mapped allocation, in handle order.
+        layout: the next stage's layout (what this stage sends).
+        who: the next stage, for the message.
+
+    Raises:
+        TransportSetupError: a pair is out of bounds, or their number does not match the layout.
+    """
+    if len(targets) != len(layout.specs):
+        raise TransportSetupError(
+            f"{who} shared {len(targets)} depth-0 target(s) for its {len(layout.specs)} persistent tensors "
+            f"({', '.join(layout.specs)}); refusing to copy into its memory"
+        )
+    for (name, spec), (which, offset) in zip(layout.specs.items(), targets):
+        nbytes = spec.nbytes
+        if which == -1 and offset == 0 and nbytes == 0:
+            continue
+        if not 0 <= which < len(sizes):
+            raise TransportSetupError(
+                f"{who} placed persistent[{name!r}] in allocation {which}, but it shared {len(sizes)} "
+                "allocation handle(s); refusing to copy into its memory"
+            )
+        if offset < 0 or offset + nbytes > sizes[which]:
+            raise TransportSetupError(
+                f"{who} placed persistent[{name!r}] ({nbytes} bytes at most) at byte {offset} of allocation "
+                f"{which}, which has {sizes[which]} bytes; refusing to copy past its end"
+            )
 
 
 def _in(ctx: drv.PrimaryContext, fn: Any) -> Any:

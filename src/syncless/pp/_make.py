@@ -15,7 +15,7 @@ from syncless.pp import _faults
 from syncless.pp import _wire as wire
 from syncless.pp._base import Transport
 from syncless.pp._copy_engine_setup import INJECTABLE_FAILURES, open_copy_engine
-from syncless.pp._group import agree, cpu_group, next_tag, resolve_stages
+from syncless.pp._group import TRANSPORT_TAG, agree, cpu_group, resolve_stages
 from syncless.pp._layout import TensorSpec, check_depth, persistent_device, specs_from_persistent
 from syncless.pp._torch_dist import TorchDistTransport
 
@@ -135,7 +135,6 @@ def make_transport(
         group = dist.group.WORLD
     stages = resolve_stages(dist.get_process_group_ranks(group), dist.get_rank(), stage_ranks)
     side = cpu_group(stages.ranks, timeout)  # a new one for every transport: see cpu_group
-    tag = next_tag(side)
     _faults.reach("setup:layout")
 
     resolved: dict[str, Any] = {}
@@ -188,7 +187,7 @@ def make_transport(
         group=group,
         side_group=side,
         stages=stages,
-        tag=tag,
+        tag=TRANSPORT_TAG,
         recv_specs=recv_specs,
         send_specs=send_specs,
         persistent=persistent or {},

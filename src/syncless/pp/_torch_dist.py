@@ -185,8 +185,6 @@ class TorchDistTransport(Transport):
             raise RuntimeError(f"{self._stages.name()} is the first stage: it has no previous stage to receive from")
         if self.device.type == "cuda":
             refuse_graph_capture(self._stages.name(), "recv")
-        import torch.distributed as dist
-
         step = self._recv_step + 1
         what = f"{self._stages.name()} receiving step {step}"
         names = list(self._recv_specs)

@@ -195,7 +195,12 @@ def fault_row(rank: int, world: int, row: dict[str, Any]) -> dict[str, Any]:
     from syncless.pp import TransportError, _faults, make_transport
 
     kind, phase, transport_kind = row["fault"], row["phase"], row["transport"]
-    timeout_s, sync_dir, steps = row["timeout_s"], row["sync_dir"], row["steps"]
+    timeout_s, sync_dir = row["timeout_s"], row["sync_dir"]
+    if kind == "sigint" and rank == VICTIM[phase]:
+        # The launcher's ranks ignore SIGINT (a Ctrl-C at the terminal is the parent's to handle), so the
+        # victim's os.kill(SIGINT) would do nothing and the row would test no fault at all. The fault is
+        # a KeyboardInterrupt, as in a process run from a shell or by torchrun: restore Python's handler.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     device = torch.device("cuda", torch.cuda.current_device()) if row["device"] == "cuda" else torch.device("cpu")
     victim = VICTIM[phase]
     out: dict[str, Any] = {"rank": rank}
