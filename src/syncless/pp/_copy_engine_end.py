@@ -17,7 +17,7 @@ import logging
 import threading
 from typing import Any
 
-from syncless._core.errors import PeerTimeoutError, TransportClosedError, TransportFailedError
+from syncless._core.errors import PeerTimeoutError, TransportFailedError
 from syncless.pp import _driver as drv
 from syncless.pp import _faults
 from syncless.pp._teardown import Teardown
@@ -39,17 +39,6 @@ class CopyEngineEnding:
                                            "so this transport is unusable: close() or abort() it")
             failure.__cause__ = err
             self._failure = failure
-
-    def _check_usable(self) -> None:
-        if self._failure is not None:
-            raise self._failure
-        if self._closed:
-            raise TransportClosedError(f"{self._stages.name()}: this transport is closed")
-
-    @property
-    def error(self) -> BaseException | None:
-        """The error that made this transport unusable (a timeout, a failed step, ``abort()``); None while healthy."""
-        return self._failure
 
     @property
     def leaked_nbytes(self) -> int:
