@@ -8,8 +8,9 @@
    the previous stage will send metadata to (and, at depth 0, handles of
    its persistent tensors).
 3. Each rank maps its neighbours' buffers (and, at depth 0, the next
-   stage's persistent tensors), tries a batched copy into the next stage's
-   scratch bytes, and connects to the next stage's socket.
+   stage's persistent tensors, checking the offsets that stage sent against
+   what it mapped: :func:`check_targets`), tries a batched copy into the
+   next stage's scratch bytes, and connects to the next stage's socket.
 4. Each rank accepts the previous stage's connection.
 
 Each step runs through :func:`~syncless.pp._group.agree`: any rank's failure
@@ -170,6 +171,10 @@ def open_copy_engine(
                         base = drv.ipc_open(handles[neighbour])
                         stack.unmap(_in(ctx, drv.ipc_close), base, what=f"{stages.name(neighbour)}'s buffer")
                         parts.peer_base[neighbour] = base
+                        # This stage writes the previous one's `empty` flag, and the next one's flags and slots.
+                        needed = REGION_OFFSET + (next_ring.nbytes if neighbour > stages.index else 0)
+                        check_buffer(_mapped_size(base, f"{stages.name(neighbour)}'s buffer"), needed,
+                                     stages.name(neighbour))
                 if _sends_several_tensors(next_ring):
                     # Try a batch on the path send() takes, into the next stage's mapped buffer: the first
                     # half of our scratch (zeros) over the second half of its scratch (zeros nobody reads).
@@ -186,7 +191,7 @@ def open_copy_engine(
                     for target_handle in nxt.target_handles:
                         bases.append(drv.ipc_open(target_handle))
                         stack.unmap(_in(ctx, drv.ipc_close), bases[-1], what="the next stage's persistent tensors")
-                        sizes.append(_mapped_size(bases[-1]))
+                        sizes.append(_mapped_size(bases[-1], "the next stage's persistent tensors"))
                     # The pairs come from another process: check them before any copy is aimed with them.
                     check_targets(nxt.targets, sizes, next_ring.layout, stages.name(stages.index + 1))
                     parts.next_targets = [bases[which] + offset if which >= 0 else 0 for which, offset in nxt.targets]
@@ -367,21 +372,39 @@ def _share_persistent(
     return targets, handles
 
 
-def _mapped_size(base: int) -> int:
-    """Return the bytes of the peer allocation this process mapped at ``base`` (the driver's own record)."""
+def _mapped_size(base: int, what: str) -> int:
+    """Return how many bytes of the peer allocation this process mapped at ``base`` lie from ``base`` on.
+
+    From this process's driver (the range of the mapping that holds ``base``), never from the peer, so a
+    peer cannot make this stage's copies land past the end of what it shared. (Where the driver places a
+    small allocation inside a larger mapped range, the range may start before ``base``.)
+    """
     try:
         start, nbytes = drv.allocation_of(base)
     except CudaError as err:
         raise CopyEngineUnavailable(
-            f"depth=0: the driver could not tell the size of the next stage's mapped persistent memory ({err}); "
-            "without it the sender cannot check where its copies land. Use depth >= 1"
+            f"the driver could not tell the size of {what} as mapped here ({err}); without it this stage "
+            "cannot check where its copies land"
         ) from err
-    if start != base:
+    if not start <= base < start + nbytes:
         raise CopyEngineUnavailable(
-            f"depth=0: the driver places the next stage's mapped persistent memory at {start:#x}, not at the "
-            f"mapped address {base:#x}; use depth >= 1"
+            f"the driver places {what} at {start:#x}..{start + nbytes:#x}, which does not hold the address it "
+            f"was mapped at ({base:#x})"
         )
-    return nbytes
+    return start + nbytes - base
+
+
+def check_buffer(mapped_nbytes: int, needed_nbytes: int, who: str) -> None:
+    """Check that a neighbour's mapped buffer holds what this stage writes into it (its layout, agreed in set-up).
+
+    Raises:
+        TransportSetupError: it is smaller (a bug, or a hostile peer that allocated less than its layout).
+    """
+    if mapped_nbytes < needed_nbytes:
+        raise TransportSetupError(
+            f"{who}'s buffer has {mapped_nbytes} bytes, but its layout needs {needed_nbytes}; refusing to copy "
+            "past its end"
+        )
 
 
 def check_targets(targets: Sequence[tuple[int, int]], sizes: Sequence[int], layout: Layout, who: str) -> None:

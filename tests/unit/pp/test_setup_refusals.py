@@ -106,16 +106,24 @@ def test_pairs_out_of_bounds_are_refused_naming_the_tensor_and_the_numbers(targe
     assert "stage 1 (rank 1)" in str(info.value)
 
 
-def test_the_mapped_size_comes_from_the_driver_and_a_failure_refuses_depth_zero(monkeypatch):
+def test_the_mapped_size_comes_from_the_driver_and_a_failure_refuses_copy_engines(monkeypatch):
     monkeypatch.setattr(setup.drv, "allocation_of", lambda ptr: (ptr, 2 << 20))
-    assert setup._mapped_size(0x7000_0000) == 2 << 20
+    assert setup._mapped_size(0x7000_0000, "x") == 2 << 20
+    monkeypatch.setattr(setup.drv, "allocation_of", lambda ptr: (ptr - 0x1000, 2 << 20))  # a range around it
+    assert setup._mapped_size(0x7000_0000, "x") == (2 << 20) - 0x1000
 
     def refuse(ptr):
         raise CudaError("cuMemGetAddressRange", 1, "CUDA_ERROR_INVALID_VALUE", "invalid argument")
 
     monkeypatch.setattr(setup.drv, "allocation_of", refuse)
-    with pytest.raises(CopyEngineUnavailable, match="depth=0: the driver could not tell the size"):
-        setup._mapped_size(0x7000_0000)
-    monkeypatch.setattr(setup.drv, "allocation_of", lambda ptr: (ptr - 256, 2 << 20))
-    with pytest.raises(CopyEngineUnavailable, match="not at the mapped address"):
-        setup._mapped_size(0x7000_0000)
+    with pytest.raises(CopyEngineUnavailable, match="could not tell the size of stage 1's buffer"):
+        setup._mapped_size(0x7000_0000, "stage 1's buffer")
+    monkeypatch.setattr(setup.drv, "allocation_of", lambda ptr: (ptr + 256, 2 << 20))
+    with pytest.raises(CopyEngineUnavailable, match="does not hold the address it was mapped at"):
+        setup._mapped_size(0x7000_0000, "stage 1's buffer")
+
+
+def test_a_neighbours_buffer_smaller_than_its_layout_is_refused():
+    setup.check_buffer(4096, 4096, "stage 1 (rank 1)")
+    with pytest.raises(TransportSetupError, match=r"\(rank 1\)'s buffer has 4095 bytes, but its layout needs 4096"):
+        setup.check_buffer(4095, 4096, "stage 1 (rank 1)")
