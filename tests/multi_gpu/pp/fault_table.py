@@ -115,7 +115,10 @@ class _Fault:
         from syncless._core.launch import say
 
         self.armed = False
-        pathlib.Path(self.sync_dir, "fault_time").write_text(repr(time.time()))
+        # Written whole, then renamed: the other stage may read it at any moment (and must never see it empty).
+        pending = pathlib.Path(self.sync_dir, f"fault_time.{os.getpid()}")
+        pending.write_text(repr(time.time()))
+        os.replace(pending, pathlib.Path(self.sync_dir, "fault_time"))
         say(f"fault: {self.kind} at {self.phase}")
         if self.kind == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
