@@ -13,8 +13,9 @@ between two steps, injected by this harness):
   victim's GPU) then takes its stage in the rebuilt transport, in a new
   world (the survivor and the standby destroy their process groups and
   ``init_process_group`` again, as an elastic restart does);
-- ``sigint``: the victim interrupts itself (``KeyboardInterrupt``), closes its
-  transport (a second ``close()`` if the first was interrupted) and rebuilds;
+- ``sigint``: the victim interrupts itself (``KeyboardInterrupt``: it restores
+  Python's handler, which the launcher's ranks ignore), closes its transport
+  (a second ``close()`` if the first was interrupted) and rebuilds;
 - ``stall``: the victim sleeps for the timeout + 2 s, then goes on, fails,
   closes and rebuilds.
 
