@@ -135,10 +135,14 @@ def open_copy_engine(
                     parts.sent = parts.acquire_event()
                 if stages.prev_rank is not None:
                     parts.received = parts.acquire_event()
-                parts.buffer = drv.mem_alloc(REGION_OFFSET + recv_ring.nbytes)
-                stack.shared(_in(ctx, drv.mem_free), parts.buffer, nbytes=REGION_OFFSET + recv_ring.nbytes,
+                # Whole pages: the driver may put small allocations side by side in one page, and a peer maps
+                # what IPC shares by the page, so a page of its own keeps this process's other memory out
+                # of the neighbours' reach (as alloc_persistent does for depth 0).
+                buffer_nbytes = persistent_memory.whole_pages(REGION_OFFSET + recv_ring.nbytes)
+                parts.buffer = drv.mem_alloc(buffer_nbytes)
+                stack.shared(_in(ctx, drv.mem_free), parts.buffer, nbytes=buffer_nbytes,
                              what=f"{stages.name()}'s receive buffer")
-                drv.mem_zero(parts.buffer, REGION_OFFSET + recv_ring.nbytes, parts.private_stream)
+                drv.mem_zero(parts.buffer, buffer_nbytes, parts.private_stream)
                 # The flags must read 0 before any peer can see the handle.
                 drv.stream_synchronize(parts.private_stream)
                 handle = drv.ipc_handle(parts.buffer)
