@@ -1,16 +1,17 @@
 """Whether the copy-engine transport can run: the decisions in plain Python, the facts from the hardware.
 
-The rules (``docs/pp.md``): CUDA; one node; every pair of pipeline GPUs
+The rules (docs/pp.md, "Eligibility"): CUDA; one node; every pair of pipeline GPUs
 connected by NVLink (PCIe peers are refused: the receiver's wait relies on
 NVLink delivering the data before the flag write that follows it; stages on
-one GPU count as connected); 64-bit stream memory operations; more than one
-hardware queue per context (``CUDA_DEVICE_MAX_CONNECTIONS`` not 1, see
-:func:`connections_problem`). The functions that decide take the facts as
-arguments, so tests feed them fakes; only ``gather_local_facts``,
-``query_nvlink``, ``device_uuid``, ``local_stage_device`` and
-``mem_ops_problem`` touch NVML or the driver. Each stage checks its own
-facts and ``make_transport`` shares every stage's outcome, so all stages
-decide alike (``_group.agree``).
+one GPU count as connected); 64-bit stream memory operations. The functions
+that decide take the facts as arguments, so tests feed them fakes; only
+``gather_local_facts``, ``query_nvlink``, ``device_uuid``,
+``local_stage_device`` and ``mem_ops_problem`` touch NVML or the driver.
+
+One more rule: more than one hardware queue per context
+(``CUDA_DEVICE_MAX_CONNECTIONS`` not 1, :func:`connections_problem`). Each
+stage checks its own facts and ``make_transport`` shares every stage's
+outcome, so all stages decide alike (``_group.agree``).
 """
 
 from __future__ import annotations
