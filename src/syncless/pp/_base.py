@@ -5,10 +5,14 @@ from __future__ import annotations
 import abc
 import logging
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
-from syncless._core.errors import SynclessError, TransportError
+from syncless._core.errors import SynclessError, TransportClosedError, TransportError
+
+if TYPE_CHECKING:
+    from syncless.pp._group import StageMap
 
 logger = logging.getLogger(__name__)
 
@@ -46,11 +50,22 @@ class Transport(abc.ABC):
     backend: str = ""
     fallback_reason: str | None = None
     device: torch.device
+    #: what every later call raises once set (a timeout, a failed step, abort()); set by the implementations
+    _failure: BaseException | None = None
+    _closed: bool = False
+    _stages: StageMap
 
     @property
     def error(self) -> BaseException | None:
         """The error that made this transport unusable (raised again by every later call); None while healthy."""
-        return None
+        return self._failure
+
+    def _check_usable(self) -> None:
+        """Raise the recorded failure, or :class:`~syncless.TransportClosedError` once closed or aborted."""
+        if self._failure is not None:
+            raise self._failure
+        if self._closed:
+            raise TransportClosedError(f"{self._stages.name()}: this transport is closed")
 
     @property
     def leaked_nbytes(self) -> int:

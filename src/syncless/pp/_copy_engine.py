@@ -4,8 +4,9 @@ This module is the protocol and the per-step calls; ``_copy_engine_setup``
 builds the transport (buffers, mappings, sockets) collectively, and
 ``_copy_engine_end`` handles its failures and its end (``close``, ``abort``).
 
-Buffers. Every stage allocates one IPC-shareable buffer (zeroed before its
-handle is shared) holding ``depth`` receive slots, each laid out like its
+Buffers. Every stage allocates one IPC-shareable buffer (whole 2 MiB pages,
+so that no other memory of the process shares a page with it; zeroed before
+its handle is shared) holding ``depth`` receive slots, each laid out like its
 persistent tensors (:class:`~syncless.pp._layout.Ring`)::
 
     [ full: u64 | empty: u64 | scratch: 32 bytes | pad to 256 | slot 0 | slot 1 | ... | slot depth-1 ]
@@ -474,7 +475,6 @@ class CopyEngineTransport(CopyEngineEnding, Transport):
             self._in_call = False
 
     def _recv(self) -> dict[str, torch.Tensor]:
-        layout = self._recv_layout
         step = self._recv_step + 1
         try:
             meta = self._parts.meta_in.recv(self._timeout_s, self._recv_what.format(step))

@@ -13,13 +13,11 @@ life of the process and counted in ``leaked_nbytes``.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import socket
 import threading
 from typing import Any
 
-from syncless._core.errors import PeerTimeoutError, TransportClosedError, TransportFailedError
+from syncless._core.errors import PeerTimeoutError, TransportFailedError
 from syncless.pp import _driver as drv
 from syncless.pp import _faults
 from syncless.pp._teardown import Teardown
@@ -41,17 +39,6 @@ class CopyEngineEnding:
                                            "so this transport is unusable: close() or abort() it")
             failure.__cause__ = err
             self._failure = failure
-
-    def _check_usable(self) -> None:
-        if self._failure is not None:
-            raise self._failure
-        if self._closed:
-            raise TransportClosedError(f"{self._stages.name()}: this transport is closed")
-
-    @property
-    def error(self) -> BaseException | None:
-        """The error that made this transport unusable (a timeout, a failed step, ``abort()``); None while healthy."""
-        return self._failure
 
     @property
     def leaked_nbytes(self) -> int:
@@ -161,7 +148,8 @@ class CopyEngineEnding:
         except Exception as err:  # noqa: BLE001 - abort goes on: the rest may still be released
             logger.warning("%s: abort could not release the GPU waits: %s", self._stages.name(), err)
         for endpoint in (self._parts.meta_in, self._parts.meta_out):
-            _shut(endpoint)
+            if endpoint is not None:
+                endpoint.shutdown()
         self._watchdog.stop(join=threading.current_thread() is not self._watchdog.thread)
         if self._in_call or self._teardown.running:
             return self.leaked_nbytes  # the running call owns the GPU objects now; close() finishes later
@@ -200,15 +188,6 @@ class CopyEngineEnding:
                 logger.warning("%s: kept by design after %s (a peer may still map it): %s; %d bytes in all",
                                self._stages.name(), "close()" if collective else "abort()", "; ".join(kept),
                                self._teardown.leaked_nbytes)
-
-
-def _shut(endpoint: Any) -> None:
-    """Shut a metadata socket both ways, so a thread blocked reading it returns at once; never raises."""
-    sock = getattr(endpoint, "_sock", None)
-    if sock is None:
-        return
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)
 
 
 def write_release(stream: int, region: int, poisoned_nbytes: int, full: int, empty: int) -> None:

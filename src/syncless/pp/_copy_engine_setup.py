@@ -1,14 +1,16 @@
 """Setting up the copy-engine transport: four collective steps, every rank failing alike.
 
-1. What each rank can tell alone: CUDA, 64-bit stream memory operations.
+1. What each rank can tell alone: CUDA, 64-bit stream memory operations,
+   more than one hardware queue (``CUDA_DEVICE_MAX_CONNECTIONS``).
 2. Topology (one node, NVLink between every pair of stage GPUs), then each
    rank allocates and zeroes its buffer (``_copy_engine`` describes its
    layout) and shares the IPC handle, with the name and token of the socket
    the previous stage will send metadata to (and, at depth 0, handles of
    its persistent tensors).
 3. Each rank maps its neighbours' buffers (and, at depth 0, the next
-   stage's persistent tensors), tries a batched copy into the next stage's
-   scratch bytes, and connects to the next stage's socket.
+   stage's persistent tensors, checking the offsets that stage sent against
+   what it mapped: :func:`check_targets`), tries a batched copy into the
+   next stage's scratch bytes, and connects to the next stage's socket.
 4. Each rank accepts the previous stage's connection.
 
 Each step runs through :func:`~syncless.pp._group.agree`: any rank's failure
@@ -30,14 +32,21 @@ from typing import Any, NamedTuple
 import torch
 
 from syncless._core import cuda as cuda_core
-from syncless._core.errors import CopyEngineUnavailable, CudaError, PeerTimeoutError
+from syncless._core.errors import CopyEngineUnavailable, CudaError, PeerTimeoutError, TransportSetupError
 from syncless.pp import _driver as drv
-from syncless.pp import _faults, _fork
+from syncless.pp import _faults
 from syncless.pp import _meta_channel as meta_channel
 from syncless.pp import _persistent as persistent_memory
 from syncless.pp import _wire as wire
 from syncless.pp._copy_engine import REGION_OFFSET, SCRATCH_NBYTES, SCRATCH_OFFSET, CopyEngineTransport
-from syncless.pp._eligibility import StageDevice, local_stage_device, mem_ops_problem, query_nvlink, topology_problem
+from syncless.pp._eligibility import (
+    StageDevice,
+    connections_problem,
+    local_stage_device,
+    mem_ops_problem,
+    query_nvlink,
+    topology_problem,
+)
 from syncless.pp._group import StageMap, agree, barrier
 from syncless.pp._layout import Layout, Ring, TensorSpec
 from syncless.pp._teardown import Teardown, keep_forever
@@ -76,14 +85,14 @@ def open_copy_engine(
     stack = Teardown()
     outcome = _Outcome()
     try:
-        # Step 1: what each rank can tell alone (CUDA, memory ops).
+        # Step 1: what each rank can tell alone (CUDA, memory ops, hardware queues).
         def local_checks() -> StageDevice:
             _faults.reach("setup:check")
             if inject_failure == "mem_ops":
                 raise CopyEngineUnavailable("64-bit stream memory operations refused (injected failure for tests)")
             if device.type != "cuda":
                 raise CopyEngineUnavailable(f"this stage's tensors are on {device}, not a CUDA GPU")
-            problem = mem_ops_problem(device.index)
+            problem = mem_ops_problem(device.index) or connections_problem()
             if problem:
                 raise CopyEngineUnavailable(problem)
             return local_stage_device(device.index)
@@ -126,10 +135,14 @@ def open_copy_engine(
                     parts.sent = parts.acquire_event()
                 if stages.prev_rank is not None:
                     parts.received = parts.acquire_event()
-                parts.buffer = drv.mem_alloc(REGION_OFFSET + recv_ring.nbytes)
-                stack.shared(_in(ctx, drv.mem_free), parts.buffer, nbytes=REGION_OFFSET + recv_ring.nbytes,
+                # Whole pages: the driver may put small allocations side by side in one page, and a peer maps
+                # what IPC shares by the page, so a page of its own keeps this process's other memory out
+                # of the neighbours' reach (as alloc_persistent does for depth 0).
+                buffer_nbytes = persistent_memory.whole_pages(REGION_OFFSET + recv_ring.nbytes)
+                parts.buffer = drv.mem_alloc(buffer_nbytes)
+                stack.shared(_in(ctx, drv.mem_free), parts.buffer, nbytes=buffer_nbytes,
                              what=f"{stages.name()}'s receive buffer")
-                drv.mem_zero(parts.buffer, REGION_OFFSET + recv_ring.nbytes, parts.private_stream)
+                drv.mem_zero(parts.buffer, buffer_nbytes, parts.private_stream)
                 # The flags must read 0 before any peer can see the handle.
                 drv.stream_synchronize(parts.private_stream)
                 handle = drv.ipc_handle(parts.buffer)
@@ -146,7 +159,6 @@ def open_copy_engine(
             except OSError as err:
                 raise CopyEngineUnavailable(f"could not create a local socket for the step metadata: {err}") from err
             stack.local(parts.listener.close)
-            _fork.close_in_child(parts.listener)
             return _Export(handle, parts.listener.name, parts.listener.token, targets, target_handles)
 
         exported: list[_Export] = outcome.agree(side_group, stages, local_allocate)
@@ -163,6 +175,10 @@ def open_copy_engine(
                         base = drv.ipc_open(handles[neighbour])
                         stack.unmap(_in(ctx, drv.ipc_close), base, what=f"{stages.name(neighbour)}'s buffer")
                         parts.peer_base[neighbour] = base
+                        # This stage writes the previous one's `empty` flag, and the next one's flags and slots.
+                        needed = REGION_OFFSET + (next_ring.nbytes if neighbour > stages.index else 0)
+                        check_buffer(_mapped_size(base, f"{stages.name(neighbour)}'s buffer"), needed,
+                                     stages.name(neighbour))
                 if _sends_several_tensors(next_ring):
                     # Try a batch on the path send() takes, into the next stage's mapped buffer: the first
                     # half of our scratch (zeros) over the second half of its scratch (zeros nobody reads).
@@ -175,10 +191,13 @@ def open_copy_engine(
                         logger.debug("%s sends one copy per tensor: %s", stages.name(), parts.batch_problem)
                 if next_ring is not None and not depth:
                     nxt = exported[stages.index + 1]
-                    bases = []
+                    bases, sizes = [], []
                     for target_handle in nxt.target_handles:
                         bases.append(drv.ipc_open(target_handle))
                         stack.unmap(_in(ctx, drv.ipc_close), bases[-1], what="the next stage's persistent tensors")
+                        sizes.append(_mapped_size(bases[-1], "the next stage's persistent tensors"))
+                    # The pairs come from another process: check them before any copy is aimed with them.
+                    check_targets(nxt.targets, sizes, next_ring.layout, stages.name(stages.index + 1))
                     parts.next_targets = [bases[which] + offset if which >= 0 else 0 for which, offset in nxt.targets]
             if next_ring is not None:
                 nxt = exported[stages.index + 1]
@@ -189,7 +208,6 @@ def open_copy_engine(
                 except PeerTimeoutError as err:
                     raise CopyEngineUnavailable(str(err)) from err
                 stack.local(parts.meta_out.close)
-                _fork.close_in_child(parts.meta_out)
 
         outcome.agree(side_group, stages, local_open)
 
@@ -203,7 +221,6 @@ def open_copy_engine(
             except PeerTimeoutError as err:
                 raise CopyEngineUnavailable(str(err)) from err
             stack.local(parts.meta_in.close)
-            _fork.close_in_child(parts.meta_in)
             parts.listener.close()  # nobody else may connect later (closing twice is harmless)
 
         outcome.agree(side_group, stages, local_accept)
@@ -357,6 +374,79 @@ def _share_persistent(
                     "shareable) or use depth >= 1"
                 ) from err
     return targets, handles
+
+
+def _mapped_size(base: int, what: str) -> int:
+    """Return how many bytes of the peer allocation this process mapped at ``base`` lie from ``base`` on.
+
+    From this process's driver (the range of the mapping that holds ``base``), never from the peer, so a
+    peer cannot make this stage's copies land past the end of what it shared. (Where the driver places a
+    small allocation inside a larger mapped range, the range may start before ``base``.)
+    """
+    try:
+        start, nbytes = drv.allocation_of(base)
+    except CudaError as err:
+        raise CopyEngineUnavailable(
+            f"the driver could not tell the size of {what} as mapped here ({err}); without it this stage "
+            "cannot check where its copies land"
+        ) from err
+    if not start <= base < start + nbytes:
+        raise CopyEngineUnavailable(
+            f"the driver places {what} at {start:#x}..{start + nbytes:#x}, which does not hold the address it "
+            f"was mapped at ({base:#x})"
+        )
+    return start + nbytes - base
+
+
+def check_buffer(mapped_nbytes: int, needed_nbytes: int, who: str) -> None:
+    """Check that a neighbour's mapped buffer holds what this stage writes into it (its layout, agreed in set-up).
+
+    Raises:
+        TransportSetupError: it is smaller (a bug, or a hostile peer that allocated less than its layout).
+    """
+    if mapped_nbytes < needed_nbytes:
+        raise TransportSetupError(
+            f"{who}'s buffer has {mapped_nbytes} bytes, but its layout needs {needed_nbytes}; refusing to copy "
+            "past its end"
+        )
+
+
+def check_targets(targets: Sequence[tuple[int, int]], sizes: Sequence[int], layout: Layout, who: str) -> None:
+    """Check the next stage's depth-0 ``(handle index, byte offset)`` pairs against what this stage mapped.
+
+    The next stage sends them in set-up step 2; this stage's copy engine then writes each step's rows at
+    ``mapping[index] + offset``. A pair out of bounds (a bug, or a hostile peer) would aim those writes
+    past the mapping, into unrelated memory of this process. Each tensor's largest step (``max_rows``
+    rows) must fit in its mapped allocation; ``(-1, 0)`` is allowed only for a tensor of no bytes.
+
+    Args:
+        targets: one pair per tensor of ``layout``, in layout order.
+        sizes: bytes of each mapped allocation, in handle order.
+        layout: the next stage's layout (what this stage sends).
+        who: the next stage, for the message.
+
+    Raises:
+        TransportSetupError: a pair is out of bounds, or their number does not match the layout.
+    """
+    if len(targets) != len(layout.specs):
+        raise TransportSetupError(
+            f"{who} shared {len(targets)} depth-0 target(s) for its {len(layout.specs)} persistent tensors "
+            f"({', '.join(layout.specs)}); refusing to copy into its memory"
+        )
+    for (name, spec), (which, offset) in zip(layout.specs.items(), targets):
+        nbytes = spec.nbytes
+        if which == -1 and offset == 0 and nbytes == 0:
+            continue
+        if not 0 <= which < len(sizes):
+            raise TransportSetupError(
+                f"{who} placed persistent[{name!r}] in allocation {which}, but it shared {len(sizes)} "
+                "allocation handle(s); refusing to copy into its memory"
+            )
+        if offset < 0 or offset + nbytes > sizes[which]:
+            raise TransportSetupError(
+                f"{who} placed persistent[{name!r}] ({nbytes} bytes at most) at byte {offset} of allocation "
+                f"{which}, which has {sizes[which]} bytes; refusing to copy past its end"
+            )
 
 
 def _in(ctx: drv.PrimaryContext, fn: Any) -> Any:

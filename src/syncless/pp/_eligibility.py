@@ -7,13 +7,19 @@ one GPU count as connected); 64-bit stream memory operations. The functions
 that decide take the facts as arguments, so tests feed them fakes; only
 ``gather_local_facts``, ``query_nvlink``, ``device_uuid``,
 ``local_stage_device`` and ``mem_ops_problem`` touch NVML or the driver.
+
+One more rule: more than one hardware queue per context
+(``CUDA_DEVICE_MAX_CONNECTIONS`` not 1, :func:`connections_problem`). Each
+stage checks its own facts and ``make_transport`` shares every stage's
+outcome, so all stages decide alike (``_group.agree``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,6 +108,44 @@ def mem_ops_problem(ordinal: int) -> str | None:
     return None
 
 
+#: The CUDA variable that sets how many hardware queues (connections) a context's streams share.
+MAX_CONNECTIONS_VAR = "CUDA_DEVICE_MAX_CONNECTIONS"
+
+
+def connections_problem(environ: Mapping[str, str] | None = None) -> str | None:
+    """Return why ``CUDA_DEVICE_MAX_CONNECTIONS`` rules out the copy-engine transport, or None.
+
+    CUDA reads the variable once, when it creates the context (torch's first
+    CUDA call), and maps the context's streams onto that many hardware
+    queues. A ``cuStreamWaitValue64`` that waits holds its queue: with one
+    queue, the watchdog's release write (on a private stream) queues behind
+    the stuck wait it should release, so the GPU stays blocked until the
+    peer's flag comes, which never happens if the peer died (measured on
+    H200s). So ``1`` is refused. With two or more queues a blocked wait
+    holds only the streams that share its queue; CUDA does not document
+    the mapping and offers no way to give the private stream a queue of its
+    own, so the release relies on it not sharing the stuck stream's queue
+    (``docs/pp.md``, failure model). This reads the value now (``os.environ``
+    unless ``environ`` is given): set the variable before the process
+    starts, since a value changed after CUDA created its context is not the
+    one CUDA uses. A value that is not an integer is not judged here.
+    """
+    raw = (os.environ if environ is None else environ).get(MAX_CONNECTIONS_VAR)
+    if raw is None:
+        return None
+    try:
+        connections = int(raw.strip())
+    except ValueError:
+        return None
+    if connections != 1:
+        return None
+    return (
+        f"{MAX_CONNECTIONS_VAR}=1 puts every stream of the CUDA context on one hardware queue, so the watchdog "
+        "could not release a GPU wait stuck on a dead or stalled peer (its release would queue behind that "
+        f"wait). Unset {MAX_CONNECTIONS_VAR} (CUDA's default is 8) or set it to 2 or more before the process starts"
+    )
+
+
 # What `syncless doctor` shows -------------------------------------------------------
 
 
@@ -120,6 +164,8 @@ class LocalFacts:
     #: why a step's tensors would not go out as one batched copy (None: they would)
     batch_problem: str | None = "unknown"
     notes: list[str] = field(default_factory=list)
+    #: the value of CUDA_DEVICE_MAX_CONNECTIONS (None: unset)
+    max_connections: str | None = None
 
 
 def gather_local_facts() -> LocalFacts:
@@ -129,7 +175,7 @@ def gather_local_facts() -> LocalFacts:
     if not torch.cuda.is_available():
         return LocalFacts(False, 0, notes=["torch sees no CUDA GPU"])
     count = torch.cuda.device_count()
-    facts = LocalFacts(True, count)
+    facts = LocalFacts(True, count, max_connections=os.environ.get(MAX_CONNECTIONS_VAR))
     try:
         facts.mem_ops_64 = [cuda.supports_64bit_stream_mem_ops(i) for i in range(count)]
         uuids = [device_uuid(i) for i in range(count)]
@@ -186,6 +232,16 @@ def decide(facts: LocalFacts, setting: str = "auto") -> dict[str, Any]:
             known and not missing,
             "all GPUs" if known and not missing else (f"missing on GPU {missing}" if known else "unknown"),
         )
+    if facts.cuda_available:
+        value = facts.max_connections
+        problem = connections_problem({} if value is None else {MAX_CONNECTIONS_VAR: value})
+        if problem:
+            detail = f"{MAX_CONNECTIONS_VAR}={value}: one queue, a stuck wait could not be released; unset it or >= 2"
+        elif value is None:
+            detail = f"{MAX_CONNECTIONS_VAR} unset (CUDA's default, 8)"
+        else:
+            detail = f"{MAX_CONNECTIONS_VAR}={value}"
+        eligible = check("hardware queues", problem is None, detail) and eligible
     for (a, b), linked in sorted(facts.nvlink.items()):
         ok = linked is True
         detail = {True: "yes", False: "no (PCIe only)", None: "unknown"}[linked]

@@ -1,31 +1,20 @@
-"""After ``fork()``, the child closes its copies of every metadata socket of the copy-engine transport.
+"""After ``fork()``, a copy-engine transport is marked unusable in the child.
 
-A peer learns that a stage died from its metadata socket closing (``_meta_channel``).
-A forked child would hold a copy of the dead parent's socket, so the peer would
-see nothing until the timeout. Python sockets are already close-on-exec
-(PEP 446), which covers ``fork`` + ``exec`` (``subprocess``); this covers a fork
-that does not exec (``multiprocessing``'s ``fork`` start method, a data loader
-worker). Closing the child's copy leaves the parent's socket open.
-
-A transport cannot be used in the child anyway (CUDA does not survive a
-fork); the transports registered with :func:`forget_in_child` are marked
-failed there.
+A transport cannot be used in a forked child (CUDA does not survive a fork,
+and its memory and sockets are the parent's): the transports registered with
+:func:`forget_in_child` are marked failed there, and release nothing. The
+child's copies of the metadata sockets are closed by ``_meta_channel``'s own
+fork hook (a peer learns that a stage died from its socket closing, which a
+child's copy would prevent).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import weakref
 from typing import Any
 
-_endpoints: weakref.WeakSet[Any] = weakref.WeakSet()
 _transports: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
-def close_in_child(endpoint: Any) -> None:
-    """Register ``endpoint`` (anything with ``close()``): a forked child closes it at once."""
-    _endpoints.add(endpoint)
 
 
 def forget_in_child(transport: Any) -> None:
@@ -34,9 +23,6 @@ def forget_in_child(transport: Any) -> None:
 
 
 def _after_fork_in_child() -> None:
-    for endpoint in list(_endpoints):
-        with contextlib.suppress(OSError):
-            endpoint.close()
     for transport in list(_transports):
         transport._forked()
 

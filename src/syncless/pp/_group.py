@@ -29,8 +29,9 @@ from syncless.pp import _wire as wire
 
 logger = logging.getLogger(__name__)
 
-#: Tags of one transport: base + 0 carries metadata, base + 1 carries data (torch.distributed only).
-TAGS_PER_TRANSPORT = 8
+#: The torch.distributed transport's tags: this one carries metadata, the next one data. One value serves
+#: every transport: each has a side group of its own (``cpu_group``) for its gloo traffic, and NCCL ignores tags.
+TRANSPORT_TAG = 1000
 
 
 @dataclass(frozen=True)
@@ -112,17 +113,6 @@ def cpu_group(ranks: Sequence[int], timeout_s: float) -> Any:
     return dist.new_group(
         ranks=members, backend="gloo", timeout=timedelta(seconds=timeout_s), use_local_synchronization=True
     )
-
-
-def discard_cpu_group(side_group: Any) -> None:
-    """Kept for callers of the old cache: side groups are never reused, so there is nothing to discard."""
-    del side_group
-
-
-def next_tag(side_group: Any) -> int:
-    """Return the tag base of the transport on ``side_group`` (one transport per side group)."""
-    del side_group
-    return 1000
 
 
 # Uniform outcomes ---------------------------------------------------------------
@@ -262,7 +252,6 @@ def _all_gather_bytes(side_group: Any, message: bytes, world: int, what: str) ->
         gathered = [torch.empty(max(sizes), dtype=torch.uint8) for _ in range(world)]
         dist.all_gather(gathered, mine, group=side_group)
     except RuntimeError as err:
-        discard_cpu_group(side_group)
         raise PeerTimeoutError(f"{what}: exchanging set-up outcomes with the other stages failed: {err}") from err
     return [ctypes.string_at(t.data_ptr(), size) for t, size in zip(gathered, sizes)]
 
@@ -321,7 +310,6 @@ def barrier(side_group: Any, timeout_s: float, what: str) -> bool:
         work = dist.all_reduce(token, group=side_group, async_op=True)
         work.wait(timeout=timedelta(seconds=timeout_s))
     except RuntimeError as err:
-        discard_cpu_group(side_group)
         logger.warning("%s: barrier with the other stages failed (a peer may have died): %s", what, err)
         return False
     return True
@@ -342,7 +330,6 @@ def recv_meta(side_group: Any, src: int, tag: int, length: int, timeout_s: float
         work = dist.irecv(buffer, src=src, group=side_group, tag=tag)
         work.wait(timeout=timedelta(seconds=timeout_s))
     except RuntimeError as err:
-        discard_cpu_group(side_group)
         raise PeerTimeoutError(
             f"{what}: rank {src} sent nothing within {timeout_s:g} s, or its connection broke "
             f"(it may have died or stopped sending; raise SYNCLESS_PP_TIMEOUT_S if it is only slow): {err}"

@@ -15,7 +15,7 @@ from syncless.pp import _faults
 from syncless.pp import _wire as wire
 from syncless.pp._base import Transport
 from syncless.pp._copy_engine_setup import INJECTABLE_FAILURES, open_copy_engine
-from syncless.pp._group import agree, cpu_group, next_tag, resolve_stages
+from syncless.pp._group import TRANSPORT_TAG, agree, cpu_group, resolve_stages
 from syncless.pp._layout import TensorSpec, check_depth, persistent_device, specs_from_persistent
 from syncless.pp._torch_dist import TorchDistTransport
 
@@ -68,9 +68,10 @@ def make_transport(
     a new private gloo group over the stages' ranks, never reused: after a
     failure every stage simply calls ``make_transport`` again, on the same
     group or a new one; ``docs/pp.md``: rebuilding). Blocks the host for the
-    group's rendezvous and a few exchanges over it, and on the copy-engine path until a private stream has zeroed
-    this stage's buffer and run a 16-byte trial of batched copies into the
-    next stage's scratch bytes. Enqueues nothing on the caller's streams.
+    group's rendezvous and a few exchanges over it, and on the copy-engine
+    path until a private stream has zeroed this stage's buffer and run a
+    16-byte trial of batched copies into the next stage's scratch bytes.
+    Enqueues nothing on the caller's streams.
 
     Args:
         group: a torch.distributed process group, or None for the world.
@@ -97,26 +98,27 @@ def make_transport(
             the sender copies straight into the persistent tensors once the
             receiver's stream reached ``recv()`` for that step, which saves
             the receiver's copy (the lowest latency when the receiver is
-            already waiting: on two H200s at 8 MiB, one-way about three
-            quarters of NCCL's time, against about NCCL's with depth 2) but
-            holds the sender until
-            then; the persistent
-            tensors must be in memory CUDA IPC can share (not
+            already waiting: ``docs/pp.md`` has the figures) but holds the
+            sender until then. The persistent tensors must then sit in
+            allocations that hold nothing else (``alloc_persistent`` makes
+            them) and that CUDA IPC can share (not
             ``expandable_segments``), else set-up raises
-            :class:`~syncless.CopyEngineUnavailable` (``"auto"`` falls back). The
-            torch.distributed transport checks it and ignores it (its
+            :class:`~syncless.CopyEngineUnavailable` (``"auto"`` falls back).
+            The torch.distributed transport checks it and ignores it (its
             backend queues the sends itself).
         _inject_failure: tests only: ``"mem_ops"`` or ``"peer_open"`` makes
             this rank's copy-engine set-up fail at that step.
 
     Raises:
         CopyEngineUnavailable: ``backend="copy_engine"`` and some stage cannot
-            use copy engines; raised on every stage with the same message.
+            use copy engines (no NVLink, ``CUDA_DEVICE_MAX_CONNECTIONS=1``, ...);
+            raised on every stage with the same message.
         ValueError, TypeError: bad arguments (on every stage, naming the stage),
             stages passing different ``depth`` included.
         ConfigError: ``timeout_s`` (or ``SYNCLESS_PP_TIMEOUT_S``) is out of bounds (also a ``ValueError``).
         PeerTimeoutError: a stage did not take part in set-up.
-        TransportSetupError: set-up failed otherwise on some stage (raised alike everywhere).
+        TransportSetupError: set-up failed otherwise on some stage (raised alike everywhere), e.g. a
+            stage shared depth-0 targets outside the memory it shared.
     """
     import torch.distributed as dist
 
@@ -135,7 +137,6 @@ def make_transport(
         group = dist.group.WORLD
     stages = resolve_stages(dist.get_process_group_ranks(group), dist.get_rank(), stage_ranks)
     side = cpu_group(stages.ranks, timeout)  # a new one for every transport: see cpu_group
-    tag = next_tag(side)
     _faults.reach("setup:layout")
 
     resolved: dict[str, Any] = {}
@@ -188,7 +189,7 @@ def make_transport(
         group=group,
         side_group=side,
         stages=stages,
-        tag=tag,
+        tag=TRANSPORT_TAG,
         recv_specs=recv_specs,
         send_specs=send_specs,
         persistent=persistent or {},

@@ -59,6 +59,7 @@ frames. Plain Python over sockets, so it is unit-tested on the CPU.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -389,8 +390,19 @@ class _Endpoint:
         _track(self)
 
     def close(self) -> None:
+        """Close the socket (a second call does nothing)."""
         _untrack(self)
         self._sock.close()
+
+    def shutdown(self) -> None:
+        """Shut the connection both ways without closing the socket; never raises. Safe from any thread.
+
+        A thread blocked reading or writing it returns at once (a read sees the end of the stream, a
+        write fails), and the peer sees the connection end. ``abort()`` uses it; ``close()`` still
+        releases the socket.
+        """
+        with contextlib.suppress(OSError):  # not connected any more, or already closed
+            self._sock.shutdown(socket.SHUT_RDWR)
 
     def _close_in_child(self) -> None:
         self._sock.close()

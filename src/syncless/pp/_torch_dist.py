@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from syncless._core.errors import PeerTimeoutError, TransportClosedError, TransportFailedError
+from syncless._core.errors import PeerTimeoutError, TransportFailedError
 from syncless.pp import _faults
 from syncless.pp._base import Transport, refuse_graph_capture
 from syncless.pp._group import StageMap, recv_meta
@@ -185,8 +185,6 @@ class TorchDistTransport(Transport):
             raise RuntimeError(f"{self._stages.name()} is the first stage: it has no previous stage to receive from")
         if self.device.type == "cuda":
             refuse_graph_capture(self._stages.name(), "recv")
-        import torch.distributed as dist
-
         step = self._recv_step + 1
         what = f"{self._stages.name()} receiving step {step}"
         names = list(self._recv_specs)
@@ -291,17 +289,6 @@ class TorchDistTransport(Transport):
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"the data did not go out within {self._timeout_s:g} s")
                 time.sleep(0.0005)
-
-    def _check_usable(self) -> None:
-        if self._failure is not None:
-            raise self._failure
-        if self._closed:
-            raise TransportClosedError(f"{self._stages.name()}: this transport is closed")
-
-    @property
-    def error(self) -> BaseException | None:
-        """The error that made this transport unusable; None while healthy."""
-        return self._failure
 
     def close(self) -> None:
         """Finish this stage's sends, then refuse further calls; never waits for the peer to call close().

@@ -44,9 +44,12 @@ so a failing release can delay ``close()`` but never hang it.
 
 Which hardware queue the release write goes through: the private stream's.
 A blocked ``cuStreamWaitValue64`` holds the hardware queue its stream is
-mapped to, and under ``CUDA_DEVICE_MAX_CONNECTIONS=1`` every stream of the
-context shares one queue. ``docs/pp.md`` (failure model) says what that means
-for the timeout and how the GPU test checks it.
+mapped to. Under ``CUDA_DEVICE_MAX_CONNECTIONS=1`` every stream of the
+context shares one queue, and the release stayed queued behind the wait it
+should release (measured on H200s): the host still raised on time, but the
+GPU stayed blocked until the peer's flag came. So set-up refuses that
+setting (``_eligibility.connections_problem``; ``docs/pp.md``, failure
+model, says what is left with two or more queues).
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@ between two steps, injected by this harness):
   victim's GPU) then takes its stage in the rebuilt transport, in a new
   world (the survivor and the standby destroy their process groups and
   ``init_process_group`` again, as an elastic restart does);
-- ``sigint``: the victim interrupts itself (``KeyboardInterrupt``), closes its
-  transport (a second ``close()`` if the first was interrupted) and rebuilds;
+- ``sigint``: the victim interrupts itself (``KeyboardInterrupt``: it restores
+  Python's handler, which the launcher's ranks ignore), closes its transport
+  (a second ``close()`` if the first was interrupted) and rebuilds;
 - ``stall``: the victim sleeps for the timeout + 2 s, then goes on, fails,
   closes and rebuilds.
 
@@ -115,7 +116,10 @@ class _Fault:
         from syncless._core.launch import say
 
         self.armed = False
-        pathlib.Path(self.sync_dir, "fault_time").write_text(repr(time.time()))
+        # Written whole, then renamed: the other stage may read it at any moment (and must never see it empty).
+        pending = pathlib.Path(self.sync_dir, f"fault_time.{os.getpid()}")
+        pending.write_text(repr(time.time()))
+        os.replace(pending, pathlib.Path(self.sync_dir, "fault_time"))
         say(f"fault: {self.kind} at {self.phase}")
         if self.kind == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -195,7 +199,12 @@ def fault_row(rank: int, world: int, row: dict[str, Any]) -> dict[str, Any]:
     from syncless.pp import TransportError, _faults, make_transport
 
     kind, phase, transport_kind = row["fault"], row["phase"], row["transport"]
-    timeout_s, sync_dir, steps = row["timeout_s"], row["sync_dir"], row["steps"]
+    timeout_s, sync_dir = row["timeout_s"], row["sync_dir"]
+    if kind == "sigint" and rank == VICTIM[phase]:
+        # The launcher's ranks ignore SIGINT (a Ctrl-C at the terminal is the parent's to handle), so the
+        # victim's os.kill(SIGINT) would do nothing and the row would test no fault at all. The fault is
+        # a KeyboardInterrupt, as in a process run from a shell or by torchrun: restore Python's handler.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     device = torch.device("cuda", torch.cuda.current_device()) if row["device"] == "cuda" else torch.device("cpu")
     victim = VICTIM[phase]
     out: dict[str, Any] = {"rank": rank}

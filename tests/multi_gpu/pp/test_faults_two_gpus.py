@@ -1,4 +1,4 @@
-"""Faults between two GPUs: a few rows of the fault table, one hardware queue, graph capture.
+"""Faults between two GPUs: fault-table rows, the watchdog's release, one hardware queue refused, graph capture.
 
 The whole table (every fault x phase on both transports) is the script
 ``tests/multi_gpu/pp/fault_table.py``; these rows keep its main paths in the
@@ -42,14 +42,26 @@ def test_fault_row(transport, fault, phase):
     assert row["verdict"] == "ok", row["problems"]
 
 
-def test_watchdog_releases_a_stuck_wait_with_one_hardware_queue():
-    # CUDA_DEVICE_MAX_CONNECTIONS=1 maps every stream of a context to one hardware queue: the release
-    # write (on the private, highest-priority stream) must still overtake the blocked flag wait.
+def test_watchdog_releases_a_stuck_wait_between_two_gpus():
+    # CUDA's default of 8 hardware queues, set explicitly so that an inherited setting cannot change the test:
+    # the release write (on the private, highest-priority stream) overtakes the blocked flag wait.
     results = run_ranks(cases.gpu_stall, 2, args=(2.0,), devices=[0, 1], timeout_s=120,
-                        env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+                        env={"CUDA_DEVICE_MAX_CONNECTIONS": "8"})
     receiver = results[1]
     assert receiver["synchronize_s"] < 2.0 + 3.0, receiver
     assert "waited" in receiver["error"] and receiver["ids_poisoned"], receiver
+
+
+def test_one_hardware_queue_is_refused_and_auto_falls_back_to_torch_distributed():
+    # With CUDA_DEVICE_MAX_CONNECTIONS=1 the release write queued behind the stuck wait (measured on H200s:
+    # the GPU stayed blocked until the peer came back), so the copy-engine transport is not offered there.
+    results = run_ranks(cases.one_hardware_queue, 2, devices=[0, 1], timeout_s=120, backend="cpu:gloo,cuda:nccl",
+                        env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    for stage in results:
+        assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in stage["refused"], stage
+        assert stage["backend"] == "torch_distributed", stage
+        assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in stage["fallback_reason"], stage
+    assert results[1]["mismatches"] == 0, results[1]
 
 
 @pytest.mark.parametrize("backend", ["copy_engine", "torch_distributed"])

@@ -437,6 +437,33 @@ def gpu_stall(rank, world, timeout_s):
     return result
 
 
+def one_hardware_queue(rank, world):
+    """Under CUDA_DEVICE_MAX_CONNECTIONS=1: "copy_engine" raises on every stage, "auto" falls back and works."""
+    device = _device("cuda")
+    max_rows = 8
+    persistent = None if rank == 0 else _persistent(device, max_rows)
+    result = {}
+    try:
+        make_transport(None, persistent, backend="copy_engine", timeout_s=20.0, device=device)
+        result["refused"] = "nothing was raised"
+    except CopyEngineUnavailable as err:
+        result["refused"] = str(err)
+    say(f"backend='copy_engine': {result['refused'][:160]}")
+    transport = make_transport(None, persistent, backend="auto", timeout_s=20.0, device=device)
+    result["backend"], result["fallback_reason"] = transport.backend, transport.fallback_reason or ""
+    say(f"backend='auto' gave {transport.backend}")
+    bad = 0
+    for step in range(1, 21):
+        if rank == 0:
+            transport.send(expected(31, step, max_rows, device))
+        else:
+            bad += int(_mismatches(transport.recv(), expected(31, step, max_rows, device)))
+    torch.cuda.synchronize()
+    transport.close()
+    result["mismatches"] = bad
+    return result
+
+
 def _full_step(device, max_rows):
     """A step with every row filled with fresh random values."""
     return {

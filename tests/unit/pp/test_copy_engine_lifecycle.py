@@ -50,17 +50,14 @@ class Dog:
         self.stops.append(join)
 
 
-class Sock:
+class Endpoint:
+    """A metadata socket end (the real one is tested in test_meta_channel.py): records shutdown()."""
+
     def __init__(self):
         self.shut = False
 
-    def shutdown(self, how):
+    def shutdown(self):
         self.shut = True
-
-
-class Endpoint:
-    def __init__(self):
-        self._sock = Sock()
 
 
 class Parts:
@@ -168,7 +165,7 @@ def test_abort_while_a_call_runs_only_stops_and_releases_and_close_finishes_with
     transport._in_call = True  # a recv() blocked on another thread
     assert transport.abort() == 0
     assert log == ["release waits"]
-    assert transport._parts.meta_in._sock.shut and transport._parts.meta_out._sock.shut
+    assert transport._parts.meta_in.shut and transport._parts.meta_out.shut
     assert isinstance(transport.error, TransportFailedError)
     transport._in_call = False
     transport.close()

@@ -1,52 +1,19 @@
-"""A forked child drops its copies of the metadata sockets; the tear-down order that never frees under a peer.
+"""A forked child marks the parent's transports unusable; the tear-down order that never frees under a peer.
 
-CPU only: real sockets and a real fork; the tear-down over recorded callables.
+CPU only: a real fork; the tear-down over recorded callables. (That a forked child closes its copies of
+the metadata sockets is tested with the channel, in ``test_meta_channel_attackers.py``.)
 """
 
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
-from syncless._core.errors import PeerTimeoutError
-from syncless.pp import _fork, _meta_channel
+from syncless.pp import _fork
 from syncless.pp._teardown import Teardown
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def _pair(timeout_s):
-    listener = _meta_channel.Listener()
-    sender = _meta_channel.connect(listener.name, listener.token, 2, timeout_s, "test")
-    receiver = listener.accept(2, timeout_s, "test")
-    listener.close()
-    return sender, receiver
-
-
-def test_a_forked_child_does_not_keep_a_dead_senders_socket_open():
-    # Before: the child held a copy of the sender's socket, so when the sender's process "died" (here:
-    # closed its end) the receiver saw nothing until its timeout.
-    timeout_s = 20.0
-    sender, receiver = _pair(timeout_s)
-    _fork.close_in_child(sender)
-    pid = os.fork()
-    if pid == 0:  # the child: outlives the parent's close by far, doing nothing
-        time.sleep(8)
-        os._exit(0)
-    try:
-        sender.send(1, [3])
-        assert receiver.recv(timeout_s, "step 1") == (1, 3)
-        sender.close()  # the sending process is gone, as far as the receiver should tell
-        start = time.monotonic()
-        with pytest.raises(PeerTimeoutError, match="closed its metadata socket"):
-            receiver.recv(timeout_s, "step 2")
-        assert time.monotonic() - start < 5.0
-    finally:
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
-        receiver.close()
 
 
 def test_a_forked_child_marks_registered_transports_unusable():

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from syncless._core.errors import CopyEngineUnavailable, PeerTimeoutError, TransportSetupError
 from syncless.pp import _group
 from syncless.pp import _wire as wire
-from syncless.pp._group import StageMap, agree, barrier, cpu_group, next_tag, recv_meta
+from syncless.pp._group import StageMap, agree, barrier, cpu_group, recv_meta
 
 TIMEOUT_S = 7.75  # an unusual value, so cache keys are this file's own
 
@@ -52,13 +52,7 @@ def test_every_transport_gets_a_new_side_group_never_a_cached_one(groups):
     assert groups[0]["ranks"] == [0, 1, 2] and groups[0]["backend"] == "gloo"  # the stage order does not matter
     assert groups[0]["timeout"].total_seconds() == TIMEOUT_S
     assert groups[0]["use_local_synchronization"] is True  # only the stages take part
-    _group.discard_cpu_group(first)  # kept for old callers: harmless, changes nothing
     assert cpu_group([0, 1, 2], TIMEOUT_S) not in (first, second)
-
-
-def test_one_transport_per_side_group_so_its_tags_are_fixed(groups):
-    a, b = cpu_group([0, 1], TIMEOUT_S), cpu_group([0, 1, 2], TIMEOUT_S)
-    assert next_tag(a) == next_tag(b) == next_tag(a)
 
 
 def _gather_as_gloo(monkeypatch, others):

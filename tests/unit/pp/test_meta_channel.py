@@ -234,3 +234,30 @@ def test_an_answer_that_arrives_in_two_writes_is_accepted():
     assert receiver.recv(5.0, "step") == (11, -3)  # bytes after the answer are the first step, untouched
     for sock in (raw, receiver, listener):
         sock.close()
+
+
+def test_shutdown_ends_a_blocked_receive_at_once_and_is_harmless_after_close():
+    # abort() calls it from another thread (or a signal handler) while recv() waits for a step.
+    sender, receiver = _pair(2, timeout_s=30.0)
+    outcome = {}
+
+    def wait_for_a_step():
+        start = time.monotonic()
+        try:
+            receiver.recv(30.0, "step 1")
+        except PeerTimeoutError as err:
+            outcome["error"] = str(err)
+        outcome["waited_s"] = time.monotonic() - start
+
+    thread = threading.Thread(target=wait_for_a_step)
+    thread.start()
+    time.sleep(0.2)  # the receive is blocked in the kernel by now
+    receiver.shutdown()
+    thread.join(10)
+    assert "closed its metadata socket" in outcome["error"] and outcome["waited_s"] < 5.0
+    with pytest.raises(PeerTimeoutError):  # the sender sees the connection end too
+        for _ in range(100_000):
+            sender.send(1, [2])
+    for endpoint in (receiver, sender):
+        endpoint.close()
+        endpoint.shutdown()  # after close: does nothing, raises nothing
