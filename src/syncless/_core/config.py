@@ -206,6 +206,13 @@ _declare(
     "1/true/yes/on or 0/false/no/off",
     "Tests: fail instead of skipping when a GPU test finds no GPU.",
 )
+_declare(
+    "SYNCLESS_REQUIRE_CUPTI",
+    _boolean,
+    "0",
+    "1/true/yes/on or 0/false/no/off",
+    "Tests: with SYNCLESS_REQUIRE_GPU=1, fail instead of skipping when a CUPTI test finds no cupti-python.",
+)
 
 
 def settings() -> list[Setting]:

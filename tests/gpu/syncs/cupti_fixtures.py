@@ -17,16 +17,12 @@ from syncless._core import config
 from syncless.syncs import _backend
 
 
-def _flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
-
-
 def require_cupti() -> None:
     """Skip (or fail, under SYNCLESS_REQUIRE_GPU=1 SYNCLESS_REQUIRE_CUPTI=1) without cupti-python."""
     if importlib.util.find_spec("cupti") is not None:
         return
     reason = "cupti-python is not installed (pip install 'syncless[cupti]')"
-    if config.read("SYNCLESS_REQUIRE_GPU") and _flag("SYNCLESS_REQUIRE_CUPTI"):
+    if config.read("SYNCLESS_REQUIRE_GPU") and config.read("SYNCLESS_REQUIRE_CUPTI"):
         pytest.fail(f"{reason}, and SYNCLESS_REQUIRE_CUPTI=1 forbids skipping", pytrace=False)
     pytest.skip(reason)
 
