@@ -55,6 +55,10 @@ def read_copy(args: Sequence[Any], kwargs: Mapping[str, Any], *,
     ``non_blocking``). A caller passes a None call on untouched, so torch
     accepts or refuses it itself. Reads no tensor attribute.
     """
+    if not kwargs:  # the common forms, read first
+        if len(args) == 1:
+            return args[0], False
+        return (args[0], args[1]) if len(args) == 2 and type(args[1]) is bool else None
     keywords = _COPY_KEYWORDS | {"async"} if deprecated_async else _COPY_KEYWORDS
     if len(args) > 2 or not kwargs.keys() <= keywords or ("async" in kwargs and "non_blocking" in kwargs):
         return None
@@ -114,4 +118,5 @@ def has_override(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
     """
     import torch
 
-    return torch._C._has_torch_function((*args, *kwargs.values()))
+    check = torch._C._has_torch_function
+    return check(args) or (bool(kwargs) and check(tuple(kwargs.values())))

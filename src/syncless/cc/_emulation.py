@@ -48,14 +48,13 @@ def _emulate_wait(cuda_device: Any) -> None:
 def _wrap_to(next_to):
     def to(*args, **kwargs):
         # The call goes beneath as given (see ._layers); it is read only after torch accepted it.
-        if is_compiling():
-            return next_to(*args, **kwargs)
-        call = call_for_routing(args, kwargs)
-        if call is None or not maybe_non_blocking_to(call[1], kwargs):
+        if is_compiling() or not args or not maybe_non_blocking_to(args[1:], kwargs):
             return next_to(*args, **kwargs)
         result = next_to(*args, **kwargs)
-        self = call[0]
-        device, _, non_blocking, _ = parse_to(call[1], kwargs)
+        if call_for_routing(args, kwargs) is None:
+            return result  # an override took the call; its call back into torch was emulated
+        self = args[0]
+        device, _, non_blocking, _ = parse_to(args[1:], kwargs)
         if device is not None and _routing.needs_emulated_wait(self.device.type, device.type, non_blocking,
                                                                False, False):
             _emulate_wait(device if device.type == "cuda" else self.device)
@@ -68,11 +67,10 @@ def _wrap_cuda(next_cuda):
     def cuda(*args, **kwargs):
         # The call goes beneath as given (see ._layers); it is read only after torch accepted it.
         result = next_cuda(*args, **kwargs)
-        call = call_for_routing(args, kwargs)
-        read = None if call is None else read_cuda(call[1], kwargs, deprecated_async=True)
-        if read is None or read[1] is not True or is_compiling():
-            return result
-        if _routing.needs_emulated_wait(call[0].device.type, "cuda", True, False, False):
+        read = read_cuda(args[1:], kwargs, deprecated_async=True)
+        if read is None or read[1] is not True or is_compiling() or call_for_routing(args, kwargs) is None:
+            return result  # blocking, or an override took the call (its call back into torch was emulated)
+        if _routing.needs_emulated_wait(args[0].device.type, "cuda", True, False, False):
             _emulate_wait(result.device)
         return result
 
@@ -83,11 +81,10 @@ def _wrap_copy(next_copy):
     def copy_(*args, **kwargs):
         # The call goes beneath as given (see ._layers); it is read only after torch accepted it.
         result = next_copy(*args, **kwargs)
-        call = call_for_routing(args, kwargs)
-        read = None if call is None else read_copy(call[1], kwargs, deprecated_async=True)
-        if read is None or read[1] is not True or is_compiling():
-            return result
-        self, (other, _) = call[0], read
+        read = read_copy(args[1:], kwargs, deprecated_async=True)
+        if read is None or read[1] is not True or is_compiling() or call_for_routing(args, kwargs) is None:
+            return result  # blocking, or an override took the call (its call back into torch was emulated)
+        self, other = args[0], read[0]
         src_type = getattr(getattr(other, "device", None), "type", "cpu")
         if _routing.needs_emulated_wait(src_type, self.device.type, True, False, False):
             _emulate_wait(self.device if self.device.type == "cuda" else other.device)

@@ -143,15 +143,16 @@ def _wrap_to(next_to):
 
     def to(*args, **kwargs):
         # Takes and passes on exactly what the caller gave (see ._layers); reads only torch's own forms.
-        if is_compiling():
+        if is_compiling() or not args:
             return next_to(*args, **kwargs)
-        call = call_for_routing(args, kwargs)
-        if call is None:
+        rest = args[1:]
+        if not maybe_non_blocking_to(rest, kwargs):  # the hot path: reads no tensor
+            if WORKER.is_pending(WORKER.submitted) and call_for_routing(args, kwargs) is not None:
+                _settle_for_to(args[0], rest, kwargs)
             return next_to(*args, **kwargs)
-        self, rest = call
-        if not maybe_non_blocking_to(rest, kwargs):
-            _settle_for_to(self, rest, kwargs)
-            return next_to(*args, **kwargs)
+        if call_for_routing(args, kwargs) is None:
+            return next_to(*args, **kwargs)  # torch refuses the call, or an override takes it
+        self = args[0]
         try:
             device, dtype, non_blocking, memory_format = parse_to(rest, kwargs)
         except (TypeError, RuntimeError, ValueError):
@@ -200,16 +201,18 @@ def _wrap_cuda(next_cuda):
     def cuda(*args, **kwargs):
         # Takes and passes on exactly what the caller gave (see ._layers); reads only torch's own forms
         # (the deprecated ``async=`` too, which is never routed).
-        call = call_for_routing(args, kwargs)
-        read = None if call is None else read_cuda(call[1], kwargs, deprecated_async=True)
+        read = read_cuda(args[1:], kwargs, deprecated_async=True) if args else None
         if read is None:
-            return next_cuda(*args, **kwargs)  # torch refuses the call, or an override takes it
-        self = call[0]
+            return next_cuda(*args, **kwargs)  # torch refuses the call
         device, non_blocking, memory_format = read
         if non_blocking is not True or "async" in kwargs or is_compiling():
-            if WORKER.is_pending(WORKER.submitted) and self.device.type != "cuda" and not is_compiling():
+            if (WORKER.is_pending(WORKER.submitted) and not is_compiling()
+                    and call_for_routing(args, kwargs) is not None and args[0].device.type != "cuda"):
                 _settle_for_cuda(device)
             return next_cuda(*args, **kwargs)
+        if call_for_routing(args, kwargs) is None:
+            return next_cuda(*args, **kwargs)  # torch refuses the call, or an override takes it
+        self = args[0]
         if self.device.type == "cuda":
             COUNTERS.left_alone("device_to_device")
             return next_cuda(*args, **kwargs)
@@ -293,20 +296,19 @@ def _wrap_copy(next_copy):
     def copy_(*args, **kwargs):
         # Takes and passes on exactly what the caller gave (see ._layers); reads only torch's own forms
         # (the deprecated ``async=`` too, which is never routed).
-        call = call_for_routing(args, kwargs)
-        read = None if call is None else read_copy(call[1], kwargs, deprecated_async=True)
+        read = read_copy(args[1:], kwargs, deprecated_async=True) if args else None
         if read is None:
-            return next_copy(*args, **kwargs)  # torch refuses the call, or an override takes it
-        self = call[0]
+            return next_copy(*args, **kwargs)  # torch refuses the call
         other, non_blocking = read
         if non_blocking is not True or "async" in kwargs:
             # The hot path: a blocking copy goes straight beneath, unless D2H copies are still queued.
-            if WORKER.is_pending(WORKER.submitted) and not is_compiling():
-                _settle_d2h_stream(_cuda_index(self, other))
+            pending = WORKER.is_pending(WORKER.submitted)
+            if pending and not is_compiling() and call_for_routing(args, kwargs) is not None:
+                _settle_d2h_stream(_cuda_index(args[0], other))
             return next_copy(*args, **kwargs)
-        if is_compiling() or not isinstance(other, torch.Tensor):
-            return next_copy(*args, **kwargs)
-        src = other
+        if is_compiling() or not isinstance(other, torch.Tensor) or call_for_routing(args, kwargs) is None:
+            return next_copy(*args, **kwargs)  # compiling, or torch refuses the call, or an override takes it
+        self, src = args[0], other
         if src.device.type != "cuda" or self.device.type != "cpu":  # anything but a D2H, which may be offloaded
             _settle_d2h_stream(_cuda_index(self, src))
         if self.device.type == "cuda" and src.device.type != "cuda":
