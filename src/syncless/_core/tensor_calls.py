@@ -1,4 +1,4 @@
-"""Reading the arguments of a ``Tensor.to`` call the way torch does (shared by ``syncs`` and ``cc``)."""
+"""Reading the arguments of ``Tensor.to/cuda/copy_`` calls the way torch does (shared by ``syncs`` and ``cc``)."""
 
 from __future__ import annotations
 
@@ -37,3 +37,86 @@ def parse_to(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[Any, Any, 
     if len(args) == 4 or (len(args) == 3 and isinstance(args[0], (torch.dtype, torch.Tensor))):
         args = args[:-1]  # the positional copy
     return torch._C._nn._parse_to(*args, **kwargs)
+
+
+_COPY_KEYWORDS = frozenset(("other", "non_blocking"))
+_CUDA_KEYWORDS = frozenset(("device", "non_blocking", "memory_format"))
+
+
+def read_copy(args: Sequence[Any], kwargs: Mapping[str, Any], *,
+              deprecated_async: bool = False) -> tuple[Any, bool] | None:
+    """Return ``(other, non_blocking)`` of a ``Tensor.copy_`` call in torch's own form, else None.
+
+    ``args`` excludes the destination. torch's signature is ``copy_(other,
+    non_blocking=False)`` with a bool ``non_blocking``; any other form (a
+    repeated, missing or unknown argument, a non-bool ``non_blocking``) gives
+    None, and so does the deprecated ``async=`` unless ``deprecated_async``
+    (for a call torch has already accepted: ``async`` then stands for
+    ``non_blocking``). A caller passes a None call on untouched, so torch
+    accepts or refuses it itself. Reads no tensor attribute.
+    """
+    if not kwargs:  # the common forms, read first
+        if len(args) == 1:
+            return args[0], False
+        return (args[0], args[1]) if len(args) == 2 and type(args[1]) is bool else None
+    keywords = _COPY_KEYWORDS | {"async"} if deprecated_async else _COPY_KEYWORDS
+    if len(args) > 2 or not kwargs.keys() <= keywords or ("async" in kwargs and "non_blocking" in kwargs):
+        return None
+    given_twice = (len(args) >= 1 and "other" in kwargs) or (
+        len(args) == 2 and bool(kwargs.keys() & {"non_blocking", "async"}))
+    if given_twice or not (args or "other" in kwargs):
+        return None
+    other = args[0] if args else kwargs["other"]
+    non_blocking = args[1] if len(args) == 2 else kwargs.get("non_blocking", kwargs.get("async", False))
+    if type(non_blocking) is not bool:
+        return None
+    return other, non_blocking
+
+
+def read_cuda(args: Sequence[Any], kwargs: Mapping[str, Any], *,
+              deprecated_async: bool = False) -> tuple[Any, bool, Any] | None:
+    """Return ``(device, non_blocking, memory_format)`` of a ``Tensor.cuda`` call in torch's own form, else None.
+
+    ``args`` excludes the tensor. torch's signature is ``cuda(device=None,
+    non_blocking=False, *, memory_format=torch.preserve_format)`` with a bool
+    ``non_blocking``; ``device`` and ``memory_format`` are returned as given
+    (None when left out), not checked. Any other form gives None, as in
+    :func:`read_copy` (``deprecated_async`` too). Reads no tensor attribute.
+    """
+    keywords = _CUDA_KEYWORDS | {"async"} if deprecated_async else _CUDA_KEYWORDS
+    if len(args) > 2 or not kwargs.keys() <= keywords or ("async" in kwargs and "non_blocking" in kwargs):
+        return None
+    if (len(args) >= 1 and "device" in kwargs) or (len(args) == 2 and kwargs.keys() & {"non_blocking", "async"}):
+        return None
+    non_blocking = args[1] if len(args) == 2 else kwargs.get("non_blocking", kwargs.get("async", False))
+    if type(non_blocking) is not bool:
+        return None
+    return (args[0] if args else kwargs.get("device")), non_blocking, kwargs.get("memory_format")
+
+
+def reads_as_cuda_device(device: Any) -> bool:
+    """Whether torch reads ``device`` as a CUDA device in ``Tensor.cuda(device)`` (None: the current one)."""
+    import torch
+
+    if device is None or (type(device) is int and device >= 0):
+        return True
+    if isinstance(device, str):
+        try:
+            device = torch.device(device)
+        except RuntimeError:
+            return False
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+def has_override(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    """Whether torch would hand this call to a ``__torch_function__`` override (a tensor subclass's, or a mode).
+
+    A wrapper that sees True passes the call on untouched and reads nothing
+    (reading a subclass's attributes would itself call its override); torch
+    then calls the override, which calls the wrapper again with overrides
+    disabled, and that call is read and routed as usual.
+    """
+    import torch
+
+    check = torch._C._has_torch_function
+    return check(args) or (bool(kwargs) and check(tuple(kwargs.values())))

@@ -22,9 +22,9 @@ from typing import Any
 
 from syncless._core import patching
 from syncless._core.compiling import is_compiling
-from syncless._core.tensor_calls import maybe_non_blocking_to, parse_to
+from syncless._core.tensor_calls import maybe_non_blocking_to, parse_to, read_copy, read_cuda
 from syncless.cc import _routing, _streams
-from syncless.cc._layers import EMULATION_KEY, TENSOR_ATTRS, UNSET, forward_copy, forward_cuda
+from syncless.cc._layers import EMULATION_KEY, TENSOR_ATTRS, call_for_routing
 from syncless.cc._stats import COUNTERS
 
 _lock = threading.Lock()
@@ -45,20 +45,18 @@ def _emulate_wait(cuda_device: Any) -> None:
     COUNTERS.add("emulated_waits")
 
 
-def _given_non_blocking(non_blocking: Any, kwargs: dict) -> bool:
-    """Return whether a call torch accepted was ``non_blocking`` (its ``kwargs`` can only hold ``async``)."""
-    if kwargs:
-        return bool(kwargs.get("async", False))
-    return non_blocking is not UNSET and bool(non_blocking)
-
-
 def _wrap_to(next_to):
-    def to(self, *args, **kwargs):
-        if is_compiling() or not maybe_non_blocking_to(args, kwargs):
-            return next_to(self, *args, **kwargs)
-        result = next_to(self, *args, **kwargs)
-        device, _, non_blocking, _ = parse_to(args, kwargs)
-        if device is not None and _routing.needs_emulated_wait(self.device.type, device.type, non_blocking, False, False):
+    def to(*args, **kwargs):
+        # The call goes beneath as given (see ._layers); it is read only after torch accepted it.
+        if is_compiling() or not args or not maybe_non_blocking_to(args[1:], kwargs):
+            return next_to(*args, **kwargs)
+        result = next_to(*args, **kwargs)
+        if call_for_routing(args, kwargs) is None:
+            return result  # an override took the call; its call back into torch was emulated
+        self = args[0]
+        device, _, non_blocking, _ = parse_to(args[1:], kwargs)
+        if device is not None and _routing.needs_emulated_wait(self.device.type, device.type, non_blocking,
+                                                               False, False):
             _emulate_wait(device if device.type == "cuda" else self.device)
         return result
 
@@ -66,12 +64,13 @@ def _wrap_to(next_to):
 
 
 def _wrap_cuda(next_cuda):
-    def cuda(self, device=UNSET, non_blocking=UNSET, *args, memory_format=UNSET, **kwargs):
-        # torch's signature (see ._layers); the call goes beneath as given, torch validates it.
-        result = forward_cuda(next_cuda, self, device, non_blocking, args, memory_format, kwargs)
-        if not _given_non_blocking(non_blocking, kwargs) or is_compiling():
-            return result
-        if _routing.needs_emulated_wait(self.device.type, "cuda", True, False, False):
+    def cuda(*args, **kwargs):
+        # The call goes beneath as given (see ._layers); it is read only after torch accepted it.
+        result = next_cuda(*args, **kwargs)
+        read = read_cuda(args[1:], kwargs, deprecated_async=True)
+        if read is None or read[1] is not True or is_compiling() or call_for_routing(args, kwargs) is None:
+            return result  # blocking, or an override took the call (its call back into torch was emulated)
+        if _routing.needs_emulated_wait(args[0].device.type, "cuda", True, False, False):
             _emulate_wait(result.device)
         return result
 
@@ -79,11 +78,13 @@ def _wrap_cuda(next_cuda):
 
 
 def _wrap_copy(next_copy):
-    def copy_(self, other=UNSET, non_blocking=UNSET, *args, **kwargs):
-        # torch's signature (see ._layers); the call goes beneath as given, torch validates it.
-        result = forward_copy(next_copy, self, other, non_blocking, args, kwargs)
-        if not _given_non_blocking(non_blocking, kwargs) or is_compiling():
-            return result
+    def copy_(*args, **kwargs):
+        # The call goes beneath as given (see ._layers); it is read only after torch accepted it.
+        result = next_copy(*args, **kwargs)
+        read = read_copy(args[1:], kwargs, deprecated_async=True)
+        if read is None or read[1] is not True or is_compiling() or call_for_routing(args, kwargs) is None:
+            return result  # blocking, or an override took the call (its call back into torch was emulated)
+        self, other = args[0], read[0]
         src_type = getattr(getattr(other, "device", None), "type", "cpu")
         if _routing.needs_emulated_wait(src_type, self.device.type, True, False, False):
             _emulate_wait(self.device if self.device.type == "cuda" else other.device)

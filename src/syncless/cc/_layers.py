@@ -1,69 +1,40 @@
-"""What the CC shim's and the CC emulator's layers over torch share: their keys and torch's call forms.
+"""What the CC shim's and the CC emulator's layers over torch share: their keys, and how they read a call.
 
 The layers are named in :mod:`syncless._core.patching` by :data:`SHIM_KEY`
-and :data:`EMULATION_KEY`. Their ``Tensor.copy_``/``Tensor.cuda`` wrappers
-take torch's own signatures, which its argument parser defines as::
-
-    copy_(Tensor other, bool non_blocking=False)         (deprecated: async= for non_blocking=)
-    cuda(Device? device=None, bool non_blocking=False, *, MemoryFormat? memory_format=None)
-                                                         (deprecated: async= for non_blocking=)
-
-so that reading a call costs nothing. Their defaults are :data:`UNSET`
-rather than torch's: an argument the caller left out stays out of the call
-passed on (torch refuses ``non_blocking`` next to the deprecated ``async``,
-and its error messages depend on what was passed). Anything else torch may
-accept or refuse (``async=``, a typo, one argument too many, a
-``non_blocking`` that is not a bool) reaches torch as it was given, through
-:func:`forward_copy` and :func:`forward_cuda`, so torch raises its own
-error. Two differences in the text, not the type, of such an error: a call
-Python cannot bind to these signatures (the same argument given twice) gets
-Python's ``TypeError``, which names the wrapper; and a bad ``non_blocking=``
-given with ``other`` reaches torch positionally, so its message names the
-position.
+and :data:`EMULATION_KEY`. Every wrapper takes ``*args, **kwargs`` and passes
+them on untouched, so torch parses every call itself: its forms, defaults,
+errors (type and message) and deprecation warnings stay its own
+(``docs/_incoming/cc2.md``). A wrapper reads a call only to decide what to do
+with it, through the readers of :mod:`syncless._core.tensor_calls`, which
+understand torch's own forms and nothing else; a form they do not
+understand goes on as given, so torch accepts or refuses it. A call that
+torch hands to a ``__torch_function__`` override (a tensor subclass's, or a
+mode) goes on unread as well (:func:`call_for_routing`): the override then
+sees exactly what it sees without syncless, and the call it makes back into
+torch (overrides disabled) is the one routed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from syncless._core.tensor_calls import has_override
 
 SHIM_KEY = "cc.shim"
 EMULATION_KEY = "cc.emulation"
 TENSOR_ATTRS = ("to", "cuda", "copy_")
 
 
-class _Unset:
-    """The type of :data:`UNSET`."""
+def call_for_routing(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[Any, tuple] | None:
+    """Return ``(tensor, the other arguments)`` of a ``Tensor.to/cuda/copy_`` call a wrapper may read, else None.
 
-    __slots__ = ()
+    None when the call has no tensor first (torch refuses it: ``Tensor.to()``,
+    ``Tensor.to(self=x)``, ``Tensor.copy_(1, y)``) or when torch hands it to
+    a ``__torch_function__`` override. Reads no tensor attribute.
+    """
+    import torch
 
-    def __repr__(self) -> str:
-        return "<not given>"
-
-
-UNSET: Any = _Unset()
-"""Default of an argument the caller may leave out; test it with ``is``."""
-
-
-def forward_copy(next_copy: Callable[..., Any], dst: Any, other: Any, non_blocking: Any, args: tuple,
-                 kwargs: Mapping[str, Any]) -> Any:
-    """Call ``next_copy`` with the arguments of a ``dst.copy_(...)`` call, leaving out the ones not given."""
-    if non_blocking is UNSET:  # then nothing positional came after ``other``
-        return next_copy(dst, **kwargs) if other is UNSET else next_copy(dst, other, **kwargs)
-    if other is UNSET:
-        return next_copy(dst, non_blocking=non_blocking, **kwargs)
-    return next_copy(dst, other, non_blocking, *args, **kwargs)
-
-
-def forward_cuda(next_cuda: Callable[..., Any], src: Any, device: Any, non_blocking: Any, args: tuple,
-                 memory_format: Any, kwargs: Mapping[str, Any]) -> Any:
-    """Call ``next_cuda`` with the arguments of a ``src.cuda(...)`` call, leaving out the ones not given."""
-    if memory_format is not UNSET:
-        kwargs = {**kwargs, "memory_format": memory_format}
-    if device is UNSET:  # then nothing positional was given
-        if non_blocking is not UNSET:
-            kwargs = {**kwargs, "non_blocking": non_blocking}
-        return next_cuda(src, **kwargs)
-    if non_blocking is UNSET:
-        return next_cuda(src, device, **kwargs)
-    return next_cuda(src, device, non_blocking, *args, **kwargs)
+    if not args or not isinstance(args[0], torch.Tensor) or has_override(args, kwargs):
+        return None
+    return args[0], tuple(args[1:])

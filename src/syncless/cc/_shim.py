@@ -1,8 +1,9 @@
 """The CC shim's ``Tensor.to/cuda/copy_`` layer, and install/uninstall.
 
-Each wrapper takes torch's own signature (:mod:`._layers`), so a blocking
-call, the common case, goes to the function beneath its own layer
-(``next_fn``) at once. For a ``non_blocking`` one it gathers the facts
+Each wrapper takes ``*args, **kwargs`` and passes them on untouched
+(:mod:`._layers`), so torch parses every call itself; a blocking call, the
+common case, goes to the function beneath its own layer (``next_fn``) at
+once. For a ``non_blocking`` one it gathers the facts
 (:class:`._routing.CopyFacts`), asks :func:`._routing.route_copy` what to
 do, and either performs the copy through :mod:`._staging`/:mod:`._d2h` or
 calls ``next_fn`` unchanged. The shim's own copies also go
@@ -18,10 +19,10 @@ from typing import Any
 
 from syncless._core import config, patching
 from syncless._core.compiling import is_compiling
-from syncless._core.tensor_calls import maybe_non_blocking_to, parse_to
+from syncless._core.tensor_calls import maybe_non_blocking_to, parse_to, read_copy, read_cuda, reads_as_cuda_device
 from syncless.cc import _d2h, _emulation, _host_writes, _routing, _staging, _streams, _sync_patches
 from syncless.cc._d2h import WORKER
-from syncless.cc._layers import SHIM_KEY, TENSOR_ATTRS, UNSET, forward_copy, forward_cuda
+from syncless.cc._layers import SHIM_KEY, TENSOR_ATTRS, call_for_routing
 from syncless.cc._stats import COUNTERS
 
 _log = logging.getLogger(__name__)
@@ -122,25 +123,48 @@ def _describe(verb: str, t: Any) -> str:
     return f"{verb} of a {tuple(t.shape)} {t.dtype} tensor from {t.device}"
 
 
+def _present_cuda_index(device: Any) -> int | None:
+    """The index of CUDA ``device`` (None: the current GPU) if this process has that GPU, else None.
+
+    A copy to a GPU torch cannot reach (a CPU-only build, an index past the last GPU) is not routed: it goes
+    on as given and torch raises its own error for it.
+    """
+    import torch
+
+    count = torch.cuda.device_count()
+    if count == 0:
+        return None
+    index = _streams.device_index(device)
+    return index if 0 <= index < count else None
+
+
 def _wrap_to(next_to):
     import torch
 
-    def to(self, *args, **kwargs):
-        if is_compiling():
-            return next_to(self, *args, **kwargs)
-        if not maybe_non_blocking_to(args, kwargs):
-            _settle_for_to(self, args, kwargs)
-            return next_to(self, *args, **kwargs)
+    def to(*args, **kwargs):
+        # Takes and passes on exactly what the caller gave (see ._layers); reads only torch's own forms.
+        if is_compiling() or not args:
+            return next_to(*args, **kwargs)
+        rest = args[1:]
+        if not maybe_non_blocking_to(rest, kwargs):  # the hot path: reads no tensor
+            if WORKER.is_pending(WORKER.submitted) and call_for_routing(args, kwargs) is not None:
+                _settle_for_to(args[0], rest, kwargs)
+            return next_to(*args, **kwargs)
+        if call_for_routing(args, kwargs) is None:
+            return next_to(*args, **kwargs)  # torch refuses the call, or an override takes it
+        self = args[0]
         try:
-            device, dtype, non_blocking, memory_format = parse_to(args, kwargs)
+            device, dtype, non_blocking, memory_format = parse_to(rest, kwargs)
         except (TypeError, RuntimeError, ValueError):
-            return next_to(self, *args, **kwargs)  # let torch raise its own error for a bad call
+            return next_to(*args, **kwargs)  # let torch raise its own error for a bad call
         if device is None or not non_blocking:
-            _settle_for_to(self, args, kwargs)
-            return next_to(self, *args, **kwargs)
+            _settle_for_to(self, rest, kwargs)
+            return next_to(*args, **kwargs)
         index = None
         if device.type == "cuda":
-            index = _streams.device_index(device)
+            index = _present_cuda_index(device)
+            if index is None:
+                return next_to(*args, **kwargs)  # torch raises its own error
         elif self.device.type == "cuda":
             index = self.device.index
         autograd = self.requires_grad and torch.is_grad_enabled()
@@ -163,7 +187,7 @@ def _wrap_to(next_to):
             dst = _d2h.pinned_like(self, dtype, memory_format)
             _d2h.offload(record, dst, self, _describe(".to('cpu', non_blocking=True)", self))
             return dst
-        result = next_to(self, *args, **kwargs)
+        result = next_to(*args, **kwargs)
         if route == _routing.ORIGINAL and device.type == "cpu" and self.device.type == "cuda":
             _note_plain_d2h(result, self)
         return result
@@ -174,25 +198,39 @@ def _wrap_to(next_to):
 def _wrap_cuda(next_cuda):
     import torch
 
-    def cuda(self, device=UNSET, non_blocking=UNSET, *args, memory_format=UNSET, **kwargs):
-        # torch's signature (see ._layers); extra arguments only reach here in a form torch refuses or the
-        # deprecated ``async=``, which are passed on as given.
-        if non_blocking is not True or args or kwargs or is_compiling():  # torch itself accepts only a bool
-            if WORKER.is_pending(WORKER.submitted) and self.device.type != "cuda" and not is_compiling():
+    def cuda(*args, **kwargs):
+        # Takes and passes on exactly what the caller gave (see ._layers); reads only torch's own forms
+        # (the deprecated ``async=`` too, which is never routed).
+        read = read_cuda(args[1:], kwargs, deprecated_async=True) if args else None
+        if read is None:
+            return next_cuda(*args, **kwargs)  # torch refuses the call
+        device, non_blocking, memory_format = read
+        if non_blocking is not True or "async" in kwargs or is_compiling():
+            if (WORKER.is_pending(WORKER.submitted) and not is_compiling()
+                    and call_for_routing(args, kwargs) is not None and args[0].device.type != "cuda"):
                 _settle_for_cuda(device)
-            return forward_cuda(next_cuda, self, device, non_blocking, args, memory_format, kwargs)
+            return next_cuda(*args, **kwargs)
+        if call_for_routing(args, kwargs) is None:
+            return next_cuda(*args, **kwargs)  # torch refuses the call, or an override takes it
+        self = args[0]
         if self.device.type == "cuda":
             COUNTERS.left_alone("device_to_device")
-            return forward_cuda(next_cuda, self, device, non_blocking, args, memory_format, kwargs)
-        index = _streams.device_index(None if device is UNSET else device)
+            return next_cuda(*args, **kwargs)
+        if not reads_as_cuda_device(device) or (
+            memory_format is not None and not isinstance(memory_format, torch.memory_format)
+        ):
+            return next_cuda(*args, **kwargs)  # torch raises its own error
+        index = _present_cuda_index(device)
+        if index is None:
+            return next_cuda(*args, **kwargs)  # torch raises its own error
         route, _, _ = _decide(self, "cuda", index, into_existing=False, registered=False, dtype_changes=False,
                               autograd=False)
         if route != _routing.STAGE_FRESH:
             _settle_d2h_stream(index)
-            return forward_cuda(next_cuda, self, device, non_blocking, args, memory_format, kwargs)
+            return next_cuda(*args, **kwargs)
         COUNTERS.add("staged")
         landed = _staging.land(self, index, next_fn=next_cuda, device=index, non_blocking=True)
-        if memory_format is not UNSET and memory_format is not None and memory_format is not torch.preserve_format:
+        if memory_format is not None and memory_format is not torch.preserve_format:
             to_beneath = patching.beneath(torch.Tensor, "to", SHIM_KEY)
             return to_beneath(landed, memory_format=memory_format)
         return landed
@@ -218,10 +256,10 @@ def _settle_d2h_stream(index: int | None) -> None:
 
 def _settle_for_cuda(device: Any) -> None:
     """:func:`_settle_d2h_stream` for a host tensor's ``.cuda(device)`` that is not staged."""
-    if not WORKER.is_pending(WORKER.submitted):
+    if not WORKER.is_pending(WORKER.submitted) or not reads_as_cuda_device(device):
         return
     try:
-        index = _streams.device_index(None if device is UNSET else device)
+        index = _streams.device_index(device)
     except (TypeError, RuntimeError, ValueError):
         return  # torch refuses the call
     _settle_d2h_stream(index)
@@ -255,17 +293,22 @@ def _settle_for_to(self: Any, args: tuple, kwargs: dict) -> None:
 def _wrap_copy(next_copy):
     import torch
 
-    def copy_(self, other=UNSET, non_blocking=UNSET, *args, **kwargs):
-        # torch's signature (see ._layers): torch names the source ``other``. Extra arguments only reach here in
-        # a form torch refuses or the deprecated ``async=``, which are passed on as given.
-        if non_blocking is not True or args or kwargs:  # torch itself accepts only a bool
+    def copy_(*args, **kwargs):
+        # Takes and passes on exactly what the caller gave (see ._layers); reads only torch's own forms
+        # (the deprecated ``async=`` too, which is never routed).
+        read = read_copy(args[1:], kwargs, deprecated_async=True) if args else None
+        if read is None:
+            return next_copy(*args, **kwargs)  # torch refuses the call
+        other, non_blocking = read
+        if non_blocking is not True or "async" in kwargs:
             # The hot path: a blocking copy goes straight beneath, unless D2H copies are still queued.
-            if WORKER.is_pending(WORKER.submitted) and not is_compiling():
-                _settle_d2h_stream(_cuda_index(self, other))
-            return forward_copy(next_copy, self, other, non_blocking, args, kwargs)
-        if is_compiling() or not isinstance(other, torch.Tensor):
-            return forward_copy(next_copy, self, other, non_blocking, args, kwargs)
-        src = other
+            pending = WORKER.is_pending(WORKER.submitted)
+            if pending and not is_compiling() and call_for_routing(args, kwargs) is not None:
+                _settle_d2h_stream(_cuda_index(args[0], other))
+            return next_copy(*args, **kwargs)
+        if is_compiling() or not isinstance(other, torch.Tensor) or call_for_routing(args, kwargs) is None:
+            return next_copy(*args, **kwargs)  # compiling, or torch refuses the call, or an override takes it
+        self, src = args[0], other
         if src.device.type != "cuda" or self.device.type != "cpu":  # anything but a D2H, which may be offloaded
             _settle_d2h_stream(_cuda_index(self, src))
         if self.device.type == "cuda" and src.device.type != "cuda":
@@ -279,7 +322,7 @@ def _wrap_copy(next_copy):
             if route == _routing.STAGE_INTO:
                 COUNTERS.add("staged")
                 return _staging.stage_into(self, src, next_copy)
-            return next_copy(self, src, non_blocking)
+            return next_copy(*args, **kwargs)
         autograd = (self.requires_grad or src.requires_grad) and torch.is_grad_enabled()
         route, _, record = _decide(src, self.device.type, src.device.index if src.device.type == "cuda" else None,
                                    into_existing=True, registered=False, dtype_changes=self.dtype != src.dtype,
@@ -290,7 +333,7 @@ def _wrap_copy(next_copy):
             _d2h.offload(record, self, src, _describe("copy_(non_blocking=True)", src))
             return self
         _settle_d2h_stream(_cuda_index(src))
-        result = next_copy(self, src, non_blocking)
+        result = next_copy(*args, **kwargs)
         if self.device.type == "cpu" and src.device.type == "cuda":
             _note_plain_d2h(self, src)
         return result

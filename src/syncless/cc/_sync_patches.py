@@ -86,44 +86,93 @@ def _cover_all() -> int:
     return WORKER.submitted
 
 
+# Reading a call ----------------------------------------------------------------------
+# Every wrapper takes ``*args, **kwargs`` and passes them on untouched, so torch reads the call itself: its
+# forms, errors and messages stay its own. A wrapper acts only on a form it understands (the object first,
+# then torch's own parameters); any other goes on as given, and torch accepts or refuses it.
+
+
+def _only_self(args: tuple, kwargs: dict, cls: type) -> Any:
+    """The object of a call ``method(self)`` on an instance of ``cls``, or None for any other form."""
+    if len(args) != 1 or kwargs or not isinstance(args[0], cls):
+        return None
+    return args[0]
+
+
+def _self_and_stream(args: tuple, kwargs: dict, cls: type) -> tuple[Any, Any] | None:
+    """``(self, stream)`` of a call ``method(self, stream=None)`` on an instance of ``cls``, or None for any other."""
+    if not args or len(args) > 2 or not kwargs.keys() <= {"stream"} or (len(args) == 2 and kwargs):
+        return None
+    if not isinstance(args[0], cls):
+        return None
+    return args[0], (args[1] if len(args) == 2 else kwargs.get("stream"))
+
+
 # torch.cuda.Event ------------------------------------------------------------------
 
 
+def _event_class() -> type:
+    import torch
+
+    return torch.cuda.Event
+
+
 def _wrap_event_record(next_record):
-    def record(self, stream=None):
-        _mark(self, stream)
-        return next_record(self, stream)
+    event_class = _event_class()
+
+    def record(*args, **kwargs):
+        call = _self_and_stream(args, kwargs, event_class)
+        if call is not None:
+            _mark(*call)
+        return next_record(*args, **kwargs)
 
     return record
 
 
 def _wrap_event_wait(next_wait):
-    def wait(self, stream=None):
-        _wait_before_gpu_wait(self)
-        return next_wait(self, stream)
+    event_class = _event_class()
+
+    def wait(*args, **kwargs):
+        call = _self_and_stream(args, kwargs, event_class)
+        if call is not None:
+            _wait_before_gpu_wait(call[0])
+        return next_wait(*args, **kwargs)
 
     return wait
 
 
 def _wrap_event_synchronize(next_sync):
-    def synchronize(self):
-        result = next_sync(self)
-        _wait_marked(self)
+    event_class = _event_class()
+
+    def synchronize(*args, **kwargs):
+        result = next_sync(*args, **kwargs)
+        event = _only_self(args, kwargs, event_class)
+        if event is not None:
+            _wait_marked(event)
         return result
 
     return synchronize
 
 
 def _wrap_event_query(next_query):
-    def query(self):
-        if WORKER.is_pending(getattr(self, _MARK, 0)):
+    event_class = _event_class()
+
+    def query(*args, **kwargs):
+        event = _only_self(args, kwargs, event_class)
+        if event is not None and WORKER.is_pending(getattr(event, _MARK, 0)):
             return False
-        return next_query(self)
+        return next_query(*args, **kwargs)
 
     return query
 
 
 # torch.cuda.Stream -------------------------------------------------------------------
+
+
+def _stream_class() -> type:
+    import torch
+
+    return torch.cuda.Stream
 
 
 def _stream_jobs(stream: Any) -> int:
@@ -133,9 +182,14 @@ def _stream_jobs(stream: Any) -> int:
 
 
 def _wrap_stream_synchronize(next_sync):
-    def synchronize(self):
-        seq = _stream_jobs(self)
-        result = next_sync(self)
+    stream_class = _stream_class()
+
+    def synchronize(*args, **kwargs):
+        stream = _only_self(args, kwargs, stream_class)
+        if stream is None:
+            return next_sync(*args, **kwargs)  # torch refuses the call
+        seq = _stream_jobs(stream)
+        result = next_sync(*args, **kwargs)
         WORKER.wait_and_raise(seq)
         return result
 
@@ -143,10 +197,13 @@ def _wrap_stream_synchronize(next_sync):
 
 
 def _wrap_stream_query(next_query):
-    def query(self):
-        if WORKER.is_pending(_stream_jobs(self)):
+    stream_class = _stream_class()
+
+    def query(*args, **kwargs):
+        stream = _only_self(args, kwargs, stream_class)
+        if stream is not None and WORKER.is_pending(_stream_jobs(stream)):
             return False
-        return next_query(self)
+        return next_query(*args, **kwargs)
 
     return query
 
@@ -155,9 +212,10 @@ def _wrap_stream_query(next_query):
 
 
 def _wrap_device_synchronize(next_sync):
-    def synchronize(device=None):
+    def synchronize(*args, **kwargs):
+        # Whatever the device argument, the wait covers every job submitted before the call (conservative).
         seq = _cover_all()
-        result = next_sync(device)
+        result = next_sync(*args, **kwargs)
         WORKER.wait_and_raise(seq)
         return result
 
@@ -168,29 +226,44 @@ def _wrap_device_synchronize(next_sync):
 
 
 def _wrap_torch_event(base):
-    class Event(base):
-        """``torch.Event`` whose record/synchronize/query also cover syncless's D2H copies."""
+    # Each method takes what the caller gave and calls the base class's (a C method) with it unchanged, so
+    # torch reads the call; only torch's own forms are acted on.
+    def record(*args, **kwargs):
+        call = _self_and_stream(args, kwargs, Event)
+        if call is not None:
+            _mark(call[0], call[1], getattr(call[0], "device", None))
+        return base.record(*args, **kwargs)
 
-        def record(self, stream=None):
-            _mark(self, stream, getattr(self, "device", None))
-            return super().record(stream)
+    def wait(*args, **kwargs):
+        call = _self_and_stream(args, kwargs, Event)
+        if call is not None:
+            _wait_before_gpu_wait(call[0])
+        return base.wait(*args, **kwargs)
 
-        def wait(self, stream=None):
-            _wait_before_gpu_wait(self)
-            return super().wait(stream)
+    def synchronize(*args, **kwargs):
+        result = base.synchronize(*args, **kwargs)
+        event = _only_self(args, kwargs, Event)
+        if event is not None:
+            _wait_marked(event)
+        return result
 
-        def synchronize(self):
-            result = super().synchronize()
-            _wait_marked(self)
-            return result
+    def query(*args, **kwargs):
+        event = _only_self(args, kwargs, Event)
+        if event is not None and WORKER.is_pending(getattr(event, _MARK, 0)):
+            return False
+        return base.query(*args, **kwargs)
 
-        def query(self):
-            if WORKER.is_pending(getattr(self, _MARK, 0)):
-                return False
-            return super().query()
-
-    Event.__module__ = base.__module__
-    Event.__qualname__ = base.__qualname__
+    methods = {"record": record, "wait": wait, "synchronize": synchronize, "query": query}
+    for name, method in methods.items():
+        method.__name__ = name
+        method.__qualname__ = f"{base.__qualname__}.{name}"
+        method.__doc__ = getattr(getattr(base, name, None), "__doc__", None)
+    Event = type(base.__name__, (base,), {
+        **methods,
+        "__doc__": "``torch.Event`` whose record/wait/synchronize/query also cover syncless's D2H copies.",
+        "__module__": base.__module__,
+        "__qualname__": base.__qualname__,
+    })
     return Event
 
 

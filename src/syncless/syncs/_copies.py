@@ -38,7 +38,14 @@ from typing import Any
 
 from syncless._core import patching
 from syncless._core.layouts import is_dense_layout
-from syncless._core.tensor_calls import maybe_non_blocking_to, parse_to
+from syncless._core.tensor_calls import (
+    has_override,
+    maybe_non_blocking_to,
+    parse_to,
+    read_copy,
+    read_cuda,
+    reads_as_cuda_device,
+)
 from syncless.syncs import _report
 from syncless.syncs._state import checked_depth, is_violation_context
 
@@ -271,43 +278,23 @@ def _check_to(self: Any, args: tuple, kwargs: dict) -> None:
         _report_copy(reason, f"Tensor.to({device.type})")
 
 
-_CUDA_KEYWORDS = frozenset(("device", "non_blocking", "memory_format"))
-
-
-def _is_cuda_device(device: Any) -> bool:
-    """Whether torch reads ``device`` as a CUDA device in ``Tensor.cuda(device)`` (None: the current one)."""
-    import torch
-
-    if device is None or (type(device) is int and device >= 0):
-        return True
-    if isinstance(device, str):
-        try:
-            device = torch.device(device)
-        except RuntimeError:
-            return False
-    return isinstance(device, torch.device) and device.type == "cuda"
-
-
 def _check_cuda(self: Any, args: tuple, kwargs: dict) -> None:
     """Check ``self.cuda(*args, **kwargs)`` before it runs (``args`` without the tensor).
 
-    torch's signature is ``cuda(device=None, non_blocking=False, *,
-    memory_format=torch.preserve_format)``; any other form (the deprecated
-    ``async=``, a repeated or unknown argument, a non-bool ``non_blocking``)
-    is left alone, so torch accepts or refuses it itself.
+    Only torch's own form is read (:func:`read_cuda`); any other (the
+    deprecated ``async=``, a repeated or unknown argument, a non-bool
+    ``non_blocking``) is left alone, so torch accepts or refuses it itself.
     """
     import torch
 
-    if len(args) > 2 or not kwargs.keys() <= _CUDA_KEYWORDS:
+    call = read_cuda(args, kwargs)
+    if call is None:
         return
-    if (len(args) >= 1 and "device" in kwargs) or (len(args) == 2 and "non_blocking" in kwargs):
-        return
-    non_blocking = args[1] if len(args) == 2 else kwargs.get("non_blocking", False)
+    device, non_blocking, memory_format = call
     if non_blocking is not True or _stepping_aside(self) or not self.is_cpu:
         return
-    if not _is_cuda_device(args[0] if args else kwargs.get("device")):
+    if not reads_as_cuda_device(device):
         return
-    memory_format = kwargs.get("memory_format")
     if memory_format is not None and not isinstance(memory_format, torch.memory_format):
         return
     result = _planned(self, True, None, memory_format, non_blocking)
@@ -316,25 +303,20 @@ def _check_cuda(self: Any, args: tuple, kwargs: dict) -> None:
         _report_copy(reason, "Tensor.cuda()")
 
 
-_COPY_KEYWORDS = frozenset(("other", "non_blocking"))
-
-
 def _check_copy(self: Any, args: tuple, kwargs: dict) -> None:
     """Check ``self.copy_(*args, **kwargs)`` before it runs (``args`` without the destination).
 
-    torch's signature is ``copy_(other, non_blocking=False)``; any other form
-    (the deprecated ``async=``, a repeated or unknown argument, a non-bool
+    Only torch's own form is read (:func:`read_copy`); any other (the
+    deprecated ``async=``, a repeated or unknown argument, a non-bool
     ``non_blocking``) and a source that does not broadcast to the
     destination are left alone, so torch accepts or refuses them itself.
     """
     import torch
 
-    if len(args) > 2 or not kwargs.keys() <= _COPY_KEYWORDS:
+    call = read_copy(args, kwargs)
+    if call is None:
         return
-    if (len(args) >= 1 and "other" in kwargs) or (len(args) == 2 and "non_blocking" in kwargs):
-        return
-    src = args[0] if args else kwargs.get("other")
-    non_blocking = args[1] if len(args) == 2 else kwargs.get("non_blocking", False)
+    src, non_blocking = call
     if non_blocking is not True or src is None or _stepping_aside(self, src):
         return
     try:
@@ -352,7 +334,9 @@ def _make_wrapper(check, beneath):
     # Takes and passes on exactly what the caller gave (*args, **kwargs, the tensor included), so torch
     # parses every call itself: its forms, defaults, errors and deprecation warnings stay its own. Outside a
     # checked region this costs one ContextVar read; inside, ``check`` reads the call defensively and never
-    # raises for a form it does not understand.
+    # raises for a form it does not understand. A call torch hands to a ``__torch_function__`` override (a
+    # subclass's or a mode's) is not read here, since reading it would call the override; the override's call
+    # back into torch, made with overrides disabled, is the one checked.
     # The wrapper keeps the name of what it wraps ("to", "cuda", "copy_"): dynamo then treats the bound
     # method as a plain tensor method and puts the call in the graph instead of tracing into this function,
     # so fullgraph=True holds.
@@ -360,7 +344,7 @@ def _make_wrapper(check, beneath):
 
     @functools.wraps(beneath)
     def wrapper(*args, **kwargs):
-        if args and depth():
+        if args and depth() and not has_override(args, kwargs):
             check(args[0], args[1:], kwargs)
         return beneath(*args, **kwargs)
 

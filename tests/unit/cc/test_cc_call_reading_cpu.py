@@ -1,0 +1,113 @@
+"""The readers the cc (and syncs) wrappers route by understand exactly the calls torch accepts.
+
+torch is the oracle: a form is read (not None) exactly when torch's parser
+accepts it, and what is read is what torch did with it. Any other form is
+passed on untouched, so torch raises its own error.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from syncless._core.tensor_calls import read_copy, read_cuda
+from syncless.cc import _sync_patches
+from syncless.cc._worker import OrderedWorker
+
+ASYNC = "async"
+
+
+def _copy_forms(src):
+    return [
+        ((src,), {}), ((src, True), {}), ((src, False), {}), ((), {"other": src}),
+        ((), {"other": src, "non_blocking": True}), ((src,), {"non_blocking": True}),
+        ((src,), {ASYNC: True}), ((), {"other": src, ASYNC: False}),
+        ((), {}), ((), {"non_blocking": True}), ((src, True, True), {}), ((src, 1), {}),
+        ((src,), {"non_blocking": 1}), ((src,), {"other": src}), ((src, True), {"non_blocking": True}),
+        ((src, True), {ASYNC: True}), ((src,), {"non_blocking": True, ASYNC: True}), ((), {"src": src}),
+        ((src,), {"foo": 1}), ((3.0,), {}),
+    ]
+
+
+def _torch_accepts(fn, *args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's deprecation of async=
+        try:
+            fn(*args, **kwargs)
+        except TypeError:
+            return False
+        except (RuntimeError, AssertionError):  # parsed, then refused for the device (a CPU-only torch)
+            return True
+    return True
+
+
+@pytest.mark.parametrize("deprecated_async", [False, True])
+def test_read_copy_reads_exactly_what_torch_accepts(deprecated_async):
+    src = torch.randn(4)
+    for args, kwargs in _copy_forms(src):
+        dst = torch.full((4,), float("nan"))
+        accepted = _torch_accepts(dst.copy_, *args, **kwargs)
+        read = read_copy(args, kwargs, deprecated_async=deprecated_async)
+        if ASYNC in kwargs and not deprecated_async:
+            assert read is None, (args, kwargs)
+            continue
+        assert (read is not None) == accepted, (args, kwargs, read, accepted)
+        if read is not None:
+            other, non_blocking = read
+            given = args[1] if len(args) == 2 else kwargs.get("non_blocking", kwargs.get(ASYNC, False))
+            assert other is (args[0] if args else kwargs["other"]) and non_blocking is given
+            if isinstance(other, torch.Tensor):
+                assert torch.equal(dst, other)
+
+
+def _cuda_forms():
+    return [
+        ((), {}), ((0,), {}), (("cuda:0",), {}), ((None, True), {}), ((), {"non_blocking": True}),
+        ((), {"device": 0, "non_blocking": True, "memory_format": torch.contiguous_format}),
+        ((), {ASYNC: True}), ((0,), {ASYNC: True}), ((0, True), {ASYNC: True}),
+        ((), {"non_blocking": True, ASYNC: True}), ((0, True, 1), {}), ((0,), {"device": 0}),
+        ((), {"non_blocking": "x"}), ((0, 1), {}), ((), {"foo": 1}), ((0, True, torch.contiguous_format), {}),
+    ]
+
+
+@pytest.mark.parametrize("deprecated_async", [False, True])
+def test_read_cuda_reads_exactly_what_torch_accepts(deprecated_async):
+    # A CPU-only torch refuses every .cuda() call, but only a call its parser cannot read with a TypeError.
+    x = torch.randn(4)
+    for args, kwargs in _cuda_forms():
+        accepted = _torch_accepts(x.cuda, *args, **kwargs)
+        read = read_cuda(args, kwargs, deprecated_async=deprecated_async)
+        if ASYNC in kwargs and not deprecated_async:
+            assert read is None, (args, kwargs)
+            continue
+        assert (read is not None) == accepted, (args, kwargs, read, accepted)
+
+
+class _FakeRecord:
+    last_job = 5
+
+
+def test_event_record_stamps_only_forms_torch_reads(monkeypatch):
+    from syncless.cc import _d2h
+
+    d2h = object()
+    monkeypatch.setattr(_d2h, "_streams_by_key", {(0, 1): _FakeRecord()})
+    monkeypatch.setattr(_d2h, "lookup", lambda stream: _FakeRecord() if stream is d2h else None)
+    worker = OrderedWorker("test-reading")
+    worker._submitted = 7
+    monkeypatch.setattr(_sync_patches, "WORKER", worker)
+    passed_on = []
+    record = _sync_patches._wrap_event_record(lambda *args, **kwargs: passed_on.append((args, kwargs)))
+
+    def an_event():
+        return object.__new__(torch.cuda.Event)
+
+    understood = [((d2h,), {}), ((), {"stream": d2h})]
+    refused = [((d2h, None), {}), ((), {"stream": d2h, "extra": 1}), ((d2h,), {"stream": d2h})]
+    for args, kwargs in understood + refused:
+        event = an_event()
+        record(event, *args, **kwargs)
+        assert passed_on[-1] == ((event, *args), kwargs)  # untouched
+        assert getattr(event, _sync_patches._MARK, 0) == (5 if (args, kwargs) in understood else 0)

@@ -1,0 +1,214 @@
+"""cc's wrappers keep torch's calling conventions: torch alone is the oracle for every call form.
+
+Each form of the syncs signature grid (``tests/unit/syncs/signature_grid.py``)
+runs on fresh random tensors (one seed, printed on failure) under plain
+torch, then with ``cc.install("on")``, with ``cc.install("emulate")``, and
+with the hidden-sync detector enabled as well, installed before and after
+cc (record mode, inside a checked region). Results, aliasing, the inputs
+afterwards, exceptions (type and message), warnings and what
+``__torch_function__`` overrides see must all be the same.
+
+The conftest pretends a GPU, so ``install()`` patches on this CPU build and
+the wrappers run on CPU tensors; the CUDA forms must raise torch's own "not
+compiled with CUDA" error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+
+import pytest
+import torch
+
+import syncless.cc as cc
+from syncless import syncs
+from syncless._core import patching
+from syncless.syncs import _debugmode
+from torch.overrides import TorchFunctionMode
+from unit.syncs.signature_grid import Form, LoggingTensor, cpu_forms, difference, make_env, outcome
+
+
+class LoggingMode(TorchFunctionMode):
+    """A ``__torch_function__`` mode that logs what it sees (into the grid's log), then runs the call."""
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", repr(func))
+        LoggingTensor.log.append(("mode", name, tuple(sorted(kwargs)), func is getattr(torch.Tensor, name, None)))
+        return func(*args, **kwargs)
+
+
+def _under_mode(call):
+    def run(env):
+        with LoggingMode():
+            return call(env)
+
+    return run
+
+
+
+def _cc_forms() -> list[Form]:
+    """Forms of what cc wraps beyond the syncs grid: the event and stream methods, and ``torch.Event``."""
+    ev, st = torch.cuda.Event, torch.cuda.Stream
+    forms = [
+        Form("torch.cuda.Event() (CPU build: refused)", lambda e: ev()),
+        Form("torch.cuda.Event.record() refused", lambda e: ev.record()),
+        Form("torch.cuda.Event.record(None, None, None) refused", lambda e: ev.record(None, None, None)),
+        Form("torch.cuda.Event.record(stream=None) refused", lambda e: ev.record(stream=None)),
+        Form("torch.cuda.Event.wait() refused", lambda e: ev.wait()),
+        Form("torch.cuda.Event.wait(1, stream=2) refused", lambda e: ev.wait(1, stream=2)),
+        Form("torch.cuda.Event.query() refused", lambda e: ev.query()),
+        Form("torch.cuda.Event.query(None, 1) refused", lambda e: ev.query(None, 1)),
+        Form("torch.cuda.Event.synchronize(x, timeout=1) refused", lambda e: ev.synchronize(e.x, timeout=1)),
+        Form("torch.cuda.Stream() (CPU build: refused)", lambda e: st()),
+        Form("torch.cuda.Stream.query() refused", lambda e: st.query()),
+        Form("torch.cuda.Stream.query(self=None) refused", lambda e: st.query(self=None)),
+        Form("torch.cuda.Stream.synchronize(1, 2) refused", lambda e: st.synchronize(1, 2)),
+        Form("torch.Event('cpu')", lambda e: torch.Event("cpu")),
+        Form("torch.Event(device='cpu', enable_timing=True)", lambda e: torch.Event(device="cpu", enable_timing=True)),
+        Form("torch.Event(foo=1) refused", lambda e: torch.Event(foo=1)),
+        Form("torch.Event('cpu').query()", lambda e: torch.Event("cpu").query()),
+        Form("torch.Event('cpu').synchronize()", lambda e: torch.Event("cpu").synchronize()),
+        Form("torch.Event('cpu').wait()", lambda e: torch.Event("cpu").wait()),
+        Form("torch.Event('cpu').record() refused (backend)", lambda e: torch.Event("cpu").record()),
+        Form("torch.Event('cpu').record(stream=None) refused (backend)",
+             lambda e: torch.Event("cpu").record(stream=None)),
+        Form("torch.Event('cpu').record(1, 2) refused", lambda e: torch.Event("cpu").record(1, 2)),
+        Form("torch.Event('cpu').wait(foo=1) refused", lambda e: torch.Event("cpu").wait(foo=1)),
+        Form("torch.Event('cpu').query(1) refused", lambda e: torch.Event("cpu").query(1)),
+        Form("torch.Event('cpu').synchronize(1) refused", lambda e: torch.Event("cpu").synchronize(1)),
+        Form("torch.Event.record() refused", lambda e: torch.Event.record()),
+        Form("torch.Event.query(None) refused", lambda e: torch.Event.query(None)),
+        Form("torch.Event.synchronize(x) refused", lambda e: torch.Event.synchronize(e.x)),
+        Form("type(torch.Event('cpu')) names", lambda e: (type(torch.Event("cpu")).__name__,
+                                                         type(torch.Event("cpu")).__qualname__,
+                                                         type(torch.Event("cpu")).__module__)),
+        Form("torch.Event.record names", lambda e: (torch.Event.record.__name__, torch.Event.query.__doc__)),
+    ]
+    mode_forms = [
+        Form("x.to(float16)", lambda e: e.x.to(torch.float16)),
+        Form("x.to('cpu', non_blocking=True)", lambda e: e.x.to("cpu", non_blocking=True)),
+        Form("x.to('cuda', non_blocking=True)", lambda e: e.x.to("cuda", non_blocking=True)),
+        Form("x.cuda(non_blocking=True)", lambda e: e.x.cuda(non_blocking=True)),
+        Form("dst.copy_(y, True)", lambda e: e.dst.copy_(e.y, True)),
+        Form("dst.copy_(other=sub, non_blocking=True)", lambda e: e.dst.copy_(other=e.sub, non_blocking=True)),
+        Form("dst.copy_(y, non_blocking=1) refused", lambda e: e.dst.copy_(e.y, non_blocking=1)),
+    ]
+    forms += [Form(f"under a mode: {f.label}", _under_mode(f.call)) for f in mode_forms]
+    return forms
+
+
+FORMS = cpu_forms() + _cc_forms()
+
+
+def _wrapped_attributes() -> list[tuple[object, str]]:
+    """(owner, name) of every attribute cc may patch."""
+    from syncless.cc import _sync_patches
+
+    pairs = [(torch.Tensor, name) for name in ("to", "cuda", "copy_")]
+    return pairs + [(owner, name) for owner, name, _ in _sync_patches.patch_targets()]
+
+
+@pytest.fixture
+def seed() -> int:
+    value = random.randrange(2**31)
+    print(f"signature grid seed: {value}")
+    return value
+
+
+@pytest.fixture
+def clean_torch():
+    """torch warns every time; afterwards every attribute is torch's own again and nothing is installed."""
+    originals = [(owner, name, getattr(owner, name)) for owner, name in _wrapped_attributes()]
+    before = torch.is_warn_always_enabled()
+    torch.set_warn_always(True)
+    mode_before = syncs.mode()
+    yield
+    torch.set_warn_always(before)
+    cc.uninstall()
+    syncs.disable()
+    syncs.reset()
+    syncs.set_mode(mode_before)
+    for owner, name, original in originals:
+        assert getattr(owner, name) is original, f"{owner}.{name} was not restored"
+
+
+@contextlib.contextmanager
+def _cc(mode: str):
+    assert cc.install(mode)
+    try:
+        yield
+    finally:
+        cc.uninstall()
+
+
+@contextlib.contextmanager
+def _syncs():
+    with _debugmode.fake():
+        syncs.set_mode("record")
+        syncs.reset()
+        assert syncs.enable()
+        try:
+            yield
+        finally:
+            syncs.disable()
+
+
+@contextlib.contextmanager
+def _both(mode: str, syncs_first: bool):
+    first, second = (_syncs, lambda: _cc(mode)) if syncs_first else (lambda: _cc(mode), _syncs)
+    with first(), second():
+        yield
+
+
+CONFIGURATIONS = {
+    "cc on": lambda: _cc("on"),
+    "cc emulate": lambda: _cc("emulate"),
+    "syncs, then cc on": lambda: _both("on", True),
+    "cc on, then syncs": lambda: _both("on", False),
+    "syncs, then cc emulate": lambda: _both("emulate", True),
+    "cc emulate, then syncs": lambda: _both("emulate", False),
+}
+
+
+@pytest.mark.parametrize("form", FORMS, ids=[f.label for f in FORMS])
+def test_call_form_behaves_as_in_torch(form: Form, seed: int, clean_torch):
+    plain = outcome(form, make_env(seed))
+    problems = []
+    for label, configuration in CONFIGURATIONS.items():
+        with configuration():
+            region = syncs.checking if "syncs" in label else contextlib.nullcontext
+            problem = difference(form, plain, outcome(form, make_env(seed), region=region))
+        if problem:
+            problems.append(f"[{label}] {problem}")
+    assert not problems, f"seed {seed}\n" + "\n".join(problems)
+
+
+def test_the_grid_covers_every_callable_cc_wraps(clean_torch):
+    with _cc("emulate"):
+        wrapped = [(chain.owner, chain.name) for chain in patching._chains.values()
+                   if set(chain.layers) & {"cc.shim", "cc.emulation"}]
+    assert set(wrapped) == set(_wrapped_attributes())
+    labels = " ".join(f.label for f in FORMS)
+    for owner, name in wrapped:
+        written = f".{name}(" if owner is torch.Tensor else f"{owner.__name__.rsplit('.', 1)[-1]}.{name}("
+        assert written in labels, f"no call form of {owner.__name__}.{name} in the signature grid"
+
+
+@pytest.mark.parametrize("mode", ["on", "emulate"])
+def test_a_call_an_override_takes_is_routed_once_inside_it(mode, clean_torch):
+    # Transparency must not cost the routing: the override's call back into torch is read and routed, once.
+    env = make_env(1)
+    calls = [
+        lambda: env.sub_dst.copy_(env.y, True),
+        lambda: env.dst.copy_(env.sub, non_blocking=True),
+        lambda: env.sub.to("cpu", non_blocking=True),
+        lambda: env.plain_sub.to("cpu", non_blocking=True),
+        _under_mode(lambda e: e.dst.copy_(e.y, True)),
+    ]
+    with _cc(mode):
+        cc.reset_stats()
+        for number, call in enumerate(calls, 1):
+            call() if number < len(calls) else call(env)
+            assert cc.stats().left_alone == {"no_cuda": number}, f"call {number}"
