@@ -30,11 +30,19 @@ def call_for_routing(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[An
     """Return ``(tensor, the other arguments)`` of a ``Tensor.to/cuda/copy_`` call a wrapper may read, else None.
 
     None when the call has no tensor first (torch refuses it: ``Tensor.to()``,
-    ``Tensor.to(self=x)``, ``Tensor.copy_(1, y)``) or when torch hands it to
-    a ``__torch_function__`` override. Reads no tensor attribute.
+    ``Tensor.to(self=x)``, ``Tensor.copy_(1, y)``), when torch hands it to
+    a ``__torch_function__`` override, or when a tensor in it handles calls
+    in ``__torch_dispatch__``: torch.compile's fake and functional tensors
+    (no memory to stage; tracing code must not touch data pointers) and
+    other dispatch subclasses, which see the copy themselves. Reads no
+    tensor attribute.
     """
     import torch
 
     if not args or not isinstance(args[0], torch.Tensor) or has_override(args, kwargs):
         return None
+    plain_dispatch = torch.Tensor.__torch_dispatch__
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and type(value).__torch_dispatch__ is not plain_dispatch:
+            return None
     return args[0], tuple(args[1:])

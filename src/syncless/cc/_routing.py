@@ -37,6 +37,7 @@ class CopyFacts:
         strided: both tensors have the ordinary strided layout.
         autograd: the source needs autograd tracking (requires grad, grad mode on).
         pageable_target: a D2H into an existing host tensor that is not pinned.
+        noncontiguous_target: a D2H into an existing host tensor that is not contiguous.
     """
 
     src_type: str
@@ -52,6 +53,7 @@ class CopyFacts:
     strided: bool = True
     autograd: bool = False
     pageable_target: bool = False
+    noncontiguous_target: bool = False
 
 
 def route_copy(facts: CopyFacts, max_staged_bytes: int) -> tuple[str, str]:
@@ -92,6 +94,10 @@ def route_copy(facts: CopyFacts, max_staged_bytes: int) -> tuple[str, str]:
         # torch's D2H into pageable memory has finished when the call returns (CUDA copies it synchronously), and
         # a program may rely on that; offloaded, the host would read it before the worker wrote it.
         return ORIGINAL, "pageable_target"
+    if facts.noncontiguous_target:
+        # torch copies into a contiguous temporary and then, on the host, into the target before it returns:
+        # the target is written when the call returns, which a program may rely on (as for pageable memory).
+        return ORIGINAL, "noncontiguous_target"
     return OFFLOAD, ""
 
 

@@ -79,6 +79,7 @@ def _decide(src: Any, dst_type: str, index: int | None, *, into_existing: bool, 
         strided=_strided(src) if dst is None else _strided(src, dst),
         autograd=autograd,
         pageable_target=record is not None and dst is not None and not dst.is_pinned(),
+        noncontiguous_target=record is not None and dst is not None and not dst.is_contiguous(),
     )
     route, reason = _routing.route_copy(facts, _STATE.max_staged_bytes)
     if route == _routing.ORIGINAL:

@@ -19,6 +19,7 @@ LEFT_ALONE_REASONS = (
     "autograd",          # D2H of a tensor that autograd tracks
     "layout",            # sparse, nested or other non-strided tensors
     "pageable_target",   # D2H into pageable host memory: torch's copy is synchronous, so it stays torch's
+    "noncontiguous_target",  # D2H into a non-contiguous host tensor: torch writes it on the host before returning
 )
 
 

@@ -130,6 +130,19 @@ def view_shape(spec: tuple) -> tuple:
     raise ValueError(f"unknown view {spec!r}")
 
 
+CONTIGUOUS_VIEWS = ("full", "rows")  # the views of a SIDE x SIDE tensor that are contiguous ("cols" is, if full width)
+
+
+def h2d_reads_host_now(host_view: tuple, non_blocking: bool, host_dtype: str, dev_dtype: str) -> bool:
+    """Whether torch reads an H2D copy's host source when the call is made, not in its stream's order.
+
+    torch first makes a contiguous copy of a non-contiguous host source, and
+    converts the dtype of a blocking copy on the host, both at once; only then
+    does the transfer itself go on the stream.
+    """
+    return host_view[0] not in CONTIGUOUS_VIEWS or (not non_blocking and host_dtype != dev_dtype)
+
+
 def apply_view(t: Any, spec: tuple) -> Any:
     """The view ``spec`` of a SIDE x SIDE tensor (contiguous or not)."""
     kind = spec[0]
@@ -295,25 +308,30 @@ class Model:
             self._raise(needs, op)
             self._access(buf, self._tick(s), True)
         elif k == "H2D":  # (s, h, hview, g, gview, nb)
-            s, h, _, g, _, nb = a
+            s, h, hview, g, _, nb = a
             hb, gb = self.hst[h], self._dev(g)
             if gb.registered:
                 self._check("host", gb, True, needs)  # the in-place promise: nothing touches the target now
-            self._check(s, hb, False, needs)  # the copy reads h in s's order (a blocking one too)
+            # torch reads a non-contiguous host source, or one it converts for a blocking copy, on the host when
+            # the call is made (it makes a contiguous or converted copy first); otherwise the copy reads h in s's
+            # order (a blocking one too).
+            reads_now = h2d_reads_host_now(hview, nb, hb.dtype, gb.dtype)
+            self._check("host" if reads_now else s, hb, False, needs)
             self._check(s, gb, True, needs)
             self._raise(needs, op)
             at = self._tick(s)
-            self._access(hb, at if nb else ("host", 0), False)
+            self._access(hb, at if nb and not reads_now else ("host", 0), False)
             self._access(gb, at, True)
         elif k == "H2D_FRESH":  # (s, h, g, nb, form, dtype)
             s, h, g, nb = a[0], a[1], a[2], a[3]
             if self.dev[g] is not None:
                 raise Illegal(f"device slot {g} is in use", [])
             hb = self.hst[h]
-            self._check(s, hb, False, needs)
+            reads_now = h2d_reads_host_now(("full",), nb, hb.dtype, a[5] or hb.dtype)
+            self._check("host" if reads_now else s, hb, False, needs)
             self._raise(needs, op)
             at = self._tick(s)
-            self._access(hb, at if nb else ("host", 0), False)
+            self._access(hb, at if nb and not reads_now else ("host", 0), False)
             dtype = a[5] or hb.dtype
             self.dev[g] = _Buf(write=at, alloc=s, used_on={s: at[1]}, dtype=dtype)
         elif k == "D2H":  # (s, g, gview, h, hview, nb)

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from cc_fuzz import DTYPES, N_DEV, N_EVENTS, N_HOST, SIDE, STREAMS, Op, ProgramSpec, apply_view
+from cc_fuzz import DTYPES, N_DEV, N_EVENTS, N_HOST, SIDE, STREAMS, Op, ProgramSpec, apply_view, h2d_reads_host_now
 
 
 def digest(t: Any) -> str:
@@ -314,7 +314,10 @@ class Runner:
                 b.launch(a[0], lambda: target.fill_(a[3]))
         elif k == "H2D":
             s, h, hv, g, gv, nb = a
-            self._copy(s, apply_view(self.dev[g], gv), apply_view(self.host[h], hv), nb)
+            src = apply_view(self.host[h], hv)
+            if self.b.simulated and h2d_reads_host_now(hv, nb, str(self.host[h].dtype)[6:], str(self.dev[g].dtype)[6:]):
+                src = src.clone()  # as torch does, the host is read now (see h2d_reads_host_now)
+            self._copy(s, apply_view(self.dev[g], gv), src, nb)
         elif k == "D2H":
             s, g, gv, h, hv, nb = a
             self._copy(s, apply_view(self.host[h], hv), apply_view(self.dev[g], gv), nb)
@@ -386,6 +389,8 @@ class Runner:
         torch, b, src = self.torch, self.b, self.host[h]
         if b.simulated:
             out = torch.empty(tuple(src.shape), dtype=src.dtype if dtype is None else getattr(torch, dtype))
+            if h2d_reads_host_now(("full",), nb, str(src.dtype)[6:], dtype or str(src.dtype)[6:]):
+                src = src.clone()  # as torch does, the host is read now (see h2d_reads_host_now)
             b.launch(s, lambda: out.copy_(src))
         elif dtype is not None:
             out = b.launch(s, lambda: src.to(b.device, dtype=getattr(torch, dtype), non_blocking=nb))

@@ -32,6 +32,7 @@ def _pending_d2h(cc, cycles_per_ms, ms=30, into=None):
         else:
             out = into
             out.copy_(doubled, non_blocking=True)
+    _pending_d2h.last_stream = d2h  # for a test that records on it
     return out, host * 2, producer_done
 
 
@@ -62,11 +63,20 @@ def test_d2h_on_registered_stream_returns_before_data_is_ready(emulated_cc, cycl
 
 @pytest.mark.parametrize("kind", ["cuda", "torch"])
 def test_event_synchronize_and_query_cover_pending_d2h(emulated_cc, cycles_per_ms, kind):
+    """An event recorded on the D2H stream after the copy covers it; one on an unrelated idle stream does not.
+
+    torch orders an event on another stream after the copy only through a wait on the D2H stream (which
+    syncless turns into a host wait), so the idle event is done at once, as it is without syncless.
+    """
     import torch
 
     out, expected, _ = _pending_d2h(emulated_cc, cycles_per_ms)
-    event, other = _idle_event(kind)
-    assert event.query() is False  # the GPU side is done; the D2H copy is not
+    idle, _ = _idle_event(kind)
+    assert idle.query() is True
+    d2h = _pending_d2h.last_stream
+    event = torch.cuda.Event() if kind == "cuda" else torch.Event(device="cuda")
+    event.record(d2h)
+    assert event.query() is False  # the D2H stream's own queue is done; its copy is not
     event.synchronize()
     assert torch.equal(out, expected)
     assert event.query() is True

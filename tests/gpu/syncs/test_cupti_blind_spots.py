@@ -218,16 +218,6 @@ def test_cupy_get_into_pageable_memory(cupti_detector, cupy):  # noqa: F811
 
 
 @pytest.mark.gpu
-def test_cupy_upload_from_pageable_memory(cupti_detector, cupy):  # noqa: F811
-    host = np.random.default_rng().random(1 << 16)
-    busy()
-    with syncs.checking():
-        line = here()
-        up = cupy.asarray(host)
-    only_row(line, "cudaMemcpy", "cudaMemcpyAsync", "cuMemcpyHtoD_v2", "cuMemcpy", "cuMemcpyAsync")
-    assert np.array_equal(cupy.asnumpy(up), host)
-
-
 EXTENSION_SOURCE = r"""
 #include <cuda_runtime.h>
 #include <cstdint>

@@ -46,6 +46,7 @@ PRELUDE = textwrap.dedent("""
         choice = syncs.backend_choice()
         print("CHOICE", choice.active, "|", choice.reason, flush=True)
         print(syncs.report().format(stacks=False), flush=True)
+        syncs.reset()  # the at-exit report of record mode would print the same rows again
         syncs.disable()
         return choice
 """)

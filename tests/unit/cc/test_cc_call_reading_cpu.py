@@ -111,3 +111,19 @@ def test_event_record_stamps_only_forms_torch_reads(monkeypatch):
         record(event, *args, **kwargs)
         assert passed_on[-1] == ((event, *args), kwargs)  # untouched
         assert getattr(event, _sync_patches._MARK, 0) == (5 if (args, kwargs) in understood else 0)
+
+
+def test_fake_and_functional_tensors_are_never_routed():
+    """torch.compile runs the call on fake tensors outside dynamo's trace flag; routing them touched data pointers
+    (on an H200: "Cannot access data pointer of Tensor (e.g. FakeTensor...)" from a compiled x.to('cuda', ...))."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from syncless.cc._layers import call_for_routing
+
+    plain = torch.randn(4)
+    assert call_for_routing((plain, "cuda"), {"non_blocking": True}) is not None
+    with FakeTensorMode():
+        fake = torch.empty(4)
+    assert call_for_routing((fake, "cuda"), {"non_blocking": True}) is None
+    assert call_for_routing((plain, fake), {"non_blocking": True}) is None  # copy_ from a fake source
+    assert call_for_routing((plain,), {"other": fake}) is None

@@ -91,3 +91,12 @@ def test_d2h_into_pageable_memory_stays_torchs_copy():
     pageable = r.CopyFacts(src_type="cuda", dst_type="cpu", non_blocking=True, into_existing=True, on_d2h_stream=True,
                            pageable_target=True)
     assert r.route_copy(pageable, 1 << 20) == (r.ORIGINAL, "pageable_target")
+
+
+def test_d2h_into_a_non_contiguous_host_tensor_stays_torchs_copy():
+    """torch writes a non-contiguous host target on the host before it returns; offloaded, it would come later."""
+    from syncless.cc import _routing as r
+
+    strided = r.CopyFacts(src_type="cuda", dst_type="cpu", non_blocking=True, into_existing=True, on_d2h_stream=True,
+                          noncontiguous_target=True)
+    assert r.route_copy(strided, 1 << 20) == (r.ORIGINAL, "noncontiguous_target")
