@@ -97,6 +97,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="give up, and stop every stage, after this many seconds (default: 600)")
 
 
+def shares_a_gpu(devices: list[str]) -> bool:
+    """Whether two stages run on one GPU (NCCL, the baseline's backend there, refuses that)."""
+    gpus = [d for d in devices if d.startswith("cuda")]
+    return len(set(gpus)) < len(gpus)
+
+
 def plan(args: argparse.Namespace, gpus: int) -> DemoOptions:
     """Turn arguments and the GPU count into the options every stage runs with.
 
@@ -123,7 +129,8 @@ def plan(args: argparse.Namespace, gpus: int) -> DemoOptions:
     devices = [f"cuda:{stage % gpus}" for stage in range(stages)] if on_gpu else ["cpu"] * stages
     warmup = 4
     model = dataclasses.replace(model, max_tokens=max(model.max_tokens, steps + warmup))
-    runs = [SYNCLESS_RUN, BASELINE_RUN] if args.baseline and stages > 1 else [SYNCLESS_RUN]
+    side_by_side = args.baseline and stages > 1 and not shares_a_gpu(devices)
+    runs = [SYNCLESS_RUN, BASELINE_RUN] if side_by_side else [SYNCLESS_RUN]
     return DemoOptions(model=model, model_name=model_name, steps=steps, batch=batch, micro_batches=micro,
                        stages=stages, devices=devices, runs=runs,
                        transport=None if args.transport in (None, "auto") else args.transport, cc_mode=args.cc,
@@ -140,6 +147,9 @@ def run(args: argparse.Namespace) -> int:
     options = plan(args, gpus)
     where = f"{gpus} GPU(s)" if gpus else "the CPU" + ("" if args.cpu else " (no GPU found)")
     runs = " and ".join(options.runs)
+    if args.baseline and options.stages > 1 and shares_a_gpu(options.devices):
+        runs += (f" (no {BASELINE_RUN} run: its NCCL backend refuses two ranks on one GPU, and "
+                 f"{options.stages} stages share {gpus} GPU(s))")
     print(f"syncless demo: {options.stages} stage(s) on {where}, model {options.model_name} "
           f"(hidden {options.model.hidden}, {options.model.layers} layers), {options.steps} steps x "
           f"{options.micro_batches} micro-batch(es) x {options.batch} sequences, run with {runs}", flush=True)

@@ -85,7 +85,8 @@ def _sync_lines(options: DemoOptions, results: list[StageResult]) -> list[str]:
         if planted:
             sites = ", ".join(sorted({row["site"] for row in planted}))
             total = sum(int(row.get("count", 1)) for row in planted)
-            lines.append(f"  --plant-sync: the planted .item() was caught at {sites} ({total} times over both runs)")
+            over = "over both runs" if len(options.runs) > 1 else "in the run"
+            lines.append(f"  --plant-sync: the planted .item() was caught at {sites} ({total} times {over})")
         else:
             lines.append("  --plant-sync: the planted .item() was NOT caught")
     for index, run in enumerate(results[-1].runs):

@@ -157,3 +157,10 @@ def test_presets_are_valid_models(name):
 def test_model_sizes_that_cannot_form_a_model_are_refused(changes, message):
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(PRESETS["tiny"], **changes).validate()
+
+
+def test_stages_sharing_a_gpu_run_without_the_nccl_baseline():
+    # NCCL refuses two ranks on one GPU ("Duplicate GPU detected", seen on an H200): only syncless's run.
+    assert plan(_args("--stages", "2"), gpus=1).runs == ["syncless"]
+    assert plan(_args("--stages", "3"), gpus=2).runs == ["syncless"]
+    assert plan(_args("--stages", "2"), gpus=2).runs == ["syncless", "torch.distributed"]
