@@ -7,16 +7,24 @@ an error at :func:`activate`), but still falls back to ``torch`` when
 another subscriber holds CUPTI, because that can change while the program
 runs. The torch layers are on either way.
 
-The CUPTI subscription is held only while a checked region is active on
-some thread (after ``enable()``): the first region to enter subscribes,
-the last to leave unsubscribes. CUPTI allows one subscriber per process
-and torch.profiler (kineto) is one; outside checked regions the profiler
-can have it, and when it has it already, checking falls back to torch
-(logged once, and in :func:`choice` and the report's header).
+The CUPTI subscription is taken when the first checked region is entered
+after ``enable()`` and held until ``disable()``. CUPTI allows one
+subscriber per process and torch.profiler (kineto) is one: before the first
+region and after ``disable()`` the profiler can have it, and when it has it
+already, checking falls back to torch (logged once, and in :func:`choice`
+and the report's header).
 
                  enable()   region in ... out   region in ... out    disable()
     torch layers  |========================================================|
-    CUPTI                   |=============|      |=============|
+    CUPTI                   |==========================================|
+
+It is not given back at every region's exit: subscribing and unsubscribing
+once per step cost time, and on 2 x H200 a demo stage whose D2H worker
+thread made CUDA calls (each one a CUPTI callback on that thread) while the
+main thread unsubscribed at a region's end crashed with SIGSEGV. A
+callback may still be running on another thread when ``disable()``
+unsubscribes; the callable it runs is kept alive for that reason
+(``_cupti._RETIRED``).
 
 Nothing here enqueues GPU work or blocks the host by itself; subscribing
 and unsubscribing are host-side CUPTI calls.
@@ -90,8 +98,9 @@ class _Backend:
         if not self.active:
             return BackendChoice(self.requested, "torch", "decided at syncs.enable(); see syncless doctor")
         if self.subscriber is not None:
-            return BackendChoice(self.requested, "cupti", "CUPTI is subscribed for the active checked region(s)")
-        return BackendChoice(self.requested, "cupti", "CUPTI will be subscribed while a checked region is active")
+            return BackendChoice(self.requested, "cupti", "CUPTI is subscribed until syncs.disable()")
+        return BackendChoice(self.requested, "cupti", "CUPTI will be subscribed from the first checked region "
+                                                      "until syncs.disable()")
 
     def activate(self) -> BackendChoice:
         """Prepare the requested backend (from ``enable()``); return the choice.
@@ -167,9 +176,7 @@ class _Backend:
         else:
             events = None
         with self.lock:
-            self.regions = max(self.regions - 1, 0)
-            if self.regions == 0 and self.subscriber is not None:
-                self._unsubscribe()
+            self.regions = max(self.regions - 1, 0)  # the subscription stays until disable() (module docstring)
         if events is not None:
             _merge.close_region(events, failing)
 
@@ -244,8 +251,8 @@ def describe() -> dict[str, str]:
         would = "torch" if requested == "auto" else "nothing (enable() fails)"
         return {"requested": requested, "would_use": would, "reason": "cupti-python is not installed: pip install "
                 "'syncless[cupti]'", "cupti_python": "missing"}
-    reason = ("cupti-python is installed; CUPTI is subscribed while a checked region is active, unless another "
-              "subscriber (torch.profiler, Nsight) holds it, then torch is used")
+    reason = ("cupti-python is installed; CUPTI is subscribed from the first checked region until syncs.disable(), "
+              "unless another subscriber (torch.profiler, Nsight) holds it, then torch is used")
     driver = _driver_cuda()
     if driver is not None and version.split(".")[:2] != driver.split("."):
         reason += f"; note: cupti-python {version} against a driver for CUDA {driver} (they should match)"

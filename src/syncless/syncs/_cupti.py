@@ -170,7 +170,11 @@ class Subscriber:
             _report.skip_frames_under(os.path.dirname(package))
         errors = _unavailable_errors(api)
         try:
-            self._handle = api.subscribe(self._callback, 0)
+            # One callable object, kept alive for the life of the process (_RETIRED): a callback already running on
+            # another thread when we unsubscribe must never find its callable freed under it.
+            self._entry = self._callback
+            _RETIRED.append(self._entry)
+            self._handle = api.subscribe(self._entry, 0)
         except errors as err:
             name = _result_name(api, err)
             taken = "MULTIPLE_SUBSCRIBERS" in name
@@ -278,6 +282,7 @@ class Subscriber:
 
 
 _watch_lists: dict[int, tuple[ModuleType, list]] = {}
+_RETIRED: list = []  # every callable ever subscribed (one per enable() that used CUPTI): never freed
 
 
 def _watch_list(api: ModuleType) -> list[tuple[object, object, str, _Watched]]:
