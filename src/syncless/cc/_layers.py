@@ -4,9 +4,9 @@ The layers are named in :mod:`syncless._core.patching` by :data:`SHIM_KEY`
 and :data:`EMULATION_KEY`. Every wrapper takes ``*args, **kwargs`` and passes
 them on untouched, so torch parses every call itself: its forms, defaults,
 errors (type and message) and deprecation warnings stay its own
-(``docs/_incoming/cc2.md``). A wrapper reads a call only to decide what to do
-with it, through the readers of :mod:`syncless._core.tensor_calls`, which
-understand torch's own forms and nothing else; a form they do not
+(docs/cc.md, "Calling conventions"). A wrapper reads a call only to decide
+what to do with it, through the readers of :mod:`syncless._core.tensor_calls`,
+which understand torch's own forms and nothing else; a form they do not
 understand goes on as given, so torch accepts or refuses it. A call that
 torch hands to a ``__torch_function__`` override (a tensor subclass's, or a
 mode) goes on unread as well (:func:`call_for_routing`): the override then
