@@ -217,7 +217,6 @@ def test_cupy_get_into_pageable_memory(cupti_detector, cupy):  # noqa: F811
     assert np.array_equal(back, cupy.asnumpy(x))
 
 
-@pytest.mark.gpu
 EXTENSION_SOURCE = r"""
 #include <cuda_runtime.h>
 #include <cstdint>
