@@ -263,7 +263,8 @@ def check_choice(value: object, what: str, name: str) -> str:
     try:
         return decl.parse(value)
     except ValueError:
-        raise ValueError(f"{what} must be one of {decl.allowed}; got {value!r} (the same words as {name})") from None
+        raise ValueError(
+            f"{what} must be one of {decl.allowed}; got {value!r} (the values allowed for {name})") from None
 
 
 def resolve(name: str, explicit: Any = None) -> Any:
