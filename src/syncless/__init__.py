@@ -20,36 +20,12 @@ Importing it warns (once, through the ``syncless`` logger) about any
 ``docs/configuration.md``.
 """
 
+from syncless._core import *  # noqa: F403 - the error hierarchy, listed once in _core/__init__.py
+from syncless._core import __all__ as _core_names
 from syncless._core.config import warn_unknown_names as _warn_unknown_names
-from syncless._core.errors import (
-    ConfigError,
-    CopyEngineUnavailable,
-    CudaError,
-    MissingDependencyError,
-    PeerTimeoutError,
-    SynclessError,
-    SyncViolation,
-    TransportClosedError,
-    TransportError,
-    TransportFailedError,
-    TransportSetupError,
-)
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "ConfigError",
-    "CopyEngineUnavailable",
-    "CudaError",
-    "MissingDependencyError",
-    "PeerTimeoutError",
-    "SyncViolation",
-    "SynclessError",
-    "TransportClosedError",
-    "TransportError",
-    "TransportFailedError",
-    "TransportSetupError",
-    "__version__",
-]
+__all__ = [*_core_names, "__version__"]
 
 _warn_unknown_names()

@@ -1,5 +1,8 @@
 """Shared foundations: errors, the ``SYNCLESS_*`` registry, lazy CUDA access, logging.
 
+The error hierarchy is listed here once; ``syncless/__init__.py`` re-exports
+it from here. Importing this package imports neither torch nor any CUDA library.
+
 Capability packages import from here and never from each other.
 """
 
@@ -11,6 +14,10 @@ from syncless._core.errors import (
     PeerTimeoutError,
     SynclessError,
     SyncViolation,
+    TransportClosedError,
+    TransportError,
+    TransportFailedError,
+    TransportSetupError,
 )
 
 __all__ = [
@@ -21,4 +28,8 @@ __all__ = [
     "PeerTimeoutError",
     "SyncViolation",
     "SynclessError",
+    "TransportClosedError",
+    "TransportError",
+    "TransportFailedError",
+    "TransportSetupError",
 ]

@@ -246,6 +246,27 @@ def read(name: str, environ: Mapping[str, str] | None = None) -> Any:
         raise ConfigError(f"{name}={text!r} is not valid; allowed: {decl.allowed}") from None
 
 
+def check_choice(value: object, what: str, name: str) -> str:
+    """Validate an explicit argument against the values the choice setting ``name`` allows.
+
+    The argument is parsed as the variable's text is (so ``"Torch "`` is
+    ``"torch"``), and the errors name the argument, the value and the values
+    allowed, so that the keyword and the variable accept the same words.
+
+    Raises:
+        TypeError: ``value`` is not a ``str``.
+        ValueError: ``value`` is not one of the allowed values.
+    """
+    decl = setting(name)
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a str, one of {decl.allowed}; got {type(value).__name__}")
+    try:
+        return decl.parse(value)
+    except ValueError:
+        raise ValueError(
+            f"{what} must be one of {decl.allowed}; got {value!r} (the values allowed for {name})") from None
+
+
 def resolve(name: str, explicit: Any = None) -> Any:
     """Return ``explicit`` if given, else the validated value of ``name``."""
     if explicit is not None:

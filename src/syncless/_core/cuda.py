@@ -23,6 +23,24 @@ _init_lock = threading.Lock()
 _initialized = False
 
 
+def import_optional(package: str, name: str, distribution: str, hint: str) -> ModuleType:
+    """Return what ``from package import name`` gives (``name`` empty: ``import package``).
+
+    Raises:
+        MissingDependencyError: it cannot be imported; the message names
+            ``distribution`` (what pip installs) and ``hint`` (the command).
+    """
+    try:
+        module = __import__(package, fromlist=[name] if name else [])
+    except ImportError as err:
+        raise MissingDependencyError(f"{distribution} is not installed: {hint}") from err
+    if not name:
+        return module
+    if not hasattr(module, name):  # __import__ passes over a missing submodule named in fromlist
+        raise MissingDependencyError(f"{distribution} is not installed ({package}.{name} is missing): {hint}")
+    return getattr(module, name)
+
+
 @functools.cache
 def driver_module() -> ModuleType:
     """Return ``cuda.bindings.driver``, importing it on first use.
@@ -30,11 +48,7 @@ def driver_module() -> ModuleType:
     Raises:
         MissingDependencyError: cuda-bindings is not installed.
     """
-    try:
-        from cuda.bindings import driver
-    except ImportError as err:
-        raise MissingDependencyError(f"cuda-bindings is not installed: {CUDA_EXTRA_HINT}") from err
-    return driver
+    return import_optional("cuda.bindings", "driver", "cuda-bindings", CUDA_EXTRA_HINT)
 
 
 def _error_text(drv: ModuleType, code: Any) -> tuple[str, str]:
@@ -136,11 +150,7 @@ _nvml_ready = False
 @functools.cache
 def nvml_module() -> ModuleType:
     """Return ``pynvml`` (from nvidia-ml-py), importing it on first use."""
-    try:
-        import pynvml
-    except ImportError as err:
-        raise MissingDependencyError(f"nvidia-ml-py is not installed: {CUDA_EXTRA_HINT}") from err
-    return pynvml
+    return import_optional("pynvml", "", "nvidia-ml-py", CUDA_EXTRA_HINT)
 
 
 def nvml_errors() -> tuple[type[BaseException], ...]:

@@ -36,13 +36,8 @@ class ModeDecision:
 
 
 def validate_mode(mode: object) -> str:
-    """Return ``mode`` normalized, or raise ``ValueError``/``TypeError`` naming the allowed values."""
-    if not isinstance(mode, str):
-        raise TypeError(f"CC mode must be a str, one of {', '.join(MODES)}; got {type(mode).__name__}")
-    value = mode.strip().lower()
-    if value not in MODES:
-        raise ValueError(f"CC mode {mode!r} is not valid; allowed: {', '.join(MODES)}")
-    return value
+    """Return ``mode`` normalized as ``SYNCLESS_CC`` reads it; raise ``ValueError``/``TypeError`` naming the values."""
+    return config.check_choice(mode, "CC mode", "SYNCLESS_CC")
 
 
 def resolve_mode(requested: str, probe: Callable[[], bool]) -> ModeDecision:

@@ -63,13 +63,8 @@ class BackendChoice:
 
 
 def validate_backend(name: object) -> str:
-    """Return ``name`` if it is one of :data:`BACKENDS`; raise otherwise."""
-    if not isinstance(name, str):
-        raise TypeError(f"backend must be a str, one of {', '.join(BACKENDS)}; got {type(name).__name__}")
-    if name not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {name!r} "
-                         "(set it with syncs.set_backend() or SYNCLESS_SYNC_BACKEND)")
-    return name
+    """Return ``name`` if it is one of :data:`BACKENDS` (as ``SYNCLESS_SYNC_BACKEND`` reads it); raise otherwise."""
+    return config.check_choice(name, "backend", "SYNCLESS_SYNC_BACKEND")
 
 
 class _Backend:

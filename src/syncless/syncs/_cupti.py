@@ -27,7 +27,7 @@ import threading
 import time
 from types import ModuleType
 
-from syncless._core.cuda import DRIVER_HINT
+from syncless._core.cuda import DRIVER_HINT, import_optional
 from syncless._core.errors import MissingDependencyError
 from syncless.syncs import _cupti_rules as rules
 from syncless.syncs import _merge, _report, _state
@@ -54,10 +54,9 @@ def load_module() -> ModuleType:
         CuptiUnavailable: cupti-python is not installed.
     """
     try:
-        from cupti import cupti as api
-    except ImportError as err:
-        raise CuptiUnavailable(f"cupti-python is not installed: {INSTALL_HINT}") from err
-    return api
+        return import_optional("cupti", "cupti", "cupti-python", INSTALL_HINT)
+    except MissingDependencyError as err:
+        raise CuptiUnavailable(str(err)) from err
 
 
 def _unavailable_errors(api: ModuleType) -> tuple[type[BaseException], ...]:

@@ -119,12 +119,8 @@ _first_only_seen: set[tuple[str, int]] = set()
 
 
 def validate_mode(mode: object) -> str:
-    """Return ``mode`` if it is one of :data:`MODES`; raise otherwise."""
-    if not isinstance(mode, str):
-        raise TypeError(f"mode must be a str, one of {', '.join(MODES)}; got {type(mode).__name__}")
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
-    return mode
+    """Return ``mode`` if it is one of :data:`MODES` (as ``SYNCLESS_SYNC_CHECK`` reads it); raise otherwise."""
+    return config.check_choice(mode, "mode", "SYNCLESS_SYNC_CHECK")
 
 
 def is_violation_context() -> bool:

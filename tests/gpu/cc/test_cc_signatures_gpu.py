@@ -11,7 +11,6 @@ message), warnings and what ``__torch_function__`` overrides see must be the sam
 from __future__ import annotations
 
 import contextlib
-import random
 
 import pytest
 import torch
@@ -19,6 +18,8 @@ import torch
 import syncless.cc as cc
 from gpu.syncs.test_syncs_signatures_gpu import _gpu_forms, _settled, gpu_env
 from syncless import syncs
+from support.call_forms import cc_configurations, cc_patched_attributes
+from support.call_forms import seed  # noqa: F401 - a fixture
 from unit.syncs.signature_grid import Form, cpu_forms, difference, outcome
 
 
@@ -71,15 +72,6 @@ FORMS = cpu_forms() + _gpu_forms() + _cc_gpu_forms()
 
 
 @contextlib.contextmanager
-def _cc(mode: str):
-    assert cc.install(mode), "cc must install on a GPU machine"
-    try:
-        yield
-    finally:
-        cc.uninstall()
-
-
-@contextlib.contextmanager
 def _syncs():
     syncs.set_mode("record")
     assert syncs.enable(), "the detector must be active on a GPU machine"
@@ -89,36 +81,14 @@ def _syncs():
         syncs.disable()
 
 
-@contextlib.contextmanager
-def _both(mode: str, syncs_first: bool):
-    first, second = (_syncs, lambda: _cc(mode)) if syncs_first else (lambda: _cc(mode), _syncs)
-    with first(), second():
-        yield
-
-
-CONFIGURATIONS = {
-    "cc on": lambda: _cc("on"),
-    "cc emulate": lambda: _cc("emulate"),
-    "syncs, then cc emulate": lambda: _both("emulate", True),
-    "cc on, then syncs": lambda: _both("on", False),
-}
-
-
-@pytest.fixture
-def seed() -> int:
-    value = random.randrange(2**31)
-    print(f"signature grid seed: {value}")
-    return value
+CONFIGURATIONS = cc_configurations(
+    _syncs, ["cc on", "cc emulate", "syncs, then cc emulate", "cc on, then syncs"])
 
 
 @pytest.fixture
 def plain_torch(cuda_device):
     """torch alone first; everything cc and syncs patched is torch's own again afterwards."""
-    from syncless.cc import _sync_patches
-
-    attributes = [(torch.Tensor, n) for n in ("to", "cuda", "copy_")]
-    attributes += [(owner, name) for owner, name, _ in _sync_patches.patch_targets()]
-    originals = [(owner, name, getattr(owner, name)) for owner, name in attributes]
+    originals = [(owner, name, getattr(owner, name)) for owner, name in cc_patched_attributes()]
     cc.uninstall()
     syncs.disable()
     mode_before, warn_always_before = syncs.mode(), torch.is_warn_always_enabled()

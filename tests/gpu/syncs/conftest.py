@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 
+from support.detector import detector_put_back
 from syncless import syncs
 from syncless.syncs import _hook
 
@@ -19,18 +20,11 @@ def detector(cuda_device):
     originals = [(torch.Tensor, "to"), (torch.Tensor, "cuda"), (torch.Tensor, "copy_"), (torch.cuda, "synchronize"),
                  (torch.cuda.Stream, "synchronize"), (torch.cuda.Event, "synchronize")]
     originals = [(owner, name, getattr(owner, name)) for owner, name in originals]
-    mode_before = syncs.mode()
-    level_before = torch.cuda.get_sync_debug_mode()
-    syncs.set_mode("error")
-    syncs.reset()
-    assert syncs.enable(), "the detector must be active on a GPU machine"
-    try:
-        yield
-    finally:
-        syncs.disable()
+    with detector_put_back():
+        syncs.set_mode("error")
         syncs.reset()
-        syncs.set_mode(mode_before)
-    assert torch.cuda.get_sync_debug_mode() == level_before
+        assert syncs.enable(), "the detector must be active on a GPU machine"
+        yield
     for owner, name, original in originals:
         assert getattr(owner, name) is original
     assert warnings.showwarning is not _hook.showwarning

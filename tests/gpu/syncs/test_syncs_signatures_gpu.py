@@ -11,7 +11,6 @@ raise SyncViolation instead. Results are read after the call's work is done
 
 from __future__ import annotations
 
-import random
 import types
 
 import pytest
@@ -19,6 +18,8 @@ import torch
 
 from syncless import syncs
 from syncless.syncs import SyncViolation
+from support.call_forms import seed  # noqa: F401 - a fixture
+from support.detector import detector_put_back
 from unit.syncs.signature_grid import Form, cpu_forms, difference, make_env, outcome
 
 
@@ -111,28 +112,17 @@ def _settled():
 
 
 @pytest.fixture
-def seed() -> int:
-    value = random.randrange(2**31)
-    print(f"signature grid seed: {value}")
-    return value
-
-
-@pytest.fixture
 def plain_then_detector(cuda_device):
     """torch alone first (the detector off), then the caller enables it; everything put back after."""
     originals = {name: getattr(torch.Tensor, name) for name in ("to", "cuda", "copy_")}
-    mode_before, warn_always_before = syncs.mode(), torch.is_warn_always_enabled()
-    level_before = torch.cuda.get_sync_debug_mode()
-    syncs.disable()
-    torch.set_warn_always(True)  # torch warns once per process for some forms: every time here
-    try:
-        yield
-    finally:
+    warn_always_before = torch.is_warn_always_enabled()
+    with detector_put_back():
         syncs.disable()
-        syncs.reset()
-        syncs.set_mode(mode_before)
-        torch.set_warn_always(warn_always_before)
-    assert torch.cuda.get_sync_debug_mode() == level_before
+        torch.set_warn_always(True)  # torch warns once per process for some forms: every time here
+        try:
+            yield
+        finally:
+            torch.set_warn_always(warn_always_before)
     assert {name: getattr(torch.Tensor, name) for name in originals} == originals
 
 

@@ -16,7 +16,6 @@ compiled with CUDA" error.
 from __future__ import annotations
 
 import contextlib
-import random
 
 import pytest
 import torch
@@ -26,6 +25,8 @@ from syncless import syncs
 from syncless._core import patching
 from syncless.syncs import _debugmode
 from torch.overrides import TorchFunctionMode
+from support.call_forms import cc_configurations, cc_installed, cc_patched_attributes
+from support.call_forms import seed  # noqa: F401 - a fixture
 from unit.syncs.signature_grid import Form, LoggingTensor, cpu_forms, difference, make_env, outcome
 
 
@@ -102,25 +103,10 @@ def _cc_forms() -> list[Form]:
 FORMS = cpu_forms() + _cc_forms()
 
 
-def _wrapped_attributes() -> list[tuple[object, str]]:
-    """(owner, name) of every attribute cc may patch."""
-    from syncless.cc import _sync_patches
-
-    pairs = [(torch.Tensor, name) for name in ("to", "cuda", "copy_")]
-    return pairs + [(owner, name) for owner, name, _ in _sync_patches.patch_targets()]
-
-
-@pytest.fixture
-def seed() -> int:
-    value = random.randrange(2**31)
-    print(f"signature grid seed: {value}")
-    return value
-
-
 @pytest.fixture
 def clean_torch():
     """torch warns every time; afterwards every attribute is torch's own again and nothing is installed."""
-    originals = [(owner, name, getattr(owner, name)) for owner, name in _wrapped_attributes()]
+    originals = [(owner, name, getattr(owner, name)) for owner, name in cc_patched_attributes()]
     before = torch.is_warn_always_enabled()
     torch.set_warn_always(True)
     mode_before = syncs.mode()
@@ -135,15 +121,6 @@ def clean_torch():
 
 
 @contextlib.contextmanager
-def _cc(mode: str):
-    assert cc.install(mode)
-    try:
-        yield
-    finally:
-        cc.uninstall()
-
-
-@contextlib.contextmanager
 def _syncs():
     with _debugmode.fake():
         syncs.set_mode("record")
@@ -155,21 +132,7 @@ def _syncs():
             syncs.disable()
 
 
-@contextlib.contextmanager
-def _both(mode: str, syncs_first: bool):
-    first, second = (_syncs, lambda: _cc(mode)) if syncs_first else (lambda: _cc(mode), _syncs)
-    with first(), second():
-        yield
-
-
-CONFIGURATIONS = {
-    "cc on": lambda: _cc("on"),
-    "cc emulate": lambda: _cc("emulate"),
-    "syncs, then cc on": lambda: _both("on", True),
-    "cc on, then syncs": lambda: _both("on", False),
-    "syncs, then cc emulate": lambda: _both("emulate", True),
-    "cc emulate, then syncs": lambda: _both("emulate", False),
-}
+CONFIGURATIONS = cc_configurations(_syncs)
 
 
 @pytest.mark.parametrize("form", FORMS, ids=[f.label for f in FORMS])
@@ -186,10 +149,10 @@ def test_call_form_behaves_as_in_torch(form: Form, seed: int, clean_torch):
 
 
 def test_the_grid_covers_every_callable_cc_wraps(clean_torch):
-    with _cc("emulate"):
+    with cc_installed("emulate"):
         wrapped = [(chain.owner, chain.name) for chain in patching._chains.values()
                    if set(chain.layers) & {"cc.shim", "cc.emulation"}]
-    assert set(wrapped) == set(_wrapped_attributes())
+    assert set(wrapped) == set(cc_patched_attributes())
     labels = " ".join(f.label for f in FORMS)
     for owner, name in wrapped:
         written = f".{name}(" if owner is torch.Tensor else f"{owner.__name__.rsplit('.', 1)[-1]}.{name}("
@@ -207,7 +170,7 @@ def test_a_call_an_override_takes_is_routed_once_inside_it(mode, clean_torch):
         lambda: env.plain_sub.to("cpu", non_blocking=True),
         _under_mode(lambda e: e.dst.copy_(e.y, True)),
     ]
-    with _cc(mode):
+    with cc_installed(mode):
         cc.reset_stats()
         for number, call in enumerate(calls, 1):
             call() if number < len(calls) else call(env)

@@ -8,9 +8,9 @@ every rank must reach.
 from __future__ import annotations
 
 import pytest
-import torch
 import torch.distributed as dist
 
+from support.gloo_stand_in import gather_as_gloo
 from syncless._core.errors import CopyEngineUnavailable, PeerTimeoutError, TransportSetupError
 from syncless.pp import _group
 from syncless.pp import _wire as wire
@@ -56,28 +56,8 @@ def test_every_transport_gets_a_new_side_group_never_a_cached_one(groups):
 
 
 def _gather_as_gloo(monkeypatch, others):
-    """Make dist.all_gather play the other ranks: ``others`` maps global rank -> its encoded message.
-
-    agree() gathers twice, the lengths (int64) and then the messages padded
-    to the longest (uint8); gloo fills the list in group-rank order
-    (ascending global ranks). Returns a dict that gets this rank's message.
-    """
-    seen = {}
-    ranks = sorted([*others, MY_RANK])
-
-    def all_gather(out, mine, group=None):
-        if mine.dtype == torch.int64:
-            for slot, rank in enumerate(ranks):
-                out[slot].fill_(int(mine.item()) if rank == MY_RANK else len(others[rank]))
-            return
-        for slot, rank in enumerate(ranks):
-            data = bytes(mine.tolist()) if rank == MY_RANK else others[rank]
-            out[slot].zero_()
-            out[slot][: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
-        seen["mine"] = wire.decode(bytes(mine.tolist()).rstrip(b"\0"))
-
-    monkeypatch.setattr(dist, "all_gather", all_gather)
-    return seen
+    """gloo's all_gather played here (``others``: global rank -> its encoded message); returns what this rank sends."""
+    return gather_as_gloo(monkeypatch, others, MY_RANK)
 
 
 def _others(monkeypatch, outcomes):
@@ -106,7 +86,7 @@ def test_agree_raises_the_first_failure_in_pipeline_order(monkeypatch):
 
 @pytest.mark.parametrize("error", [ValueError("depth must be >= 1"), TypeError("depth must be an int")])
 def test_a_bad_argument_here_is_the_same_error_type_on_every_rank(monkeypatch, error):
-    seen = _gather_as_gloo(monkeypatch, {
+    sent = _gather_as_gloo(monkeypatch, {
         rank: wire.encode({"rank": rank, "status": None, "value": rank}) for rank in (1, 2)
     })
 
@@ -118,7 +98,7 @@ def test_a_bad_argument_here_is_the_same_error_type_on_every_rank(monkeypatch, e
     assert type(info.value) is type(error) and info.value.__cause__ is error
     assert str(info.value) == f"make_transport failed on stage 1 (rank 0): {error}"
     # What the other ranks receive turns into the same exception there.
-    status = seen["mine"]["status"]
+    status = wire.decode(sent[-1])["status"]
     there = _group.first_failure([None, status, None], STAGES, "make_transport")
     assert type(there) is type(error) and str(there) == str(info.value)
 

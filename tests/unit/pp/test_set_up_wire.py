@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from support.gloo_stand_in import gather_as_gloo
 from support.ranks import run_ranks
 from syncless._core.errors import CopyEngineUnavailable
 from syncless.pp import _copy_engine_setup as setup
@@ -133,19 +134,7 @@ MY_RANK = 0
 
 def _gather(monkeypatch, others):
     """Stand in for gloo's all_gather: ``others`` maps global rank -> the bytes that rank sends."""
-    ranks = sorted([*others, MY_RANK])
-
-    def all_gather(out, mine, group=None):
-        if mine.dtype == torch.int64:  # first the lengths
-            for slot, rank in enumerate(ranks):
-                out[slot].fill_(int(mine.item()) if rank == MY_RANK else len(others[rank]))
-            return
-        for slot, rank in enumerate(ranks):
-            data = bytes(mine.tolist()) if rank == MY_RANK else others[rank]
-            out[slot].zero_()
-            out[slot][: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
-
-    monkeypatch.setattr(dist, "all_gather", all_gather)
+    gather_as_gloo(monkeypatch, others, MY_RANK)
 
 
 def _message(rank, value, status=None):

@@ -15,7 +15,6 @@ torch's own "not compiled with CUDA" error, before or after the check ran.
 from __future__ import annotations
 
 import inspect
-import random
 
 import pytest
 import torch
@@ -23,18 +22,12 @@ import torch
 from syncless import syncs
 from syncless._core import patching
 from syncless.syncs import SyncViolation, _copies, _debugmode
+from support.call_forms import seed  # noqa: F401 - a fixture
 
 from .conftest import patched_attributes
 from .signature_grid import Form, cpu_forms, difference, make_env, outcome
 
 FORMS = cpu_forms()
-
-
-@pytest.fixture
-def seed() -> int:
-    value = random.randrange(2**31)
-    print(f"signature grid seed: {value}")
-    return value
 
 
 @pytest.fixture
