@@ -274,9 +274,14 @@ def run(args: Any, progress: Callable[[str], None]) -> BenchOutput:
             else:
                 cupti_skipped = "no GPU"
         finally:
+            # Put the caller's settings back; if the run was stopped inside a region (a signal), say so instead of
+            # raising over the error that stopped it.
             syncs.disable()
             syncs.reset()
-            syncs.set_backend(backend_before)
+            try:
+                syncs.set_backend(backend_before)
+            except RuntimeError as err:
+                progress(f"could not restore the sync backend: {err}")
             syncs.set_mode(mode_before)
             if enabled_before:
                 syncs.enable()

@@ -21,6 +21,7 @@ import threading
 from typing import Any
 
 from syncless._core import cuda as _cuda
+from syncless._core.driver_waits import standing_for_the_driver
 
 BINDINGS_FLOOR = (12, 9, 1)
 _BINDINGS_FIX = "pip install -U 'cuda-bindings>=12.9.1'  (or: pip install -U 'syncless[cuda]')"
@@ -166,8 +167,11 @@ def order_after(waiter: Any, producer: Any) -> None:
 
 
 def wait_stream_raw(stream: Any) -> None:
-    """Block the calling thread until ``stream`` has drained, via the driver (invisible to sync debug mode)."""
-    with _on_device(stream.device.index):
+    """Block the calling thread until ``stream`` has drained, via the driver (invisible to sync debug mode).
+
+    Marked as a wait that stands for the driver's own, so the detector's CUPTI layer does not count it either.
+    """
+    with _on_device(stream.device.index), standing_for_the_driver():
         _cuda.call("cuStreamSynchronize", stream.cuda_stream)
 
 
@@ -175,7 +179,8 @@ def wait_event_raw(event: Any) -> None:
     """Block the calling thread until ``event`` has fired, via the driver (invisible to sync debug mode)."""
     handle = event.cuda_event
     if handle:  # never recorded: nothing to wait for (same as torch)
-        _cuda.call("cuEventSynchronize", handle)
+        with standing_for_the_driver():
+            _cuda.call("cuEventSynchronize", handle)
 
 
 def record_event_raw(event: Any, stream: Any) -> None:

@@ -27,6 +27,7 @@ import threading
 import time
 from types import ModuleType
 
+from syncless._core.driver_waits import is_standing_for_the_driver
 from syncless._core.cuda import DRIVER_HINT, import_optional
 from syncless._core.errors import MissingDependencyError
 from syncless.syncs import _cupti_rules as rules
@@ -206,6 +207,8 @@ class Subscriber:
     def _callback(self, userdata, domain, cbid, cbdata) -> None:
         if not self._depth_of_checks():
             return  # this thread (task) is in no checked region: one ContextVar read
+        if is_standing_for_the_driver():
+            return  # syncless.cc waits where the driver itself would (CC emulation, the staging wait): not a sync
         watched = self.watched.get((domain, cbid))
         if watched is None:
             return

@@ -44,9 +44,10 @@ def cupti_detector(cuda_device):
     assert syncs.enable(), "the detector must be active on a GPU machine"
     try:
         yield
-        # After the test's regions: CUPTI was let go, and it was CUPTI that checked.
-        assert _backend.backend.subscriber is None
+        # After the test's regions: it was CUPTI that checked; it is held until disable(), which lets it go.
         assert syncs.backend_choice().active == "cupti", syncs.backend_choice()
+        syncs.disable()
+        assert _backend.backend.subscriber is None
     finally:
         syncs.disable()
         syncs.reset()

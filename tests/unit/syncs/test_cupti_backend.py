@@ -92,6 +92,21 @@ def test_a_torch_warning_that_comes_first_still_makes_one_sync(cupti_env):
     assert site.api_calls == {"cudaMemcpyAsync": 2, "cudaStreamSynchronize": 2} and site.timed_count == 2
 
 
+def test_a_wait_syncless_makes_for_the_driver_is_not_a_sync(cupti_env):
+    # The CC emulator's and the staging path's driver waits stand for what the driver does under CC: on an H200 the
+    # demo with --cc emulate reported its own `host.to(device, non_blocking=True)` 32 times before this.
+    from syncless._core.driver_waits import standing_for_the_driver
+
+    enabled(cupti_env)
+    with syncs.checking():
+        with standing_for_the_driver():
+            fake.call("cuStreamSynchronize", [0])
+        line = here()
+        fake.call("cuStreamSynchronize", [0])  # the user's own wait still counts
+    found = syncs.report()
+    assert [(s.first.lineno, s.count) for s in found.sites] == [(line, 1)]
+
+
 def test_a_sync_only_cupti_sees_is_counted_per_call_at_the_users_line(cupti_env):
     enabled(cupti_env)
     with syncs.checking():
