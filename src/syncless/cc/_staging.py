@@ -124,7 +124,16 @@ def stage_into(dst: Any, src: Any, next_copy) -> Any:
     original copy would have been: a kernel still reading ``dst`` is not
     overwritten. A dtype conversion happens in that D2D, never on the staging
     stream. Does not block the host beyond the transfer (under CC).
+
+    A source that is not contiguous is first copied to a contiguous host
+    tensor, now, as torch's own ``copy_`` does: torch reads such a source
+    when the call is made, and a program may overwrite it right after. (The
+    fuzzer found the difference on an H200: staged as it was, a transposed
+    pinned source was read by the transfer later, after a D2H issued next had
+    overwritten it.)
     """
+    if not src.is_contiguous():
+        src = src.contiguous()
     tmp = land(src, dst.device.index)
     next_copy(dst, tmp, non_blocking=True)
     return dst
