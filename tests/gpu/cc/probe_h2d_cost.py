@@ -42,18 +42,13 @@ def main() -> None:
     import syncless.cc as cc
     from syncless._core import cuda as _cuda
     from syncless._core.tensor_calls import parse_to
+    from syncless.bench._cc import _cycles_per_ms
     from syncless.cc import _streams
 
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
     cc.uninstall()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(1_000_000)
-    start.record()
-    torch.cuda._sleep(20_000_000)
-    end.record()
-    end.synchronize()
-    cycles_per_ms = int(20_000_000 / max(start.elapsed_time(end), 1e-3))
+    cycles_per_ms = _cycles_per_ms(torch)
     host = torch.randn(1 << 18).pin_memory()  # 1 MiB of float32
     staging = _streams.staging_stream(0)
     current = torch.cuda.current_stream(dev)
