@@ -14,8 +14,9 @@ Only the outermost watched call of a thread counts: a runtime call that the
 driver answers with watched driver calls of its own is one call.
 
 CUPTI allows one subscriber per process, and torch.profiler (kineto) is one:
-the subscription is held only while a checked region is active
-(:mod:`._backend`), and nothing here enqueues GPU work or blocks the host.
+the subscription is held from the first checked region until
+``syncs.disable()`` (:mod:`._backend`), and nothing here enqueues GPU work
+or blocks the host.
 """
 
 from __future__ import annotations
