@@ -19,3 +19,15 @@ def is_dense_layout(shape: Sequence[int], strides: Sequence[int]) -> bool:
             return False
         expected *= size
     return True
+
+
+def broadcasts_to(src_shape: Sequence[int], dst_shape: Sequence[int]) -> bool:
+    """Whether a tensor of ``src_shape`` broadcasts to exactly ``dst_shape`` (what ``dst.copy_(src)`` accepts).
+
+    Plain Python on the shapes: ``torch.broadcast_shapes`` imports sympy on its first call (seconds, measured
+    on an H200 machine), which would block the host inside the first ``non_blocking`` copy that asks.
+    """
+    if len(src_shape) > len(dst_shape):
+        return False
+    trailing = dst_shape[len(dst_shape) - len(src_shape):]
+    return all(s == d or s == 1 for s, d in zip(src_shape, trailing))

@@ -34,7 +34,12 @@ call (a job depends only on work enqueued before it), so they cannot
 deadlock. What syncless cannot see stays unordered: a *kernel* launched on
 ``D`` after an offloaded copy, or a wait through a C-made ``torch.Event``
 recorded on ``D`` (``torch.Stream.record_event()``), is not ordered after the
-copy (docs/cc.md, "Limits").
+copy; nor is anything done through the generic ``torch.Stream`` object of
+``D`` (what ``torch.accelerator.current_stream()`` returns while ``D`` is
+current): its ``synchronize``, ``query``, ``wait_stream`` and
+``record_event`` are C methods the shim does not patch, and
+``P.wait_stream(s)`` with such an ``s`` waits through a C-made event
+(docs/cc.md, "Limits").
 
 Why no GPU-side gate: an earlier version held ``D`` behind a
 ``cuStreamWaitValue64`` that the worker released after its copy. That

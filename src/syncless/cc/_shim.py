@@ -19,6 +19,7 @@ from typing import Any
 
 from syncless._core import config, patching
 from syncless._core.compiling import is_compiling
+from syncless._core.layouts import broadcasts_to
 from syncless._core.tensor_calls import maybe_non_blocking_to, parse_to, read_copy, read_cuda, reads_as_cuda_device
 from syncless.cc import _d2h, _emulation, _host_writes, _routing, _staging, _streams, _sync_patches
 from syncless.cc._d2h import WORKER
@@ -87,21 +88,12 @@ def _decide(src: Any, dst_type: str, index: int | None, *, into_existing: bool, 
     return route, reason, record
 
 
-def _fills(src_shape: tuple[int, ...], dst_shape: tuple[int, ...]) -> bool:
-    """Whether a tensor of ``src_shape`` broadcasts to exactly ``dst_shape`` (what ``copy_`` accepts)."""
-    if len(src_shape) > len(dst_shape):
-        return False
-    trailing = dst_shape[len(dst_shape) - len(src_shape):]
-    return all(s == d or s == 1 for s, d in zip(src_shape, trailing))
-
-
 def _check_broadcastable(dst: Any, src: Any) -> None:
     """Raise ``RuntimeError`` (as torch's own ``copy_`` would) if ``src`` cannot fill ``dst``.
 
-    Plain Python on the shapes: ``torch.broadcast_shapes`` imports sympy on its first call (seconds, measured
-    on the H200 machine), which would block the host inside the first non_blocking copy of a process.
+    Plain Python on the shapes (:func:`syncless._core.layouts.broadcasts_to`: no sympy import).
     """
-    if not _fills(tuple(src.shape), tuple(dst.shape)):
+    if not broadcasts_to(tuple(src.shape), tuple(dst.shape)):
         raise RuntimeError(
             f"copy_: source of shape {tuple(src.shape)} cannot be copied into a tensor of shape {tuple(dst.shape)}"
         )

@@ -1,7 +1,7 @@
 """One ordered worker thread: runs jobs in submission order, keeps their errors.
 
 Plain Python (no CUDA here): the D2H path submits closures that wait for the
-producer and copy. Sequence numbers let a synchronize wait for exactly the
+D2H stream's ready event and copy. Sequence numbers let a synchronize wait for exactly the
 jobs submitted before it, and collect the errors of exactly those jobs.
 """
 
@@ -50,8 +50,7 @@ class OrderedWorker:
     """Run submitted callables on one daemon thread, in order.
 
     Args:
-        name: thread name.
-        describe: how to name a job in an error message.
+        name: thread name (each job is named in error messages by the ``what`` given to :meth:`submit`).
     """
 
     def __init__(self, name: str = "syncless-d2h") -> None:
@@ -93,22 +92,10 @@ class OrderedWorker:
         Raises:
             RuntimeError: the worker has been shut down.
         """
-        return self.submit_numbered(lambda _seq: job, what)
-
-    def submit_numbered(self, make_job: Callable[[int], Callable[[], None]], what: str = "job") -> int:
-        """Queue ``make_job(seq)`` under the number ``seq`` it will run as; return ``seq``. Never blocks on the job.
-
-        For a job that must know its own number (the D2H gate it releases).
-        ``make_job`` runs under the worker's lock: keep it to building a closure.
-
-        Raises:
-            RuntimeError: the worker has been shut down.
-        """
         with self._cv:
             if self._stopping:
                 raise RuntimeError(f"{self._name} worker has been shut down; no new copies are accepted")
             seq = self._submitted + 1
-            job = make_job(seq)
             self._submitted = seq
             self._jobs.append((seq, job, what))
             self._ensure_thread()
@@ -174,7 +161,7 @@ class OrderedWorker:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise D2HTimeoutError(
                         f"{self._name}: copies up to #{seq} are unfinished after {timeout_s:g} s (finished up to "
-                        f"#{self._completed}); the stream they wait for is stuck (a flag that never comes?)"
+                        f"#{self._completed}); the work they wait for on the GPU never finished"
                     )
                 if self._thread is None or not self._thread.is_alive():
                     raise RuntimeError(

@@ -151,7 +151,9 @@ class _Backend:
             return
         with self.lock:
             self.regions += 1
-            if self.regions == 1 and self.subscriber is None and self.wants_cupti():
+            # Not only in the first of several open regions: disable() lets CUPTI go even while a region is
+            # open, and the first region entered after the next enable() takes it again.
+            if self.subscriber is None and self.wants_cupti():
                 self._subscribe()
             subscribed = self.subscriber is not None
         if subscribed and _state.checked_depth.get() == 1:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from syncless._core import patching
-from syncless._core.layouts import is_dense_layout
+from syncless._core.layouts import broadcasts_to, is_dense_layout
 from syncless._core.tensor_calls import (
     has_override,
     maybe_non_blocking_to,
@@ -311,19 +311,14 @@ def _check_copy(self: Any, args: tuple, kwargs: dict) -> None:
     ``non_blocking``) and a source that does not broadcast to the
     destination are left alone, so torch accepts or refuses them itself.
     """
-    import torch
-
     call = read_copy(args, kwargs)
     if call is None:
         return
     src, non_blocking = call
     if non_blocking is not True or src is None or _stepping_aside(self, src):
         return
-    try:
-        if tuple(torch.broadcast_shapes(tuple(src.shape), tuple(self.shape))) != tuple(self.shape):
-            return
-    except RuntimeError:
-        return
+    if not broadcasts_to(tuple(src.shape), tuple(self.shape)):
+        return  # torch refuses the copy itself
     reason = classify_copy(self, src, non_blocking)
     if reason is not None:
         direction = "H2D" if self.is_cuda else "D2H"

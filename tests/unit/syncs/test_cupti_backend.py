@@ -445,3 +445,20 @@ def test_pointer_types_read_what_the_driver_writes(monkeypatch):
     types = _cupti.PointerTypes()
     assert [types(a) for a in (0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 0x3000)] == [
         "device", "pinned", "pageable", "managed", "unknown", "pageable"]
+
+
+def test_cupti_is_taken_again_after_a_re_enable_while_another_region_is_open(cupti_env):
+    # disable() lets CUPTI go even while a region is open (say, a server thread's long-running region); the
+    # first region entered after the next enable() must take it again, not only a region that finds no other open.
+    enabled(cupti_env)
+    with syncs.checking():
+        assert len(fake.driver.subscribers) == 1
+        syncs.disable()
+        assert not fake.driver.subscribers
+        enabled(cupti_env)
+        with syncs.checking():
+            assert len(fake.driver.subscribers) == 1, "CUPTI was not taken again after enable()"
+            assert syncs.backend_choice().active == "cupti"
+            line = here()
+            fake.call("cuStreamSynchronize", [0])
+    assert [(s.first.lineno, s.layers) for s in syncs.report().sites] == [(line, ("cupti",))]
