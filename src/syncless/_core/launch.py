@@ -27,6 +27,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Sequence
@@ -240,8 +241,18 @@ def run_ranks(
     results = context.Queue()
     processes = [context.Process(target=_rank_main, args=(plan, rank, results), name=f"syncless-rank{rank}", daemon=True)
                  for rank in range(world_size)]
-    for process in processes:
-        process.start()
+    # A rank must ignore Ctrl-C from its first instruction: the terminal sends it to the whole process group,
+    # and a rank still importing torch (its target is unpickled before _rank_main runs) printed a
+    # KeyboardInterrupt traceback of its own (seen in CI). An ignored SIGINT is inherited through the spawn's
+    # exec and Python then leaves it ignored; the parent ignores it only while it starts the ranks.
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main_thread else None
+    try:
+        for process in processes:
+            process.start()
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
     if progress:
         say(f"started {world_size} ranks of {name} (timeout {timeout_s:g} s)")
     outcomes: dict[int, tuple[str, Any]] = {}
