@@ -83,4 +83,8 @@ class TransportFailedError(TransportError, RuntimeError):
 
 
 class TransportClosedError(TransportFailedError):
-    """``send``/``recv`` on a transport after ``close()`` or ``abort()``."""
+    """``send``/``recv`` on a transport after a ``close()`` with no failure before it.
+
+    After ``abort()`` or a failure, later calls raise the recorded error instead
+    (:attr:`Transport.error`: the abort's :class:`TransportFailedError`, or the failure).
+    """

@@ -232,6 +232,7 @@ class CopyEngineTransport(CopyEngineEnding, Transport):
         self._drained = False  # close() saw every queued step finish (or gave up on it)
         self._gpu_idle = False
         self._in_call = False  # a send() or recv() is running (abort() then leaves the GPU objects alone)
+        self._draining = False  # close() waits for the GPU (abort() then leaves the GPU objects alone too)
         self._parts = parts
         self._ctx = parts.ctx
         self._side_group = side_group

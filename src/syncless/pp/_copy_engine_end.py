@@ -31,6 +31,8 @@ class CopyEngineEnding:
 
     _failure: BaseException | None
     _closed: bool
+    #: close() is waiting for this GPU's queued steps: abort() meanwhile leaves the GPU objects to it
+    _draining: bool = False
 
     def _fail_mid_step(self, what: str, err: BaseException) -> None:
         """A driver call failed with part of a step enqueued: the flags no longer match the steps, so stop."""
@@ -110,7 +112,14 @@ class CopyEngineEnding:
         if self._teardown.running:  # called again from a signal handler that interrupted close() itself
             return
         if not self._drained:
-            self._gpu_idle = self._drain()
+            # An abort() during the drain (a signal handler, another thread) must not destroy the events
+            # and streams the drain still polls: it only releases and stops, and this close() goes on
+            # (without a barrier, since abort() skipped it).
+            self._draining = True
+            try:
+                self._gpu_idle = self._drain()
+            finally:
+                self._draining = False
             self._drained = True
         self._watchdog.stop()
         if _faults.hook is not None:
@@ -151,7 +160,7 @@ class CopyEngineEnding:
             if endpoint is not None:
                 endpoint.shutdown()
         self._watchdog.stop(join=threading.current_thread() is not self._watchdog.thread)
-        if self._in_call or self._teardown.running:
+        if self._in_call or self._draining or self._teardown.running:
             return self.leaked_nbytes  # the running call owns the GPU objects now; close() finishes later
         if not self._drained:
             self._gpu_idle = self._watchdog.wait_idle(deadline_s=1.0)

@@ -9,7 +9,8 @@ then the ``shared`` entries (last made first):
   GPU work is done (a copy still queued into it would fault after the unmap).
 - ``shared``: this process's memory a peer may map (its buffer, and at depth 0
   the persistent tensors): freed only after a barrier with every stage
-  succeeded, which every stage enters after unmapping. Otherwise it is leaked
+  succeeded, which every stage enters after unmapping (a stage that had to
+  leave a peer's memory mapped stays out of it). Otherwise it is leaked
   by design (kept allocated, and a tensor kept referenced for the life of the
   process) and its bytes are added to :attr:`Teardown.leaked_nbytes`: a peer
   that is stalled, not dead, may still read or write it, and CUDA leaves that
@@ -67,6 +68,7 @@ class Teardown:
         self._barrier: _Entry | None = None
         self._exposed = False  # a barrier was registered: from then on a peer may map our memory
         self._peers_clear = True  # every barrier run so far succeeded
+        self._left_mapped = False  # an unmap entry was skipped (this GPU's work was not finished)
         self._running = False
         self.leaked_nbytes = 0
         self.leaked: list[str] = []
@@ -159,8 +161,13 @@ class Teardown:
             if gpu_idle:
                 entry.fn(*entry.args)
             else:
+                self._left_mapped = True
                 self.leaked.append(f"{entry.what} (left mapped: this GPU's work was not finished)")
         elif entry.kind == "barrier":
+            if self._left_mapped:
+                # Entering would tell the peers that their buffers are unmapped here, and they would free
+                # them under copies this GPU may still run: stay out, so their barrier fails and they keep them.
+                self._peers_clear = False
             if not self._peers_clear:
                 return
             self._peers_clear = False  # until the barrier says otherwise (an interrupt leaves it False)

@@ -259,7 +259,7 @@ class TorchDistTransport(Transport):
                     f"stopped receiving: {err}"
                 )
                 raise self._failure from err
-            self._pending.popleft()
+            self._drop_sent(works)
 
     def _wait_sent(self, works: list[Any]) -> None:
         """Wait for one step's sends: the host for gloo (at most the timeout), the current stream for NCCL.
@@ -272,6 +272,14 @@ class TorchDistTransport(Transport):
                 work.wait(timeout=timedelta(seconds=self._timeout_s))
             else:
                 work.wait()
+
+    def _drop_sent(self, works: list[Any]) -> None:
+        """Drop the oldest pending step once waited for, if it is still ``works``' step.
+
+        An ``abort()`` during the wait (a signal handler, another thread) has emptied the list already.
+        """
+        if self._pending and self._pending[0][0] is works:
+            self._pending.popleft()
 
     def _wait_delivered(self, works: list[Any]) -> None:
         """Block the host until one step's sends completed (at most the timeout); close() uses it.
@@ -308,7 +316,7 @@ class TorchDistTransport(Transport):
                 except RuntimeError as err:
                     logger.warning("%s: a send did not complete before close(): %s", self._stages.name(), err)
                     self._failure = PeerTimeoutError(f"{self._stages.name()}: a send did not complete: {err}")
-            self._pending.popleft()
+            self._drop_sent(works)
         if _faults.hook is not None:
             _faults.hook("close")
 

@@ -34,6 +34,7 @@ class Dog:
     def __init__(self, idle=True):
         self.idle = idle
         self.interrupt_next_wait = False
+        self.during_next_wait = None
         self.stops = []
         self.thread = threading.Thread(target=lambda: None)
 
@@ -41,6 +42,9 @@ class Dog:
         return 0 if self.idle else 1
 
     def wait_idle(self, deadline_s=None):
+        during, self.during_next_wait = self.during_next_wait, None
+        if during is not None:
+            during()  # e.g. abort() from a signal handler that interrupted this wait
         if self.interrupt_next_wait:
             self.interrupt_next_wait = False
             raise KeyboardInterrupt
@@ -190,3 +194,26 @@ def test_abort_keeps_the_error_that_came_first():
     transport._failure = first
     transport.abort()
     assert transport.error is first
+
+
+def test_abort_during_the_drain_of_close_leaves_the_tear_down_to_close():
+    # abort() is documented as safe from a signal handler or another thread while close() runs. Before,
+    # an abort() that came while close() waited for the GPU (its drain) tore everything down at once
+    # (streams, events, mappings) under the drain, which then went on polling the destroyed events.
+    log = []
+    transport = _transport(log)
+
+    def abort_now():
+        log.append("abort")
+        transport.abort()
+        log.append("abort returned")
+
+    transport._watchdog.during_next_wait = abort_now
+    transport.close()
+    assert log.index("unmap peer") > log.index("abort returned")
+    assert log.index("destroy stream") > log.index("abort returned")
+    # The abort still counts: no barrier, the shared buffer is kept, and the error is the abort's.
+    assert "barrier" not in log and "free buffer" not in log
+    assert transport.leaked_nbytes == BUFFER_NBYTES and transport._finalizer.detached
+    with pytest.raises(TransportFailedError, match="aborted"):
+        transport._check_usable()

@@ -85,9 +85,21 @@ def test_without_the_collective_or_an_idle_gpu_nothing_shared_is_freed():
         teardown = _made(log)
         teardown.run(collective=collective, gpu_idle=idle)
         assert "free buffer" not in log.calls
-        assert ("barrier" in log.calls) == collective
+        assert ("barrier" in log.calls) == (collective and idle)  # entered only after unmapping: see below
         assert ("unmap peer" in log.calls) == idle  # a queued copy may still write through a mapping
         assert teardown.leaked_nbytes == 4096
+
+
+def test_a_stage_that_left_a_peer_mapped_does_not_enter_the_barrier():
+    # The barrier tells every stage that the others unmapped its buffer, so that it may free it. Before,
+    # a stage whose GPU never went idle (close()'s drain gave up) left its mappings of the peers' buffers
+    # in place, with copies into them maybe still queued, and entered the barrier anyway: the barrier
+    # succeeded and the peers freed the buffers it still mapped and might still write.
+    log = Log()
+    teardown = _made(log)
+    teardown.run(collective=True, gpu_idle=False)
+    assert "unmap peer" not in log.calls and "barrier" not in log.calls  # the peers' barrier fails: they keep theirs
+    assert teardown.finished and teardown.leaked_nbytes == 4096
 
 
 def test_an_interrupted_teardown_resumes_and_never_reruns_a_step():

@@ -252,3 +252,27 @@ def test_close_refuses_later_calls_with_the_closed_error(wire):
     assert sender.error is None
     with pytest.raises(TransportClosedError):
         sender.send({"x": torch.randn(1, *ROW)})
+
+
+def test_abort_while_close_waits_for_a_send_lets_close_end_cleanly(wire, monkeypatch):
+    # abort() is documented as safe from a signal handler or another thread while close() runs. Before,
+    # abort() replaced the list of pending sends while close() waited on its head, and close() then
+    # popped from the new, empty list: IndexError instead of a clean end.
+    sender = _sender()
+    sender.send({"x": torch.randn(2, *ROW)})
+    waits = []
+
+    class AbortingWork:
+        def wait(self, timeout=None):
+            waits.append(timeout)
+            sender.abort()  # as a SIGINT handler would, in the middle of close()'s wait
+            return True
+
+        def is_completed(self):
+            return False
+
+    sender._pending[0] = ([AbortingWork()], sender._pending[0][1])
+    sender.close()
+    assert len(waits) == 1 and not sender._pending
+    with pytest.raises(TransportFailedError, match="aborted"):
+        sender.send({"x": torch.randn(1, *ROW)})
