@@ -106,3 +106,49 @@ def test_one_failed_rank_stops_the_run_without_waiting_for_the_others(body, stor
     with pytest.raises(RankFailed, match=rf"(?s)rank 1 failed:.*{story}.*ranks \[0\] were stopped"):
         run_ranks(body, 2, timeout_s=60)
     assert time.monotonic() - start < 20  # not the 60 s rank 0 would sleep, nor the deadline
+
+
+_SLOW_IMPORT_MODULE = '''
+import os
+import time
+
+if os.environ.get("SLOW_IMPORT_IN_RANKS"):  # set by the parent after its own import: only the ranks sleep
+    time.sleep(4)  # the rank is still unpickling its target (importing this module) when Ctrl-C comes
+
+
+def work(rank, world_size):
+    return rank
+'''
+
+_INTERRUPTED_PARENT = '''
+import sys
+sys.path.insert(0, sys.argv[1])
+import os
+import slow_import_target
+from syncless._core.launch import run_ranks
+os.environ["SLOW_IMPORT_IN_RANKS"] = "1"
+try:
+    run_ranks(slow_import_target.work, 2, timeout_s=60)
+except KeyboardInterrupt:
+    print("parent interrupted", flush=True)
+'''
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_while_ranks_still_import_their_target_prints_no_rank_traceback(tmp_path):
+    # A terminal sends Ctrl-C to the whole process group. A rank still importing its target used to print a
+    # KeyboardInterrupt traceback of its own (seen once in a CI-like run of the demo); ranks now start with
+    # SIGINT ignored.
+    import signal
+    import subprocess
+    import sys
+
+    (tmp_path / "slow_import_target.py").write_text(_SLOW_IMPORT_MODULE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    parent = subprocess.Popen([sys.executable, "-c", _INTERRUPTED_PARENT, str(tmp_path)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    time.sleep(2.5)  # the ranks are started and importing the slow module
+    os.killpg(parent.pid, signal.SIGINT)
+    out, err = parent.communicate(timeout=90)
+    assert "parent interrupted" in out, (out, err)
+    assert "Traceback" not in err, err
