@@ -114,20 +114,28 @@ def encode(value: Any) -> bytes:
     return data
 
 
-def _to_tree(value: Any, depth: int) -> Any:
+def _is_scalar(value: Any, depth: int) -> bool:
+    """Whether ``value`` crosses as itself (None, bool, str, a 64-bit int, a finite float); checks depth and bounds.
+
+    The same rule on both sides: what encode sends as a scalar, decode accepts as one.
+
+    Raises:
+        WireFormatError: too deep, an int beyond 64 bits, or a float that is not finite.
+    """
     if depth > MAX_DEPTH:
         raise WireFormatError(f"a set-up message nests deeper than {MAX_DEPTH} levels")
     kind = type(value)
-    if value is None or kind in (bool, str):
+    if kind is int and not _INT_MIN <= value <= _INT_MAX:
+        raise WireFormatError(f"the integer {value} does not fit in 64 bits")
+    if kind is float and not math.isfinite(value):
+        raise WireFormatError(f"the float {value} is not finite (only finite floats cross)")
+    return value is None or kind in (bool, str, int, float)
+
+
+def _to_tree(value: Any, depth: int) -> Any:
+    if _is_scalar(value, depth):
         return value
-    if kind is int:
-        if not _INT_MIN <= value <= _INT_MAX:
-            raise WireFormatError(f"the integer {value} does not fit in 64 bits")
-        return value
-    if kind is float:
-        if not math.isfinite(value):
-            raise WireFormatError(f"the float {value} cannot cross (only finite floats)")
-        return value
+    kind = type(value)
     if kind is bytes:
         return {"bytes": value.hex()}
     if kind is list:
@@ -173,19 +181,9 @@ def decode(data: bytes) -> Any:
 
 
 def _from_tree(tree: Any, depth: int) -> Any:
-    if depth > MAX_DEPTH:
-        raise WireFormatError(f"a set-up message nests deeper than {MAX_DEPTH} levels")
+    if _is_scalar(tree, depth):
+        return tree
     kind = type(tree)
-    if tree is None or kind in (bool, str):
-        return tree
-    if kind is int:
-        if not _INT_MIN <= tree <= _INT_MAX:
-            raise WireFormatError(f"the integer {tree} does not fit in 64 bits")
-        return tree
-    if kind is float:
-        if not math.isfinite(tree):
-            raise WireFormatError(f"the float {tree} is not finite")
-        return tree
     if kind is not dict or len(tree) == 0:
         raise WireFormatError(f"unexpected {_describe(tree)} in a set-up message")
     form = next(iter(tree))
