@@ -13,21 +13,29 @@ Plain Python, per thread; costs one attribute read to ask.
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterator
 
 _local = threading.local()
 
 
-@contextlib.contextmanager
-def standing_for_the_driver() -> Iterator[None]:
-    """Mark the calling thread's CUDA calls in the block as waits the driver would make itself (they nest)."""
-    _local.depth = getattr(_local, "depth", 0) + 1
-    try:
-        yield
-    finally:
+class _StandingForTheDriver:
+    """The context manager :func:`standing_for_the_driver` returns (a class: cheaper than a generator on hot paths)."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        _local.depth = getattr(_local, "depth", 0) + 1
+
+    def __exit__(self, *exc_info: object) -> None:
         _local.depth -= 1
+
+
+_MARK = _StandingForTheDriver()
+
+
+def standing_for_the_driver() -> _StandingForTheDriver:
+    """Mark the calling thread's CUDA calls in the block as waits the driver would make itself (they nest)."""
+    return _MARK
 
 
 def is_standing_for_the_driver() -> bool:

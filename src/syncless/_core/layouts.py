@@ -31,3 +31,17 @@ def broadcasts_to(src_shape: Sequence[int], dst_shape: Sequence[int]) -> bool:
         return False
     trailing = dst_shape[len(dst_shape) - len(src_shape):]
     return all(s == d or s == 1 for s, d in zip(src_shape, trailing))
+
+
+def same_dense_layout(shape_a: Sequence[int], strides_a: Sequence[int], shape_b: Sequence[int],
+                      strides_b: Sequence[int]) -> bool:
+    """Whether two tensors have one shape and one dense layout (strides equal wherever a dim's size is not 1).
+
+    Such a pair is copied by torch as one block of memory, as it lies (``copy_`` with equal dtypes needs no
+    temporary then), even when neither tensor is contiguous (two transposes, for example).
+    """
+    if tuple(shape_a) != tuple(shape_b):
+        return False
+    if any(size != 1 and sa != sb for size, sa, sb in zip(shape_a, strides_a, strides_b)):
+        return False
+    return is_dense_layout(shape_a, strides_a)

@@ -19,6 +19,7 @@ import weakref
 from typing import Any
 
 from syncless._core import patching
+from syncless._core.layouts import broadcasts_to, same_dense_layout
 from syncless.cc import _host_writes, _streams
 from syncless.cc._layers import SHIM_KEY
 
@@ -104,7 +105,7 @@ def land(src: Any, index: int, next_fn=None, **kwargs: Any) -> Any:
     current = torch.cuda.current_stream(index)
     staging = _streams.staging_stream(index)
     _host_writes.order_after_pending_writes(staging, src)
-    with torch.cuda.stream(staging):
+    with _streams.OnStream(staging, current):
         if next_fn is None:
             landed = _beneath("to")(src, device=torch.device("cuda", index), non_blocking=True)
         else:
@@ -125,18 +126,45 @@ def stage_into(dst: Any, src: Any, next_copy) -> Any:
     overwritten. A dtype conversion happens in that D2D, never on the staging
     stream. Does not block the host beyond the transfer (under CC).
 
-    A source that is not contiguous is first copied to a contiguous host
-    tensor, now, as torch's own ``copy_`` does: torch reads such a source
-    when the call is made, and a program may overwrite it right after. (The
-    fuzzer found the difference on an H200: staged as it was, a transposed
-    pinned source was read by the transfer later, after a D2H issued next had
-    overwritten it.)
+    The host source is read when torch would read it (:func:`_torch_reads_source_now`):
+
+    - torch copies one block of memory as it lies (equal dtypes and one dense
+      layout, e.g. two transposes) or a contiguous source in its stream's
+      order; the staging transfer reads the same block, after the D2H copies
+      still writing it (:mod:`._host_writes`);
+    - otherwise torch makes a contiguous host temporary of the (broadcast)
+      source when the call is made, and a program may overwrite the source
+      right after; so does the shim. (The fuzzer found both on an H200: a
+      transposed pinned source staged as it was was read after a D2H issued
+      next had overwritten it; made contiguous at the call, a transposed
+      source whose transpose torch moves as it lies was read before the D2H
+      queued ahead of it had written it.)
     """
-    if not src.is_contiguous():
-        src = src.contiguous()
-    tmp = land(src, dst.device.index)
+    if not broadcasts_to(tuple(src.shape), tuple(dst.shape)):
+        return next_copy(dst, src, non_blocking=True)  # torch raises its own error, before copying anything
+    index = dst.device.index
+    if _torch_reads_source_now(dst, src):
+        tmp = land(src.expand_as(dst).contiguous(), index)
+    elif src.is_contiguous():
+        tmp = land(src, index)
+    else:  # one dense block: move it as it lies, then view it with the source's strides
+        block = src.as_strided((src.numel(),), (1,), src.storage_offset())
+        tmp = land(block, index).as_strided(tuple(src.shape), tuple(src.stride()), 0)
     next_copy(dst, tmp, non_blocking=True)
     return dst
+
+
+def _torch_reads_source_now(dst: Any, src: Any) -> bool:
+    """Whether torch's ``dst.copy_(src, non_blocking=True)`` (H2D) reads host ``src`` at the call.
+
+    With equal dtypes and one dense layout torch moves the block directly, in
+    stream order. Otherwise it copies through a temporary: the source, broadcast
+    to ``dst``'s shape, is made contiguous on the host first (a new tensor, read
+    now, unless it already was contiguous); the cast, if any, happens on the GPU.
+    """
+    if dst.dtype == src.dtype and same_dense_layout(dst.shape, dst.stride(), src.shape, src.stride()):
+        return False
+    return not src.expand_as(dst).is_contiguous()
 
 
 def copy_in_place(dst: Any, src: Any, next_copy) -> Any:
@@ -156,7 +184,7 @@ def copy_in_place(dst: Any, src: Any, next_copy) -> Any:
     current = torch.cuda.current_stream(index)
     staging = _streams.staging_stream(index)
     _host_writes.order_after_pending_writes(staging, src)
-    with torch.cuda.stream(staging):
+    with _streams.OnStream(staging, current):
         next_copy(dst, src, non_blocking=True)
     dst.record_stream(staging)
     _streams.order_after(current, staging)

@@ -15,7 +15,6 @@ refuses it at ``install()``.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import threading
 from typing import Any
@@ -83,15 +82,66 @@ def device_index(device: Any) -> int:
     return torch.cuda.current_device() if device.index is None else device.index
 
 
-@contextlib.contextmanager
-def _on_device(index: int):
-    import torch
+class _OnDevice:
+    """``with _OnDevice(index):`` makes GPU ``index`` the current device for the block if it is not already.
 
-    if torch.cuda.current_device() == index:
-        yield
-    else:
-        with torch.cuda.device(index):
-            yield
+    A class, not a generator: it sits in every emulated wait, where a generator-based context manager cost
+    more than the check itself.
+    """
+
+    __slots__ = ("_index", "_switch")
+
+    def __init__(self, index: int) -> None:
+        self._index = index
+        self._switch = None
+
+    def __enter__(self) -> None:
+        import torch
+
+        if torch.cuda.current_device() != self._index:
+            self._switch = torch.cuda.device(self._index)
+            self._switch.__enter__()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if self._switch is not None:
+            self._switch.__exit__(*exc_info)
+
+
+class OnStream:
+    """``with OnStream(stream, previous):`` makes ``stream`` current for the block; ``previous`` is current after.
+
+    ``previous`` must be the current stream of ``stream``'s GPU when the block
+    is entered (the caller has it at hand). Host-only bookkeeping, nothing is
+    enqueued. When that GPU is the current device this is two ``set_stream``
+    calls: ``torch.cuda.stream(...)`` costs 8.5 us per use on an H200
+    (``tests/gpu/cc/probe_h2d_cost.py``), a large part of a staged copy's
+    host time. On another GPU it is ``torch.cuda.stream(stream)`` itself,
+    which also switches the current device and back.
+    """
+
+    __slots__ = ("_stream", "_previous", "_fallback")
+
+    def __init__(self, stream: Any, previous: Any) -> None:
+        self._stream = stream
+        self._previous = previous
+        self._fallback = None
+
+    def __enter__(self) -> None:
+        import torch
+
+        if self._stream.device_index == torch.cuda.current_device():
+            torch.cuda.set_stream(self._stream)
+        else:
+            self._fallback = torch.cuda.stream(self._stream)
+            self._fallback.__enter__()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        import torch
+
+        if self._fallback is not None:
+            self._fallback.__exit__(*exc_info)
+        else:
+            torch.cuda.set_stream(self._previous)
 
 
 def create_private_stream(index: int) -> Any:
@@ -171,7 +221,7 @@ def wait_stream_raw(stream: Any) -> None:
 
     Marked as a wait that stands for the driver's own, so the detector's CUPTI layer does not count it either.
     """
-    with _on_device(stream.device.index), standing_for_the_driver():
+    with _OnDevice(stream.device_index), standing_for_the_driver():
         _cuda.call("cuStreamSynchronize", stream.cuda_stream)
 
 
@@ -196,7 +246,7 @@ def record_event_raw(event: Any, stream: Any) -> None:
 def is_capturing(stream: Any) -> bool:
     """Return whether ``stream`` is capturing a CUDA graph (asks the driver; does not block)."""
     drv = _cuda.ensure_driver()
-    with _on_device(stream.device.index):
+    with _OnDevice(stream.device_index):
         status = _cuda.call("cuStreamIsCapturing", stream.cuda_stream)
     return status != drv.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
 

@@ -133,14 +133,29 @@ def view_shape(spec: tuple) -> tuple:
 CONTIGUOUS_VIEWS = ("full", "rows")  # the views of a SIDE x SIDE tensor that are contiguous ("cols" is, if full width)
 
 
-def h2d_reads_host_now(host_view: tuple, non_blocking: bool, host_dtype: str, dev_dtype: str) -> bool:
+def h2d_reads_host_now(host_view: tuple, dev_view: tuple, non_blocking: bool, host_dtype: str,
+                       dev_dtype: str) -> bool:
     """Whether torch reads an H2D copy's host source when the call is made, not in its stream's order.
 
-    torch first makes a contiguous copy of a non-contiguous host source, and
-    converts the dtype of a blocking copy on the host, both at once; only then
-    does the transfer itself go on the stream.
+    With equal dtypes and one dense layout on both sides (both contiguous, or
+    both transposed) torch moves the block as it lies, in stream order.
+    Otherwise it goes through temporaries: a non-contiguous host source is
+    made contiguous first, and a blocking copy converts the dtype on the
+    host, both at once; only then does the transfer itself go on the stream.
     """
-    return host_view[0] not in CONTIGUOUS_VIEWS or (not non_blocking and host_dtype != dev_dtype)
+    if not non_blocking and host_dtype != dev_dtype:
+        return True
+    if host_dtype == dev_dtype and _dense_layout(host_view) is not None and (
+            _dense_layout(host_view) == _dense_layout(dev_view)):
+        return False
+    return host_view[0] not in CONTIGUOUS_VIEWS
+
+
+def _dense_layout(view: tuple) -> str | None:
+    """The dense layout of a view of a SIDE x SIDE tensor ("contiguous", "transposed"), None if not dense."""
+    if view[0] in CONTIGUOUS_VIEWS or (view[0] == "cols" and view[2] - view[1] == SIDE):
+        return "contiguous"
+    return "transposed" if view[0] == "t" else None
 
 
 def apply_view(t: Any, spec: tuple) -> Any:
@@ -308,14 +323,14 @@ class Model:
             self._raise(needs, op)
             self._access(buf, self._tick(s), True)
         elif k == "H2D":  # (s, h, hview, g, gview, nb)
-            s, h, hview, g, _, nb = a
+            s, h, hview, g, gview, nb = a
             hb, gb = self.hst[h], self._dev(g)
             if gb.registered:
                 self._check("host", gb, True, needs)  # the in-place promise: nothing touches the target now
             # torch reads a non-contiguous host source, or one it converts for a blocking copy, on the host when
             # the call is made (it makes a contiguous or converted copy first); otherwise the copy reads h in s's
             # order (a blocking one too).
-            reads_now = h2d_reads_host_now(hview, nb, hb.dtype, gb.dtype)
+            reads_now = h2d_reads_host_now(hview, gview, nb, hb.dtype, gb.dtype)
             self._check("host" if reads_now else s, hb, False, needs)
             self._check(s, gb, True, needs)
             self._raise(needs, op)
@@ -327,7 +342,7 @@ class Model:
             if self.dev[g] is not None:
                 raise Illegal(f"device slot {g} is in use", [])
             hb = self.hst[h]
-            reads_now = h2d_reads_host_now(("full",), nb, hb.dtype, a[5] or hb.dtype)
+            reads_now = h2d_reads_host_now(("full",), ("full",), nb, hb.dtype, a[5] or hb.dtype)
             self._check("host" if reads_now else s, hb, False, needs)
             self._raise(needs, op)
             at = self._tick(s)

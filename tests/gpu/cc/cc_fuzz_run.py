@@ -315,7 +315,8 @@ class Runner:
         elif k == "H2D":
             s, h, hv, g, gv, nb = a
             src = apply_view(self.host[h], hv)
-            if self.b.simulated and h2d_reads_host_now(hv, nb, str(self.host[h].dtype)[6:], str(self.dev[g].dtype)[6:]):
+            if self.b.simulated and h2d_reads_host_now(hv, gv, nb, str(self.host[h].dtype)[6:],
+                                                           str(self.dev[g].dtype)[6:]):
                 src = src.clone()  # as torch does, the host is read now (see h2d_reads_host_now)
             self._copy(s, apply_view(self.dev[g], gv), src, nb)
         elif k == "D2H":
@@ -389,7 +390,7 @@ class Runner:
         torch, b, src = self.torch, self.b, self.host[h]
         if b.simulated:
             out = torch.empty(tuple(src.shape), dtype=src.dtype if dtype is None else getattr(torch, dtype))
-            if h2d_reads_host_now(("full",), nb, str(src.dtype)[6:], dtype or str(src.dtype)[6:]):
+            if h2d_reads_host_now(("full",), ("full",), nb, str(src.dtype)[6:], dtype or str(src.dtype)[6:]):
                 src = src.clone()  # as torch does, the host is read now (see h2d_reads_host_now)
             b.launch(s, lambda: out.copy_(src))
         elif dtype is not None:

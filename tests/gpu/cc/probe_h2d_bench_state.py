@@ -37,7 +37,7 @@ def main() -> None:
             bench._enter(setup)
             if warm:
                 bench._h2d_return_us(torch, dev, cycles, 1)
-            row.append(f"{setup} {bench._h2d_return_us(torch, dev, cycles, 21):8.1f}")
+            row.append(f"{setup} {statistics.median(bench._h2d_return_us(torch, dev, cycles, 21)):8.1f}")
         cc.uninstall()
         print(f"{label:28s} " + " | ".join(row), flush=True)
 

@@ -198,3 +198,31 @@ def test_staged_h2d_reads_host_memory_after_the_d2h_that_writes_it(shim, cycles_
             result = up * 1
         torch.cuda.synchronize()
         _assert_bits(result.cpu(), new)
+
+
+def test_staged_transposed_h2d_reads_host_memory_in_stream_order(shim, cycles_per_ms):
+    """``d.t().copy_(h.t(), non_blocking=True)`` behind a D2H into ``h`` queued on the same stream.
+
+    torch moves two transposes of one dtype as one block, in stream order, so it reads ``h`` after the D2H.
+    The shim once made ``h.t()`` contiguous at the call (right only when torch itself makes a temporary), and
+    read ``h`` before the D2H had written it.
+    """
+    import torch
+
+    cc = shim
+    side = 256
+    for trial in range(TRIALS):
+        dev = torch.device("cuda", 0)
+        old, new = torch.randn(side, side, device=dev), torch.randn(side, side, device=dev)
+        src = old.clone()
+        host = torch.full((side, side), float("nan")).pin_memory()
+        torch.cuda.synchronize()
+        stream = cc.new_d2h_stream(dev) if trial % 2 == 0 else torch.cuda.Stream(dev)
+        _slow_write(stream, src, new, 20 * cycles_per_ms)
+        with torch.cuda.stream(stream):
+            host.copy_(src, non_blocking=True)
+            up = torch.empty(side, side, device=dev)
+            up.t().copy_(host.t(), non_blocking=True)
+            result = up * 1
+        torch.cuda.synchronize()
+        _assert_bits(result.cpu(), new)

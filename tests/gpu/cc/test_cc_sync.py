@@ -271,3 +271,42 @@ def test_nvml_reports_cc_off_on_reference_gpus():
     assert cc.is_confidential_compute() is False
     decision = cc.decide_mode("auto")
     assert decision.mode == "off" and "NVML reports" in decision.reason
+
+
+def test_staged_copies_leave_the_current_stream_and_device_as_they_were(emulated_cc, monkeypatch):
+    """The shim switches to its staging stream with two set_stream calls (cheaper than torch.cuda.stream);
+    after each staged form, and after one that raises inside, the caller's stream is current again.
+    With two GPUs, a staged copy to the other GPU also leaves the current device alone."""
+    import torch
+
+    from syncless.cc import _staging
+
+    dev = torch.device("cuda", 0)
+    mine = torch.cuda.Stream(dev)
+    host = torch.randn(64, 64).pin_memory()
+    target = torch.zeros(64, 64, device=dev)
+    emulated_cc.register_inplace_h2d_target(target)
+    with torch.cuda.stream(mine):
+        forms = [
+            lambda: host.to(dev, non_blocking=True),
+            lambda: host.cuda(dev, non_blocking=True),
+            lambda: torch.empty(64, 64, device=dev).copy_(host, non_blocking=True),
+            lambda: target.copy_(host, non_blocking=True),
+        ]
+        for form in forms:
+            out = form()
+            assert torch.cuda.current_stream(dev) == mine
+            assert torch.equal(out.cpu(), host)
+        monkeypatch.setattr(_staging, "_beneath", lambda name: lambda *a, **k: (_ for _ in ()).throw(
+            RuntimeError("raised beneath the shim")))
+        with pytest.raises(RuntimeError, match="raised beneath the shim"):
+            host.to(dev, non_blocking=True)
+        assert torch.cuda.current_stream(dev) == mine
+        monkeypatch.undo()
+        if torch.cuda.device_count() > 1:
+            other = torch.device("cuda", 1)
+            before = torch.cuda.current_stream(other)
+            out = host.to(other, non_blocking=True)
+            assert torch.cuda.current_device() == 0
+            assert torch.cuda.current_stream(dev) == mine and torch.cuda.current_stream(other) == before
+            assert torch.equal(out.cpu(), host)

@@ -142,3 +142,29 @@ def test_concurrent_bodies_must_keep_to_their_own_resources():
     assert fuzz.is_legal(_spec([Op("CONCURRENT", (), (body_a, body_b))]))
     crossing = Op("THREAD", (), (Op("KERNEL", ("S1", 0, ("full",), 1, 0)),))  # buffer 0 belongs to the first body
     assert not fuzz.is_legal(_spec([Op("CONCURRENT", (), (body_a, crossing))]))
+
+
+def test_model_reads_a_transposed_block_in_stream_order():
+    """torch moves ``h.t()`` into ``d.t()`` (one dtype) as one block, in its stream's order (seed 20267787).
+
+    So an unordered D2H into ``h`` issued after it races (the program the GPU run reported as a shim failure
+    is not legal), and a D2H into ``h`` queued on the same stream before it is ordered.
+    """
+    racy = [
+        Op("KERNEL", ("S1", 3, ("cols", 7, 15), 0, 2000)),
+        Op("WAIT_STREAM", ("S0", "S1")),
+        Op("H2D", ("S0", 3, ("t",), 4, ("t",), True)),
+        Op("D2H", ("D2", 2, ("full",), 3, ("full",), True)),
+        Op("DEVICE_SYNC", (0,)),
+    ]
+    assert not fuzz.is_legal(_spec(racy))
+    ordered = [
+        Op("KERNEL", ("S0", 2, ("full",), 1, 2000)),
+        Op("D2H", ("S0", 2, ("full",), 3, ("full",), True)),
+        Op("H2D", ("S0", 3, ("t",), 4, ("t",), True)),
+        Op("DEVICE_SYNC", (0,)),
+    ]
+    assert fuzz.is_legal(_spec(ordered))
+    # With a column slice on the device side torch makes a contiguous host copy at the call: that read races.
+    at_the_call = ordered[:2] + [Op("H2D", ("S0", 3, ("t",), 4, ("full",), True))] + ordered[3:]
+    assert not fuzz.is_legal(_spec(at_the_call))

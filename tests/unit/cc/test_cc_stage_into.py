@@ -1,0 +1,95 @@
+"""When a staged ``copy_`` reads its host source: at the call, as torch's temporary does, or in stream order.
+
+``stage_into`` is driven here with CPU tensors and a stand-in for the staging
+transfer (``land``), which records what it was handed; the GPU fuzzer checks
+the same rule against torch itself (seed 20267787 found the transposed case).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from syncless._core.layouts import same_dense_layout  # noqa: E402
+from syncless.cc import _staging  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    ("shape_a", "strides_a", "shape_b", "strides_b", "same"),
+    [
+        ((4, 8), (8, 1), (4, 8), (8, 1), True),  # both contiguous
+        ((8, 4), (1, 8), (8, 4), (1, 8), True),  # both transposed: one dense block
+        ((8, 4), (1, 8), (8, 4), (4, 1), False),  # transposed into contiguous
+        ((4, 3), (8, 1), (4, 3), (8, 1), False),  # same strides, not dense (column slices)
+        ((1, 8), (99, 1), (1, 8), (8, 1), True),  # a size-1 dim's stride does not matter
+        ((4, 8), (8, 1), (8, 4), (4, 1), False),  # other shape
+        ((4, 8), (0, 1), (4, 8), (0, 1), False),  # broadcast (overlapping)
+    ],
+)
+def test_same_dense_layout(shape_a, strides_a, shape_b, strides_b, same):
+    assert same_dense_layout(shape_a, strides_a, shape_b, strides_b) is same
+
+
+@pytest.fixture
+def landed(monkeypatch):
+    """Replace the staging transfer by a clone; return the list of host tensors it was handed."""
+    handed = []
+
+    def fake_land(src, index, next_fn=None, **kwargs):
+        handed.append(src)
+        return src.clone()
+
+    monkeypatch.setattr(_staging, "land", fake_land)
+    return handed
+
+
+def _shares_memory(a, b) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+CASES = {
+    # name: (make dst, make src from a base host tensor, torch reads the source at the call)
+    "contiguous": (lambda: torch.empty(6, 5), lambda h: h, False),
+    "both transposed": (lambda: torch.empty(5, 6).t(), lambda h: h.t().contiguous().t(), False),
+    "transposed into contiguous": (lambda: torch.empty(6, 5), lambda h: h.t().contiguous().t(), True),
+    "column slice": (lambda: torch.empty(6, 3), lambda h: h[:, 1:4], True),
+    "broadcast row": (lambda: torch.empty(6, 5), lambda h: h[:1], True),
+    "cast, contiguous": (lambda: torch.empty(6, 5, dtype=torch.float64), lambda h: h, False),
+    "cast, both transposed": (lambda: torch.empty(5, 6, dtype=torch.float64).t(),
+                              lambda h: h.t().contiguous().t(), True),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_stage_into_reads_the_source_when_torch_would(landed, name):
+    make_dst, make_src, reads_now = CASES[name]
+    base = torch.randn(6, 5)
+    src = make_src(base)
+    dst = make_dst()
+    expected = make_dst().copy_(src)
+    assert _staging._torch_reads_source_now(dst, src) is reads_now
+
+    def next_copy(d, s, non_blocking=False):
+        return d.copy_(s)
+
+    result = _staging.stage_into(dst, src, next_copy)
+    assert result is dst
+    assert torch.equal(dst, expected)
+    (handed,) = landed
+    # At the call: a temporary of its own, already holding the values; in stream order: the source's own memory.
+    assert _shares_memory(handed, src) is not reads_now
+    if not reads_now:
+        assert handed.is_contiguous() and handed.numel() == src.numel()
+
+
+def test_stage_into_leaves_a_bad_shape_to_torch(landed):
+    def next_copy(d, s, non_blocking=False):
+        return d.copy_(s)
+
+    with pytest.raises(RuntimeError) as ours:
+        _staging.stage_into(torch.empty(4, 5), torch.randn(3, 5), next_copy)
+    with pytest.raises(RuntimeError) as torchs:
+        torch.empty(4, 5).copy_(torch.randn(3, 5))
+    assert str(ours.value) == str(torchs.value)
+    assert not landed
