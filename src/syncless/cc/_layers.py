@@ -39,10 +39,13 @@ def call_for_routing(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[An
     """
     import torch
 
-    if not args or not isinstance(args[0], torch.Tensor) or has_override(args, kwargs):
+    tensor = torch.Tensor
+    if not args or not isinstance(args[0], tensor) or has_override(args, kwargs):
         return None
-    plain_dispatch = torch.Tensor.__torch_dispatch__
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor) and type(value).__torch_dispatch__ is not plain_dispatch:
-            return None
-    return args[0], tuple(args[1:])
+    plain_dispatch = tensor.__torch_dispatch__
+    for values in (args, kwargs.values()):
+        for value in values:
+            kind = type(value)
+            if kind is not tensor and isinstance(value, tensor) and kind.__torch_dispatch__ is not plain_dispatch:
+                return None
+    return args[0], args[1:]
