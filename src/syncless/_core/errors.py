@@ -55,7 +55,15 @@ class TransportError(SynclessError):
     Bad arguments still raise ``ValueError``/``TypeError``. See
     ``docs/pp.md`` (failure model) for what each subclass means and how to
     rebuild a transport after one.
+
+    Attributes:
+        leaked_nbytes: for an error raised by a failed ``make_transport``, the
+            device bytes its set-up kept allocated by design because a peer may
+            still map them (0 otherwise; a built transport reports its own in
+            ``transport.leaked_nbytes``).
     """
+
+    leaked_nbytes: int = 0
 
 
 class TransportSetupError(TransportError, RuntimeError):

@@ -32,7 +32,13 @@ from typing import Any, NamedTuple
 import torch
 
 from syncless._core import cuda as cuda_core
-from syncless._core.errors import CopyEngineUnavailable, CudaError, PeerTimeoutError, TransportSetupError
+from syncless._core.errors import (
+    CopyEngineUnavailable,
+    CudaError,
+    PeerTimeoutError,
+    TransportError,
+    TransportSetupError,
+)
 from syncless.pp import _driver as drv
 from syncless.pp import _faults
 from syncless.pp import _meta_channel as meta_channel
@@ -282,6 +288,8 @@ def _unwind(stack: Teardown, what: str, err: BaseException, *, collective: bool)
         logger.warning("%s failed (%s); releasing what it made also failed: %s", what, err, release_err)
     if stack.leaked:
         logger.warning("%s failed; kept by design (a peer may still map them): %s", what, "; ".join(stack.leaked))
+        if isinstance(err, TransportError):
+            err.leaked_nbytes = stack.leaked_nbytes  # what the caller's error reports (docs/failure-model.md)
 
 
 def _nothing() -> None:

@@ -147,3 +147,23 @@ def test_kept_tensors_stay_referenced():
     teardown.shared(lambda: None, nbytes=8, what="tensors", on_leak=lambda: _teardown.keep_forever(kept))
     teardown.run(collective=True, gpu_idle=True)
     assert any(obj is kept for obj in _teardown._KEPT)
+
+
+def test_a_failed_set_up_reports_what_it_kept_on_the_error_it_raises():
+    """A broken set-up exchange keeps the buffer a peer may map; the error make_transport raises says how much.
+
+    (The GPU fault table read a failed set-up's survivor as +2 MiB "at baseline": nothing reported the bytes.)
+    """
+    from syncless._core.errors import PeerTimeoutError
+    from syncless.pp._copy_engine_setup import _unwind
+
+    log = Log()
+    err = PeerTimeoutError("stage 1 sent nothing within 1 s")
+    _unwind(_made(log), "copy-engine set-up", err, collective=False)
+    assert "free buffer" not in log.calls and err.leaked_nbytes == 4096
+    uniform = PeerTimeoutError("every stage failed alike")
+    _unwind(_made(Log()), "copy-engine set-up", uniform, collective=True)
+    assert uniform.leaked_nbytes == 0  # the barrier paired up: everything was freed
+    interrupted = KeyboardInterrupt()
+    _unwind(_made(Log()), "copy-engine set-up", interrupted, collective=False)  # not a TransportError: untouched
+    assert not hasattr(interrupted, "leaked_nbytes")
