@@ -549,6 +549,7 @@ class Rank:
         torch.empty(1, device=self.device)
         self.context = bind_primary_context(rank)
         self.cpu = dist.new_group([0, 1], backend="gloo", timeout=timedelta(seconds=60))
+        self.nccl = dist.new_group([0, 1], backend="nccl", timeout=timedelta(seconds=60))  # as the bench does
         self.gate = Gate()
         self.base = drv.mem_alloc(REGION_NBYTES)
         drv.mem_zero(self.base, FLAGS_NBYTES, 0)  # every flag reads 0 before the peer can see the handle
@@ -948,7 +949,7 @@ class TorchLink:
             self.transport.send(payload)
             return
         _, dist, _ = _gpu_modules()
-        ops = [dist.P2POp(dist.isend, payload[name], 1 - self.rk.rank) for name in TENSOR_NAMES]
+        ops = [dist.P2POp(dist.isend, payload[name], 1 - self.rk.rank, group=self.rk.nccl) for name in TENSOR_NAMES]
         self.sends.extend(dist.batch_isend_irecv(ops))  # NCCL's stream waits for the current one
 
     def recv(self, hint: Any) -> dict[str, Any]:
@@ -958,7 +959,7 @@ class TorchLink:
         _, dist, _ = _gpu_modules()
         into = self.buffers[self.count % 2]
         self.count += 1
-        ops = [dist.P2POp(dist.irecv, into[name], 1 - self.rk.rank) for name in TENSOR_NAMES]
+        ops = [dist.P2POp(dist.irecv, into[name], 1 - self.rk.rank, group=self.rk.nccl) for name in TENSOR_NAMES]
         for work in dist.batch_isend_irecv(ops):
             work.wait()  # the current stream waits; the host does not
         return into
@@ -1437,7 +1438,8 @@ def warm_up_nccl(rk: Rank) -> None:
     torch, dist, _ = _gpu_modules()
     out = torch.full((1024,), float(rk.rank + 1), device=rk.device)
     into = torch.zeros(1024, device=rk.device)
-    ops = [dist.P2POp(dist.isend, out, 1 - rk.rank), dist.P2POp(dist.irecv, into, 1 - rk.rank)]
+    ops = [dist.P2POp(dist.isend, out, 1 - rk.rank, group=rk.nccl),
+           dist.P2POp(dist.irecv, into, 1 - rk.rank, group=rk.nccl)]
     for work in dist.batch_isend_irecv(ops):
         work.wait()
     rk.sync("NCCL warm-up")
