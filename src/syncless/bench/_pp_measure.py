@@ -1,4 +1,4 @@
-"""Sustained bandwidth, host CPU per call and one-way latency: raw peer copy, NCCL and ours.
+"""Sustained bandwidth, host CPU per call and one-way latency: raw peer copy, NCCL and ours (both depths).
 
 Every timed loop follows one recipe so the three methods are comparable:
 
@@ -110,23 +110,27 @@ def _raw_landed_equals(rig: Rig, nbytes: int, expected: Any, what: str) -> bool:
 
 
 def run_bandwidth(rig: Rig) -> dict[str, dict[int, float]]:
-    """Measure every payload with the three methods; return ``{method: {nbytes: GB/s}}`` on both ranks."""
-    measured: dict[str, dict[int, float]] = {"raw": {}, "nccl": {}, "ours": {}}
+    """Measure every payload with each method; return ``{method: {nbytes: GB/s}}`` on both ranks.
+
+    The methods: the raw peer copy, NCCL, ours (default depth) and ours with depth=0.
+    """
+    measured: dict[str, dict[int, float]] = {"raw": {}, "nccl": {}, "ours": {}, "ours_depth0": {}}
     for index, nbytes in enumerate(rig.plan.payloads):
         seed = 100 + 10 * index
         mine = {
             "raw": bandwidth_raw(rig, nbytes, seed),
             "nccl": bandwidth_nccl(rig, nbytes, seed + 1),
             "ours": bandwidth_ours(rig, nbytes, seed + 2) if rig.fwd is not None else NAN,
+            "ours_depth0": bandwidth_ours(rig, nbytes, seed + 3, depth0=True) if rig.fwd0 is not None else NAN,
         }
         rank0, rank1 = rig.gather(mine)
-        row = {"raw": rank0["raw"], "nccl": rank1["nccl"], "ours": rank1["ours"]}
+        row = {"raw": rank0["raw"], "nccl": rank1["nccl"], "ours": rank1["ours"], "ours_depth0": rank1["ours_depth0"]}
         for method, value in row.items():
             measured[method][nbytes] = value
         if rig.sender:
             rig.report.progress(
                 f"bandwidth {size_label(nbytes)}: raw peer copy {row['raw']:.1f}, NCCL {row['nccl']:.1f}, "
-                f"ours {row['ours']:.1f} GB/s"
+                f"ours {row['ours']:.1f}, ours depth=0 {row['ours_depth0']:.1f} GB/s"
             )
     return measured
 
@@ -280,23 +284,30 @@ def bandwidth_nccl(rig: Rig, nbytes: int, seed: int) -> float:
     )
 
 
-def bandwidth_ours(rig: Rig, nbytes: int, seed: int) -> float:
-    """Ours: ``transport.send`` / ``transport.recv`` of the same two tensors per step."""
+def bandwidth_ours(rig: Rig, nbytes: int, seed: int, depth0: bool = False) -> float:
+    """Ours: ``transport.send`` / ``transport.recv`` of the same two tensors per step.
+
+    ``depth0``: use the depth=0 transport (``rig.fwd0``, which copies straight into
+    the receiver's persistent tensors) instead of the default one (``rig.fwd``).
+    """
     rows = rows_for(nbytes)
     payload = make_payload(rows, seed, rig.device) if rig.sender else None
+    name = "fwd0" if depth0 else "fwd"
+    transport = getattr(rig, name)
 
     def send_one() -> None:
-        rig.fwd.send(payload)
+        transport.send(payload)
 
     def recv_one() -> Any:
-        return views(rig.fwd.recv())
+        return views(transport.recv())
 
     def before_rep() -> None:
-        poison(rig.persistent["fwd"])
+        poison(rig.persistent[name])
 
     check = _payload_check(rows, seed, rig.device)
     steps = rig.plan.steps_for(nbytes)
-    return _bandwidth_loop(rig, "ours", nbytes, send_one, recv_one, before_rep, check, 10.0 + 0.5 * steps)
+    method = "ours_depth0" if depth0 else "ours"
+    return _bandwidth_loop(rig, method, nbytes, send_one, recv_one, before_rep, check, 10.0 + 0.5 * steps)
 
 
 # Latency ---------------------------------------------------------------------------
@@ -349,7 +360,7 @@ def latency(rig: Rig, nbytes: int, seed: int, method: str) -> float:
 def _latency_on_current_stream(rig: Rig, nbytes: int, seed: int, method: str, base: str) -> float:
     plan = rig.plan
     rows = rows_for(nbytes)
-    iters = plan.latency_iters
+    iters = plan.latency_iters_for(nbytes)
     if base == "nccl":
         state: dict[str, Any] = {"x": make_payload(rows, seed, rig.device) if rig.sender else None,
                                  "bufs": [empty_payload(rows, rig.device), empty_payload(rows, rig.device)]}

@@ -6,7 +6,8 @@ for the baseline), the transports under test, the raw IPC buffers and the
 full-SM kernel, then runs the sections in a fixed order, identical on both
 ranks, posting results to the parent as each one finishes (so a later
 failure loses only what had not run yet). Sections, in order of risk:
-bandwidth (with host CPU per call), latency (NCCL, ours, ours with depth=0)
+bandwidth (raw peer copy, NCCL, ours, ours with depth=0; with host CPU per
+call), latency (NCCL, ours, ours with depth=0)
 on the default stream and again on a stream of each rank's own, GEMM
 interference, pending receive, and last the raw flag ping-pong on both kinds
 of stream (a stream waiting on a flag is the one thing here that could hang;
@@ -156,7 +157,7 @@ def _make_transports(rig: Rig) -> None:
     specs = (
         ("fwd", [0, 1], 1, plan.max_rows, None),  # rank 1 receives the forward direction
         ("bwd", [1, 0], 0, plan.latency_max_rows, None),  # rank 0 receives the echo
-        ("fwd0", [0, 1], 1, plan.latency_max_rows, 0),  # the ping-pong again with depth=0
+        ("fwd0", [0, 1], 1, plan.max_rows, 0),  # bandwidth and the ping-pong again with depth=0
         ("bwd0", [1, 0], 0, plan.latency_max_rows, 0),
     )
     for name, order, receiver, rows, depth in specs:

@@ -107,7 +107,7 @@ def test_tiny_benchmark_run_measures_everything_with_correct_data(tmp_path):
     assert outcome.complete, (outcome.failure, outcome.errors)
     results = outcome.results
     assert results["setup"]["rank0"]["transport_fwd"]["backend"] == "copy_engine", results["setup"]
-    for method in ("raw", "nccl", "ours"):
+    for method in ("raw", "nccl", "ours", "ours_depth0"):
         for nbytes in plan.payloads:
             record = results["bandwidth"][method][nbytes]
             assert _finite(record["gbps"]) and record["data_ok"] is True, (method, nbytes, record)

@@ -5,10 +5,12 @@ import pytest
 from syncless.bench._pp_plan import (
     DECODE_STEP_NBYTES,
     FULL_PAYLOADS,
+    GOAL_SPLIT_NBYTES,
     KIB,
     MIB,
     ROW_NBYTES,
     Plan,
+    latency_vs_nccl_target,
     make_plan,
     payload_label,
     rows_for,
@@ -29,13 +31,15 @@ def test_rows_reject_sizes_that_are_not_whole_rows(nbytes):
         rows_for(nbytes)
 
 
-def test_full_plan_covers_issue_4_payloads():
+def test_full_plan_covers_issue_18_sizes():
     plan = make_plan(quick=False)
     assert plan.payloads == FULL_PAYLOADS
     assert min(plan.payloads) == 64 * KIB and max(plan.payloads) == 256 * MIB
     assert DECODE_STEP_NBYTES in plan.payloads
-    assert plan.latency_payloads == (64 * KIB, 1 * MIB, 8 * MIB)
-    assert plan.max_rows == 8192 and plan.latency_max_rows == 256
+    # issue 18's latency table: every size from 64 KiB to 256 MiB
+    assert plan.latency_payloads == (64 * KIB, 1 * MIB, 8 * MIB, 64 * MIB, 256 * MIB)
+    assert set(plan.latency_payloads) <= set(plan.payloads)  # bandwidth at every latency size too
+    assert plan.max_rows == 8192 and plan.latency_max_rows == 8192  # the echo transports carry 256 MiB
     assert not plan.quick
 
 
@@ -47,6 +51,31 @@ def test_quick_plan_is_smaller_but_keeps_the_goal_sizes():
     assert quick.hard_timeout_s < full.hard_timeout_s
     assert quick.max_rows == 2048
     assert quick.bandwidth_reps <= full.bandwidth_reps and quick.latency_reps <= full.latency_reps
+    # latency on both sides of the 1 MiB split of the goals, fewer sizes than the full run
+    assert set(quick.latency_payloads) < set(full.latency_payloads)
+    assert min(quick.latency_payloads) < GOAL_SPLIT_NBYTES <= max(quick.latency_payloads)
+    assert quick.latency_max_rows == 256
+
+
+def test_latency_round_trips_per_repeat_shrink_at_large_sizes():
+    plan = make_plan(quick=False)
+    assert [plan.latency_iters_for(n) for n in plan.latency_payloads] == [40, 40, 40, 32, 8]
+    for nbytes in plan.latency_payloads:  # a repeat moves at most 2 GiB each way, or the fewest round trips
+        iters = plan.latency_iters_for(nbytes)
+        assert plan.latency_min_iters <= iters <= plan.latency_iters
+        assert iters * nbytes <= plan.latency_target_nbytes or iters == plan.latency_min_iters
+    quick = make_plan(quick=True)
+    assert [quick.latency_iters_for(n) for n in quick.latency_payloads] == [20, 20, 20]
+    assert Plan(quick=True, payloads=(64 * KIB, 8 * MIB), latency_payloads=(64 * KIB,), interference_nbytes=8 * MIB,
+                latency_min_iters=3, latency_target_nbytes=16 * MIB).latency_iters_for(8 * MIB) == 3
+
+
+def test_latency_targets_split_at_1_mib():
+    assert GOAL_SPLIT_NBYTES == 1 * MIB
+    assert latency_vs_nccl_target(64 * KIB) == 1.0
+    assert latency_vs_nccl_target(1 * MIB - ROW_NBYTES) == 1.0
+    assert latency_vs_nccl_target(1 * MIB) == 0.8
+    assert latency_vs_nccl_target(256 * MIB) == 0.8
 
 
 def test_steps_are_bounded_both_ways():
@@ -62,7 +91,7 @@ def test_plan_rejects_inconsistent_sizes():
     with pytest.raises(ValueError, match="cpu_nbytes must be one of the payloads"):
         Plan(quick=True, payloads=(64 * KIB, 64 * MIB))
     with pytest.raises(ValueError, match="interference_nbytes must be at most"):
-        Plan(quick=True, payloads=(64 * KIB, 8 * MIB), interference_nbytes=64 * MIB)
+        Plan(quick=True, payloads=(64 * KIB, 8 * MIB), latency_payloads=(64 * KIB,), interference_nbytes=64 * MIB)
     with pytest.raises(ValueError, match="multiple of"):
         Plan(quick=True, payloads=(8 * MIB, 12345))
 
@@ -104,6 +133,7 @@ def test_largest_payload_counts_the_pending_receive_and_the_latency_sizes():
 
 
 def test_interference_payload_may_not_outgrow_the_buffers():
+    small = dict(quick=True, payloads=(64 * KIB, 8 * MIB), latency_payloads=(64 * KIB, 1 * MIB))
     with pytest.raises(ValueError, match=f"at most the largest payload {8 * MIB}; got {16 * MIB}"):
-        Plan(quick=True, payloads=(64 * KIB, 8 * MIB), interference_nbytes=16 * MIB)
-    assert Plan(quick=True, payloads=(64 * KIB, 8 * MIB), interference_nbytes=8 * MIB).interference_nbytes == 8 * MIB
+        Plan(**small, interference_nbytes=16 * MIB)
+    assert Plan(**small, interference_nbytes=8 * MIB).interference_nbytes == 8 * MIB

@@ -22,13 +22,13 @@ from syncless.bench._pp_summary import (
 from syncless.bench._report import render_markdown, write_output
 
 
-def fake_results(plan, *, ours_bw=380.0, raw_bw=390.0, nccl_bw=330.0, ours_lat=30.0, nccl_lat=45.0, direct_lat=28.0,
-                 gemm=(1.50, 1.62, 1.56), spin=(2.0, 4.1, 2.03), cpu=(12.0, 20.0, 30.0, 40.0)):
+def fake_results(plan, *, ours_bw=380.0, raw_bw=390.0, nccl_bw=330.0, direct_bw=385.0, ours_lat=30.0, nccl_lat=45.0,
+                 direct_lat=28.0, gemm=(1.50, 1.62, 1.56), spin=(2.0, 4.1, 2.03), cpu=(12.0, 20.0, 30.0, 40.0)):
     """Results shaped like the workers' posts; numbers scale with the payload where it matters."""
-    bandwidth = {"raw": {}, "nccl": {}, "ours": {}}
+    bandwidth = {"raw": {}, "nccl": {}, "ours": {}, "ours_depth0": {}}
     host_cpu = {"ours": {}, "nccl": {}}
     for nbytes in plan.payloads:
-        for method, value in (("raw", raw_bw), ("nccl", nccl_bw), ("ours", ours_bw)):
+        for method, value in (("raw", raw_bw), ("nccl", nccl_bw), ("ours", ours_bw), ("ours_depth0", direct_bw)):
             bandwidth[method][nbytes] = {"gbps": value * nbytes / max(plan.payloads), "ahead": [True, True],
                                          "data_ok": True}
         host_cpu["ours"][nbytes] = {"send": {"thread_us": cpu[0]}, "recv": {"thread_us": cpu[2]}}
@@ -83,15 +83,21 @@ def test_tables_hold_every_payload_and_the_ratios():
     assert "GB/s" in bw_caption
     assert list(bw_cols) == BANDWIDTH_COLUMNS and list(lat_cols) == LATENCY_COLUMNS
     assert list(int_cols) == INTERFERENCE_COLUMNS and list(cpu_cols) == HOST_CPU_COLUMNS
+    assert BANDWIDTH_COLUMNS[4] == "ours depth=0 GB/s" and BANDWIDTH_COLUMNS[7:] == ["ours depth=0 / raw",
+                                                                                     "ours depth=0 / NCCL"]
     assert [row[0].split(" ")[0:2] for row in bw_rows] == [["64", "KiB"], ["1", "MiB"], ["8", "MiB"], ["16", "MiB"],
                                                           ["64", "MiB"], ["256", "MiB"]]
     last = bw_rows[-1]
-    assert last[1:4] == [390.0, 330.0, 380.0]
-    assert last[4] == pytest.approx(380 / 390) and last[5] == pytest.approx(380 / 330)
-    assert len(lat_rows) == 6 and [row[0] for row in lat_rows] == ["default"] * 3 + ["own"] * 3
-    assert lat_rows[2][2:6] == [45.0, 30.0, 28.0, 27.0]
-    assert lat_rows[2][6] == pytest.approx(30 / 45) and lat_rows[2][7] == pytest.approx(28 / 45)
-    assert lat_rows[5][2:6] == [43.0, 28.0, 26.0, 25.0] and lat_rows[5][6] == pytest.approx(28 / 43)
+    assert last[1:5] == [390.0, 330.0, 380.0, 385.0]
+    assert last[5] == pytest.approx(380 / 390) and last[6] == pytest.approx(380 / 330)
+    assert last[7] == pytest.approx(385 / 390) and last[8] == pytest.approx(385 / 330)
+    # every size of issue 18's latency table, on both stream modes
+    sizes = ["64 KiB", "1 MiB", "8 MiB", "64 MiB", "256 MiB"]
+    assert [(row[0], row[1].split(" (")[0]) for row in lat_rows] == [("default", s) for s in sizes] + [
+        ("own", s) for s in sizes]
+    assert lat_rows[4][2:6] == [45.0, 30.0, 28.0, 27.0]
+    assert lat_rows[4][6] == pytest.approx(30 / 45) and lat_rows[4][7] == pytest.approx(28 / 45)
+    assert lat_rows[9][2:6] == [43.0, 28.0, 26.0, 25.0] and lat_rows[9][6] == pytest.approx(28 / 43)
     gemm_row, spin_row = int_rows
     assert gemm_row[1:4] == [1.50, 1.62, 1.56] and gemm_row[4] == pytest.approx(1.62 / 1.5)
     assert gemm_row[5] == pytest.approx(1.56 / 1.5)
@@ -100,50 +106,126 @@ def test_tables_hold_every_payload_and_the_ratios():
     assert cpu_rows[2][1:] == [12.0, 20.0, 30.0, 40.0]
 
 
+BW_NCCL = "sustained bandwidth at {}: ours / NCCL (target: at least 1.0x at every size)"
+BW_RAW = "sustained bandwidth at {}: ours / raw peer copy (target: at least 0.9x from 1 MiB up)"
+LAT_SMALL = "one-way GPU latency at {}{}: ours / NCCL (target: at most 1.0x below 1 MiB)"
+LAT_LARGE = "one-way GPU latency at {}{}: ours / NCCL (target: at most 0.8x from 1 MiB up)"
+OWN = ", each rank on its own stream"
+FULL_BW = ["64 KiB", "1 MiB", "8 MiB", "16 MiB", "64 MiB", "256 MiB"]
+FULL_LAT = ["64 KiB", "1 MiB", "8 MiB", "64 MiB", "256 MiB"]
+
+
+def issue_18_descriptions():
+    """Every goal row of a full plan, in order: bandwidth per size, latency per stream mode and size, kept goals."""
+    out = []
+    for size in FULL_BW:
+        out.append(BW_NCCL.format(size))
+        if size != "64 KiB":
+            out.append(BW_RAW.format(size))
+    for where in ("", OWN):
+        out += [(LAT_SMALL if size == "64 KiB" else LAT_LARGE).format(size, where) for size in FULL_LAT]
+    return out + [
+        "GEMM slowdown on the sending GPU while streaming: ours (target: NCCL's slowdown)",
+        "full-SM kernel on the receiving GPU with a receive pending: ours / alone",
+        "host CPU per send() at 8 MiB: ours (target: NCCL isend batch)",
+        "host CPU per recv() at 8 MiB: ours (target: NCCL irecv batch + wait)",
+    ]
+
+
+def test_goals_state_issue_18_targets_for_every_size_and_kind():
+    plan = make_plan(quick=False)
+    got = goals(plan, fake_results(plan))
+    assert [g.description for g in got] == issue_18_descriptions()
+    assert len(got) == 6 + 5 + 2 * 5 + 4
+    assert not any("depth=0" in g.description for g in got)  # depth=0 is reported, not judged
+    by_name = goal_map(got)
+    for size in FULL_BW:
+        nccl = by_name[BW_NCCL.format(size)]
+        assert (nccl.target, nccl.higher_is_better) == (1.0, True) and nccl.measured == pytest.approx(380 / 330)
+    for size in FULL_BW[1:]:
+        raw = by_name[BW_RAW.format(size)]
+        assert (raw.target, raw.higher_is_better) == (0.9, True) and raw.measured == pytest.approx(380 / 390)
+    for where, nccl_us, ours_us in (("", 45.0, 30.0), (OWN, 43.0, 28.0)):
+        small = by_name[LAT_SMALL.format("64 KiB", where)]
+        assert (small.target, small.higher_is_better) == (1.0, False)
+        assert small.measured == pytest.approx(ours_us / nccl_us)
+        for size in FULL_LAT[1:]:
+            large = by_name[LAT_LARGE.format(size, where)]
+            assert (large.target, large.higher_is_better) == (0.8, False)
+            assert large.measured == pytest.approx(ours_us / nccl_us)
+    pending = by_name["full-SM kernel on the receiving GPU with a receive pending: ours / alone"]
+    assert pending.target == 1.05 and pending.measured == pytest.approx(2.03 / 2.0)
+
+
 def test_goals_met_with_good_numbers():
     plan = make_plan(quick=False)
     got = goals(plan, fake_results(plan))
     assert all(g.met for g in got), [g.as_dict() for g in got if not g.met]
-    by_name = goal_map(got)
-    # bandwidth goals at 64 MiB and 256 MiB only, two each; then latency, GEMM, pending, send CPU, recv CPU
-    assert len([d for d in by_name if d.startswith("sustained bandwidth")]) == 4
-    assert len(got) == 4 + 8
-    latency = by_name["one-way GPU latency at 8 MiB: ours / NCCL"]
-    assert latency.measured == pytest.approx(30 / 45) and latency.target == 0.85 and not latency.higher_is_better
-    direct = by_name["one-way GPU latency at 8 MiB: ours with depth=0 / NCCL"]
-    assert direct.measured == pytest.approx(28 / 45) and direct.target == 0.85
-    own = by_name["one-way GPU latency at 8 MiB, each rank on its own stream: ours with depth=0 / NCCL"]
-    assert own.measured == pytest.approx(26 / 43) and own.target == 0.85
     gemm = next(g for g in got if g.description.startswith("GEMM slowdown"))
     assert gemm.measured == pytest.approx(4.0) and gemm.target == pytest.approx(8.0) and gemm.unit == "%"
+    # the targets themselves count as met: 1.0x NCCL bandwidth, 0.9x raw, 0.8x NCCL latency
+    edge = goal_map(goals(plan, fake_results(plan, ours_bw=351.0, raw_bw=390.0, nccl_bw=351.0, ours_lat=36.0,
+                                             nccl_lat=45.0)))
+    assert all(g.met for g in edge.values()), [g.as_dict() for g in edge.values() if not g.met]
 
 
 def test_goals_missed_with_bad_numbers():
     plan = make_plan(quick=False)
-    bad = fake_results(plan, ours_bw=300.0, ours_lat=44.0, gemm=(1.5, 1.55, 1.6), spin=(2.0, 4.0, 2.5),
+    # ours beats NCCL (340 / 330) but not 0.9x raw (340 / 390); one-way 44 / 45: within 1.0x but not 0.8x
+    bad = fake_results(plan, ours_bw=340.0, ours_lat=44.0, gemm=(1.5, 1.55, 1.6), spin=(2.0, 4.0, 2.5),
                        cpu=(25.0, 20.0, 30.0, 29.0))
     by_name = goal_map(goals(plan, bad))
-    assert not by_name["sustained bandwidth at 256 MiB: ours / raw peer copy"].met  # 300 / 390
-    assert not by_name["sustained bandwidth at 64 MiB: ours / NCCL"].met  # 300 / 330
-    assert not by_name["one-way GPU latency at 8 MiB: ours / NCCL"].met  # 44 / 45 > 0.85
+    for size in FULL_BW:
+        assert by_name[BW_NCCL.format(size)].met
+    for size in FULL_BW[1:]:
+        assert not by_name[BW_RAW.format(size)].met
+    for where in ("", OWN):
+        assert by_name[LAT_SMALL.format("64 KiB", where)].met  # 44 / 45 (42 / 43 on own streams) <= 1.0
+        for size in FULL_LAT[1:]:
+            assert not by_name[LAT_LARGE.format(size, where)].met
     assert not next(g for d, g in by_name.items() if d.startswith("GEMM slowdown")).met
     assert not by_name["full-SM kernel on the receiving GPU with a receive pending: ours / alone"].met
     assert [g.met for d, g in by_name.items() if d.startswith("host CPU")] == [False, False]
+    # below NCCL: the bandwidth goal misses at every size, and a slower one-way step misses below 1 MiB too
+    worse = goal_map(goals(plan, fake_results(plan, ours_bw=320.0, ours_lat=46.0)))
+    assert not any(worse[BW_NCCL.format(size)].met for size in FULL_BW)
+    assert not worse[LAT_SMALL.format("64 KiB", "")].met and not worse[LAT_SMALL.format("64 KiB", OWN)].met
 
 
 def test_missing_measurements_show_as_nan_and_miss_their_goals():
     plan = make_plan(quick=True)
     results = fake_results(plan)
     del results["bandwidth"]["ours"]
+    del results["bandwidth"]["ours_depth0"]
+    del results["latency"]["ours@own"][1 * MIB]
+    del results["latency"]["nccl"][64 * KIB]
     del results["pending"]
     output = build_output(plan, Outcome(results=results, complete=False, failure="rank 1 failed: boom"))
     bw_rows = output.tables[0][2]
-    assert all(math.isnan(row[3]) for row in bw_rows)
+    assert all(math.isnan(value) for row in bw_rows for value in row[3:])
+    assert all(math.isfinite(value) for row in bw_rows for value in row[1:3])
     by_name = goal_map(output.goals)
-    assert not by_name["sustained bandwidth at 64 MiB: ours / NCCL"].met
+    for size in ("64 KiB", "8 MiB", "64 MiB"):
+        assert not by_name[BW_NCCL.format(size)].met and math.isnan(by_name[BW_NCCL.format(size)].measured)
+    for size in ("8 MiB", "64 MiB"):
+        assert not by_name[BW_RAW.format(size)].met
+    for description in (LAT_LARGE.format("1 MiB", OWN), LAT_SMALL.format("64 KiB", "")):
+        assert math.isnan(by_name[description].measured) and not by_name[description].met
+    assert by_name[LAT_LARGE.format("1 MiB", "")].met and by_name[LAT_SMALL.format("64 KiB", OWN)].met
     assert math.isnan(by_name["full-SM kernel on the receiving GPU with a receive pending: ours / alone"].measured)
     assert output.notes[0].startswith("INCOMPLETE RUN: rank 1 failed: boom")
     assert output.data["complete"] is False and output.data["failure"] == "rank 1 failed: boom"
+
+
+def test_depth0_bandwidth_alone_missing_leaves_the_goals_alone():
+    plan = make_plan(quick=True)
+    results = fake_results(plan)
+    del results["bandwidth"]["ours_depth0"]  # no depth=0 transport: NaN in the table, every goal still judged
+    output = build_output(plan, Outcome(results=results, complete=True))
+    bw_rows = output.tables[0][2]
+    assert all(math.isnan(row[4]) and math.isnan(row[7]) and math.isnan(row[8]) for row in bw_rows)
+    assert all(math.isfinite(row[3]) for row in bw_rows)
+    assert all(g.met for g in output.goals)
 
 
 def test_quality_flags_name_each_broken_condition():
@@ -151,13 +233,15 @@ def test_quality_flags_name_each_broken_condition():
     results = fake_results(plan)
     assert quality_flags(plan, results) == []
     results["bandwidth"]["ours"][8 * MIB]["data_ok"] = False
+    results["bandwidth"]["ours_depth0"][64 * MIB]["data_ok"] = False
     results["bandwidth"]["nccl"][64 * KIB]["ahead"] = [True, False]
     results["latency"]["ours"][1 * MIB]["all_ahead"] = False
     results["gemm"]["ours"]["covered"] = False
     results["pending"]["nccl"]["pending"] = False
     flags = quality_flags(plan, results)
-    assert len(flags) == 5
+    assert len(flags) == 6
     assert any("ours at 8 MiB" in f and "did NOT match" in f for f in flags)
+    assert "bandwidth ours, depth=0 at 64 MiB: the received bytes did NOT match what was sent" in flags
     assert any("NCCL send/recv at 64 KiB" in f and "1 of 2 repeats" in f for f in flags)
     assert any("latency ours at 1 MiB" in f for f in flags)
     assert any(f.startswith("GEMM interference with ours") for f in flags)
@@ -190,11 +274,14 @@ def test_written_report_has_json_markdown_and_png(tmp_path):
     document = json.loads(paths["json"].read_text())
     assert document["data"]["complete"] is True
     assert document["data"]["results"]["bandwidth"]["ours"][str(256 * MIB)]["gbps"] == pytest.approx(380.0)
-    assert len(document["goals"]) == 12 and all(g["met"] for g in document["goals"])
+    assert document["data"]["results"]["bandwidth"]["ours_depth0"][str(256 * MIB)]["gbps"] == pytest.approx(385.0)
+    assert [g["description"] for g in document["goals"]] == issue_18_descriptions()
+    assert all(g["met"] for g in document["goals"])
     png = paths["png"].read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     markdown = paths["md"].read_text()
-    assert "| 256 MiB (prefill, 8192 tokens) | 390 | 330 | 380 |" in markdown
+    assert "| 256 MiB (prefill, 8192 tokens) | 390 | 330 | 380 | 385 |" in markdown
+    assert "| ours depth=0 GB/s |" in markdown and "ours depth=0 / NCCL" in markdown
     assert "MISSED" not in markdown
     assert "![" in render_markdown(output, meta)
 
@@ -208,14 +295,15 @@ def test_plot_survives_missing_values(tmp_path):
     assert all(not g.met for g in output.goals)
 
 
-def test_ceiling_note_appears_only_where_the_raw_copy_is_short_of_the_nccl_target():
+def test_ceiling_note_appears_wherever_the_raw_copy_is_short_of_nccl():
     plan = make_plan(quick=False)
-    assert ceiling_notes(plan, fake_results(plan)) == []  # raw 390 / NCCL 330 = 1.18x at 256 MiB
-    tight = fake_results(plan, raw_bw=392.0, nccl_bw=360.0)
-    lines = ceiling_notes(plan, tight)  # the fake scales both methods alike: same ratio at every payload
-    assert lines == [n for n in build_output(plan, Outcome(results=tight, complete=True)).notes if "ceiling" in n]
-    assert len(lines) == 2 and "64 MiB" in lines[0] and "256 MiB" in lines[1]  # the goal payloads only
-    assert all("1.089x NCCL" in line for line in lines)
+    assert ceiling_notes(plan, fake_results(plan)) == []  # raw 390 / NCCL 330 = 1.18x everywhere
+    assert ceiling_notes(plan, fake_results(plan, raw_bw=392.0, nccl_bw=360.0)) == []  # 1.089x: above 1.0x now
+    short = fake_results(plan, raw_bw=380.0, nccl_bw=400.0)
+    lines = ceiling_notes(plan, short)  # the fake scales both methods alike: same ratio at every payload
+    assert lines == [n for n in build_output(plan, Outcome(results=short, complete=True)).notes if "ceiling" in n]
+    assert len(lines) == len(plan.payloads) and "64 KiB" in lines[0] and "256 MiB" in lines[-1]  # every payload
+    assert all("0.950x NCCL" in line and "reach 1.0x" in line for line in lines)
 
 
 def test_host_cpu_goals_judge_each_call_against_nccls_at_cpu_nbytes():
