@@ -60,7 +60,8 @@ class TransportError(SynclessError):
         leaked_nbytes: for an error raised by a failed ``make_transport``, the
             device bytes its set-up kept allocated by design because a peer may
             still map them (0 otherwise; a built transport reports its own in
-            ``transport.leaked_nbytes``).
+            ``transport.leaked_nbytes``). A ``KeyboardInterrupt`` or other
+            error that ends a copy-engine set-up carries the same attribute.
     """
 
     leaked_nbytes: int = 0

@@ -144,7 +144,12 @@ def stage_into(dst: Any, src: Any, next_copy) -> Any:
         return next_copy(dst, src, non_blocking=True)  # torch raises its own error, before copying anything
     index = dst.device.index
     if _torch_reads_source_now(dst, src):
-        tmp = land(src.expand_as(dst).contiguous(), index)
+        # torch reads the (broadcast) source into a host temporary now; a snapshot of the source's own
+        # elements holds the same values and keeps the staged bytes (and max_staged_bytes) at its size:
+        # the D2D below broadcasts.
+        import torch
+
+        tmp = land(src.clone(memory_format=torch.contiguous_format), index)
     elif src.is_contiguous():
         tmp = land(src, index)
     else:  # one dense block: move it as it lies, then view it with the source's strides
@@ -162,9 +167,10 @@ def _torch_reads_source_now(dst: Any, src: Any) -> bool:
     to ``dst``'s shape, is made contiguous on the host first (a new tensor, read
     now, unless it already was contiguous); the cast, if any, happens on the GPU.
     """
-    if dst.dtype == src.dtype and same_dense_layout(dst.shape, dst.stride(), src.shape, src.stride()):
+    expanded = src.expand_as(dst)  # a view: what torch's iterator sees (extra leading dims of size 1 too)
+    if dst.dtype == src.dtype and same_dense_layout(dst.shape, dst.stride(), expanded.shape, expanded.stride()):
         return False
-    return not src.expand_as(dst).is_contiguous()
+    return not expanded.is_contiguous()
 
 
 def copy_in_place(dst: Any, src: Any, next_copy) -> Any:

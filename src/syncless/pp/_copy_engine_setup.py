@@ -32,13 +32,7 @@ from typing import Any, NamedTuple
 import torch
 
 from syncless._core import cuda as cuda_core
-from syncless._core.errors import (
-    CopyEngineUnavailable,
-    CudaError,
-    PeerTimeoutError,
-    TransportError,
-    TransportSetupError,
-)
+from syncless._core.errors import CopyEngineUnavailable, CudaError, PeerTimeoutError, TransportSetupError
 from syncless.pp import _driver as drv
 from syncless.pp import _faults
 from syncless.pp import _meta_channel as meta_channel
@@ -157,7 +151,8 @@ def open_copy_engine(
             targets, target_handles = _share_persistent(ctx, persistent, recv_ring.layout) if depth == 0 else ([], [])
             if depth == 0:
                 exposed = dict(persistent)
-                stack.shared(_nothing, nbytes=sum(t.untyped_storage().nbytes() for t in exposed.values()),
+                storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in exposed.values()}
+                stack.shared(_nothing, nbytes=sum(storages.values()),  # each shared allocation counted once
                              what=f"{stages.name()}'s persistent tensors (mapped by the previous stage at depth 0)",
                              on_leak=lambda: keep_forever(exposed))
             try:
@@ -288,8 +283,10 @@ def _unwind(stack: Teardown, what: str, err: BaseException, *, collective: bool)
         logger.warning("%s failed (%s); releasing what it made also failed: %s", what, err, release_err)
     if stack.leaked:
         logger.warning("%s failed; kept by design (a peer may still map them): %s", what, "; ".join(stack.leaked))
-        if isinstance(err, TransportError):
-            err.leaked_nbytes = stack.leaked_nbytes  # what the caller's error reports (docs/failure-model.md)
+        try:  # what the caller's error reports, an interrupt's too (docs/failure-model.md)
+            err.leaked_nbytes = stack.leaked_nbytes
+        except (AttributeError, TypeError):  # an exception type that takes no attributes: the log above says it
+            pass
 
 
 def _nothing() -> None:

@@ -162,6 +162,7 @@ def make_transport(
         specs = [recv_specs, *specs[1:]]
 
     fallback_reason = None
+    setup_leaked_nbytes = 0
     if choice in ("auto", "copy_engine"):
         try:
             return open_copy_engine(
@@ -178,6 +179,7 @@ def make_transport(
             if choice == "copy_engine":
                 raise
             fallback_reason = str(err)
+            setup_leaked_nbytes = err.leaked_nbytes  # kept by the failed set-up: the fallback reports it
             log_once(
                 logger,
                 logging.WARNING,
@@ -196,4 +198,5 @@ def make_transport(
         device=my_device,
         timeout_s=timeout,
         fallback_reason=fallback_reason,
+        setup_leaked_nbytes=setup_leaked_nbytes,
     )

@@ -79,9 +79,11 @@ class TorchDistTransport(Transport):
         device: torch.device,
         timeout_s: float,
         fallback_reason: str | None,
+        setup_leaked_nbytes: int = 0,
     ):
         self.device = device
         self.fallback_reason = fallback_reason
+        self._setup_leaked_nbytes = setup_leaked_nbytes
         self._group = group
         self._side_group = side_group
         self._stages = stages
@@ -321,7 +323,7 @@ class TorchDistTransport(Transport):
             _faults.hook("close")
 
     def abort(self) -> int:
-        """Refuse every later call on this stage (local, no collective; waits for nothing); return 0.
+        """Refuse every later call on this stage (local, no collective; waits for nothing); return :attr:`leaked_nbytes`.
 
         Usable from a signal handler or another thread. Posted sends are left
         to the backend. On NCCL a receive whose peer is gone stays queued on
@@ -333,4 +335,12 @@ class TorchDistTransport(Transport):
         if self._failure is None:
             self._failure = TransportFailedError(f"{self._stages.name()}: this transport was aborted")
         self._pending = deque()
-        return 0
+        return self.leaked_nbytes
+
+    @property
+    def leaked_nbytes(self) -> int:
+        """What the copy-engine set-up that failed before this fallback kept by design (0 without one).
+
+        This transport itself keeps no device memory a peer maps.
+        """
+        return self._setup_leaked_nbytes

@@ -148,7 +148,7 @@ def h2d_reads_host_now(host_view: tuple, dev_view: tuple, non_blocking: bool, ho
     if host_dtype == dev_dtype and _dense_layout(host_view) is not None and (
             _dense_layout(host_view) == _dense_layout(dev_view)):
         return False
-    return host_view[0] not in CONTIGUOUS_VIEWS
+    return _dense_layout(host_view) != "contiguous"  # a contiguous source is its own temporary
 
 
 def _dense_layout(view: tuple) -> str | None:

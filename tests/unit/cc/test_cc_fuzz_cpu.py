@@ -168,3 +168,31 @@ def test_model_reads_a_transposed_block_in_stream_order():
     # With a column slice on the device side torch makes a contiguous host copy at the call: that read races.
     at_the_call = ordered[:2] + [Op("H2D", ("S0", 3, ("t",), 4, ("full",), True))] + ordered[3:]
     assert not fuzz.is_legal(_spec(at_the_call))
+
+
+def test_model_reads_the_host_when_the_shim_does():
+    """The fuzzer's model and the shim use one rule for when a staged copy reads its host source.
+
+    Every view pair the generator makes, with every dtype pair (``non_blocking=True``), on CPU tensors:
+    the model's ``h2d_reads_host_now`` must equal the shim's ``_torch_reads_source_now``. (They differed on
+    a full-width column slice with a cast: contiguous, so torch reads it in stream order.)
+    """
+    import random
+
+    import torch
+
+    from syncless.cc._staging import _torch_reads_source_now
+
+    rng = random.Random(7)
+    pairs = {fuzz.random_view_pair(rng) for _ in range(3000)}
+    pairs |= {(("cols", 0, fuzz.SIDE), ("cols", 0, fuzz.SIDE)), (("t",), ("t",))}
+    differ = []
+    for dst_view, src_view in sorted(pairs, key=repr):
+        for dst_dtype in fuzz.DTYPES:
+            for src_dtype in fuzz.DTYPES:
+                dst = fuzz.apply_view(torch.empty(fuzz.SIDE, fuzz.SIDE, dtype=getattr(torch, dst_dtype)), dst_view)
+                src = fuzz.apply_view(torch.empty(fuzz.SIDE, fuzz.SIDE, dtype=getattr(torch, src_dtype)), src_view)
+                model = fuzz.h2d_reads_host_now(src_view, dst_view, True, src_dtype, dst_dtype)
+                if model != _torch_reads_source_now(dst, src):
+                    differ.append((dst_view, src_view, dst_dtype, src_dtype, model))
+    assert not differ, differ[:5]

@@ -610,3 +610,27 @@ def abort_and_drop(rank, world, timeout_s=20.0):
     result["kept"] = {kind: after.get(kind, 0) - before.get(kind, 0) for kind in ("allocation", "context")}
     dist.barrier()
     return result
+
+
+def fallback_after_a_leaky_set_up(rank, world, kind, region_rows):
+    """A copy-engine set-up that failed after sharing its buffer: the fallback reports the bytes it kept.
+
+    The copy-engine set-up is replaced by one that fails the way a broken exchange does (the error carries
+    ``leaked_nbytes``); ``auto`` then falls back, and the fallback's ``leaked_nbytes`` and ``abort()`` say it.
+    """
+    from syncless._core.errors import CopyEngineUnavailable
+    from syncless.pp import _make
+
+    device = _device(kind)
+    persistent = None if rank == 0 else _persistent(device, region_rows)
+
+    def leaky_set_up(**kwargs):
+        err = CopyEngineUnavailable("stage 1 sent nothing within 1 s (test)")
+        err.leaked_nbytes = 2 << 20
+        raise err
+
+    _make.open_copy_engine = leaky_set_up
+    transport = make_transport(None, persistent, backend=None, device=device)
+    result = {"backend": transport.backend, "leaked_nbytes": transport.leaked_nbytes}
+    result["abort"] = transport.abort()
+    return result

@@ -71,3 +71,8 @@ def test_send_buffers_do_not_pile_up():
 
     most_pending = run_ranks(cases.bounded_sends, 2, args=(200,), timeout_s=90)[0]
     assert most_pending <= MAX_SENDS_IN_FLIGHT
+
+
+def test_a_fallback_reports_what_the_failed_copy_engine_set_up_kept():
+    results = run_ranks(cases.fallback_after_a_leaky_set_up, 2, args=("cpu", 8), timeout_s=60)
+    assert results == [{"backend": "torch_distributed", "leaked_nbytes": 2 << 20, "abort": 2 << 20}] * 2
