@@ -140,7 +140,7 @@ def stage_into(dst: Any, src: Any, next_copy) -> Any:
       source whose transpose torch moves as it lies was read before the D2H
       queued ahead of it had written it.)
     """
-    if not broadcasts_to(tuple(src.shape), tuple(dst.shape)):
+    if not broadcasts_to(tuple(src.shape), tuple(dst.shape)) or _overlaps_itself(dst):
         return next_copy(dst, src, non_blocking=True)  # torch raises its own error, before copying anything
     index = dst.device.index
     if _torch_reads_source_now(dst, src):
@@ -157,6 +157,14 @@ def stage_into(dst: Any, src: Any, next_copy) -> Any:
         tmp = land(block, index).as_strided(tuple(src.shape), tuple(src.stride()), 0)
     next_copy(dst, tmp, non_blocking=True)
     return dst
+
+
+def _overlaps_itself(dst: Any) -> bool:
+    """Whether torch refuses ``dst`` as a copy target: a dim of size > 1 with stride 0 (an expanded tensor).
+
+    That is the overlap torch itself detects before it reads anything (other overlaps it leaves alone).
+    """
+    return any(size > 1 and stride == 0 for size, stride in zip(dst.shape, dst.stride()))
 
 
 def _torch_reads_source_now(dst: Any, src: Any) -> bool:

@@ -97,3 +97,16 @@ def test_stage_into_leaves_a_bad_shape_to_torch(landed):
         torch.empty(4, 5).copy_(torch.randn(3, 5))
     assert str(ours.value) == str(torchs.value)
     assert not landed
+
+
+def test_stage_into_leaves_an_expanded_target_to_torch(landed):
+    """torch refuses to write an expanded tensor before it reads anything; the shim stages nothing for it."""
+    def next_copy(d, s, non_blocking=False):
+        return d.copy_(s)
+
+    with pytest.raises(RuntimeError) as ours:
+        _staging.stage_into(torch.empty(1, 5).expand(4, 5), torch.randn(4, 5), next_copy)
+    with pytest.raises(RuntimeError) as torchs:
+        torch.empty(1, 5).expand(4, 5).copy_(torch.randn(4, 5))
+    assert str(ours.value) == str(torchs.value)
+    assert not landed
