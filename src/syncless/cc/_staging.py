@@ -175,7 +175,8 @@ def _torch_reads_source_now(dst: Any, src: Any) -> bool:
     to ``dst``'s shape, is made contiguous on the host first (a new tensor, read
     now, unless it already was contiguous); the cast, if any, happens on the GPU.
     """
-    expanded = src.expand_as(dst)  # a view: what torch's iterator sees (extra leading dims of size 1 too)
+    # What torch's iterator sees (extra leading dims of size 1 too); the common equal-shape case makes no view.
+    expanded = src if src.shape == dst.shape else src.expand_as(dst)
     if dst.dtype == src.dtype and same_dense_layout(dst.shape, dst.stride(), expanded.shape, expanded.stride()):
         return False
     return not expanded.is_contiguous()
