@@ -9,17 +9,29 @@ number)::
     host : D.wait_stream(P1); D.wait_stream(P2); D.wait_event(e); y.copy_(x, non_blocking=True) -> returns now
     P1   : [ slow write of x ......... ]
     P2   : [ .. ]
-    D    : [wait P1][wait P2][wait e] R#n  ...
-    W    :                           (worker) cuEventSynchronize(R#n) ... copy x -> y ; wait W ; job #n done
+    D    : [wait P1][wait P2][wait e] x -> snap R#n  [later kernels on D, e.g. x.zero_()] ...
+    W    :                                 (worker) cuEventSynchronize(R#n) ... copy snap -> y ; wait W ; job #n done
 
-Before the copy: ``R#n`` is an event recorded *on D itself*, so it fires
-only when all of ``D``'s queue before it is done, whatever put it there:
-every ``wait_stream`` (not only the last), every ``wait_event`` (on any
-event from any stream, made in Python or in C), copies and kernels the
-caller ran on ``D``. The worker waits for ``R#n`` on the host before it
-copies, so the copy never reads its source early. Nothing about ``D``'s
-producers is remembered, so there is nothing to forget (issue 14's stale
-reads came from remembering only the last ``wait_stream``).
+Before the copy: the source is read *on D*, at the call's place in its
+queue, into a device snapshot ``snap`` (a device-to-device copy, which CC
+leaves asynchronous); ``R#n`` is an event recorded on ``D`` right after it.
+So the bytes copied are exactly those torch would have copied there: after
+all of ``D``'s queue before the call, whatever put it there (every
+``wait_stream``, not only the last; every ``wait_event`` on any event from
+any stream, made in Python or in C; copies and kernels the caller ran on
+``D``), and before anything queued on ``D`` after it (a kernel that
+overwrites the source, a ``zero_()``, the caching allocator handing the
+source's block to a new tensor on ``D``). The worker waits for ``R#n`` on
+the host and copies ``snap``, which nothing else can write. Nothing about
+``D``'s producers is remembered, so there is nothing to forget (issue 14's
+stale reads came from remembering only the last ``wait_stream``).
+
+The snapshot costs one device copy of the source and holds its memory
+until the worker's copy is done. Without it the worker read the source
+itself, and a kernel launched on ``D`` after the copy could overwrite it
+first (found in review: torch orders that kernel after the copy). If the
+snapshot cannot be allocated, the copy is not offloaded: it runs as torch's
+own, blocking under CC, and correct.
 
 After the copy, ordering is host-side, at the calls that order work after
 ``D`` (:mod:`._sync_patches`, :mod:`._shim`, :mod:`._host_writes`): an event
@@ -31,10 +43,10 @@ staged H2D of host memory that a pending job writes waits for that job.
 These host waits happen only where torch itself would have made the GPU
 wait for the copy, and never while the worker still needs the caller's next
 call (a job depends only on work enqueued before it), so they cannot
-deadlock. What syncless cannot see stays unordered: a *kernel* launched on
-``D`` after an offloaded copy, or a wait through a C-made ``torch.Event``
-recorded on ``D`` (``torch.Stream.record_event()``), is not ordered after the
-copy; nor is anything done through the generic ``torch.Stream`` object of
+deadlock. What syncless cannot see stays unordered after the copy's write of
+the host memory: a kernel launched on ``D`` that reads that host memory
+itself (zero-copy access to pinned memory), or a wait through a C-made
+``torch.Event`` recorded on ``D`` (``torch.Stream.record_event()``); nor is anything done through the generic ``torch.Stream`` object of
 ``D`` (what ``torch.accelerator.current_stream()`` returns while ``D`` is
 current): its ``synchronize``, ``query``, ``wait_stream`` and
 ``record_event`` are C methods the shim does not patch, and
@@ -158,6 +170,8 @@ def pinned_like(src: Any, dtype: Any, memory_format: Any) -> Any:
 def make_job(index: int, ready: Any, dst: Any, src: Any):
     """Return ``job()``: wait for ``ready``, copy ``src`` into ``dst`` on the worker stream, wait for the copy.
 
+    ``src`` is the offload's private snapshot (nothing else writes it).
+
     Runs on the worker thread. It blocks that thread (never the caller's)
     until ``ready`` fires and then until the copy is done, so the job counts
     as finished only once its bytes are in ``dst``; a failure is raised by
@@ -184,20 +198,44 @@ def make_job(index: int, ready: Any, dst: Any, src: Any):
     return job
 
 
+def snapshot(src: Any) -> Any:
+    """Copy device tensor ``src`` on the current stream (the D2H stream) into a new device tensor; return it.
+
+    The read happens at this point of the stream's queue, where torch's own
+    D2H would read ``src``. Enqueues one device-to-device copy (not host-synchronous,
+    CC or not); the host does not block. Raises torch's ``OutOfMemoryError``
+    when there is no room for the copy.
+    """
+    import torch
+
+    with torch.no_grad():
+        return src.clone()
+
+
 def offload(record: _D2HStream, dst: Any, src: Any, what: str) -> int:
     """Queue ``dst.copy_(src)`` on the worker, reading ``src`` as the D2H stream would now.
 
-    Enqueues one event record on the D2H stream (the ready event, see the
-    module docstring) and returns the job's number at once; the host does
-    not block.
+    Enqueues on the D2H stream (current) a device copy of ``src`` and one
+    event record after it (see the module docstring), and returns the job's
+    number at once; the host does not block. Returns 0, having queued
+    nothing that matters (at most a device copy nobody reads), when the
+    device has no room for the snapshot: the caller then runs torch's own
+    copy instead.
     """
     import torch
 
     stream = record.stream
+    try:
+        snap = snapshot(src)
+    except torch.OutOfMemoryError:
+        _log.warning("syncless.cc: no GPU memory for a %d-byte snapshot of an offloaded D2H copy; it runs as "
+                     "torch's own copy (blocking under CC)", src.numel() * src.element_size())
+        return 0
     ready = torch.cuda.Event()
-    job = make_job(stream.device.index, ready, dst, src)
+    job = make_job(stream.device.index, ready, dst, snap)
+    del snap  # the job holds it until its copy has run
     with _offload_lock:
-        # D : ...everything D was ordered after... R#n ...
+        # D : ...everything D was ordered after... src -> snap R#n ...
         _streams.record_event_raw(ready, stream)
         seq = WORKER.submit(job, what)
         record.last_job = seq

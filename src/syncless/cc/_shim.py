@@ -176,10 +176,12 @@ def _wrap_to(next_to):
                 return next_to(landed, dtype=landed.dtype if dtype is None else dtype, memory_format=fmt)
             return landed
         if route == _routing.OFFLOAD:
-            COUNTERS.add("offloaded")
             dst = _d2h.pinned_like(self, dtype, memory_format)
-            _d2h.offload(record, dst, self, _describe(".to('cpu', non_blocking=True)", self))
-            return dst
+            if _d2h.offload(record, dst, self, _describe(".to('cpu', non_blocking=True)", self)):
+                COUNTERS.add("offloaded")
+                return dst
+            _settle_d2h_stream(index)  # no room for the snapshot: torch's own copy, after the queued ones
+            route = _routing.ORIGINAL
         result = next_to(*args, **kwargs)
         if route == _routing.ORIGINAL and device.type == "cpu" and self.device.type == "cuda":
             _note_plain_d2h(result, self)
@@ -322,9 +324,10 @@ def _wrap_copy(next_copy):
                                    autograd=autograd, dst=self)
         if route == _routing.OFFLOAD:
             _check_broadcastable(self, src)  # refuse now what the worker's copy would fail on later
-            COUNTERS.add("offloaded")
-            _d2h.offload(record, self, src, _describe("copy_(non_blocking=True)", src))
-            return self
+            if _d2h.offload(record, self, src, _describe("copy_(non_blocking=True)", src)):
+                COUNTERS.add("offloaded")
+                return self
+            # No room for the snapshot: torch's own copy (below), after the queued ones.
         _settle_d2h_stream(_cuda_index(src))
         result = next_copy(*args, **kwargs)
         if self.device.type == "cpu" and src.device.type == "cuda":

@@ -169,9 +169,9 @@ class Generator:
         roll = rng.random()
         if roll < 0.10:
             return Op("SLEEP", (s, self._sleep_cycles()))
-        # Kernels (and allocations, whose zero-fill is one) go on ordinary streams: a D2H stream carries copies,
-        # and a kernel launched on it after an offloaded copy is not ordered after that copy (docs/cc.md, Limits).
-        plain = [x for x in streams if x not in d2h_streams]
+        # Kernels (and allocations, whose zero-fill is one) go on any stream, D2H streams too: torch orders a kernel
+        # on a D2H stream after the copies queued there before it, and an offloaded copy must read its source first.
+        plain = list(streams)
         if roll < 0.18 and live:
             g = rng.choice(live)
             view, _ = random_view_pair(rng)

@@ -146,6 +146,88 @@ def test_later_work_on_the_d2h_stream_waits_for_the_copy(shim, cycles_per_ms):
         _assert_bits(src.cpu(), new)
 
 
+def _overwrite(how, src, new):
+    """Overwrite ``src`` with a kernel (never a copy) on the current stream."""
+    import torch
+
+    if how == "zero_":
+        src.zero_()
+    elif how == "fill_":
+        src.fill_(7.0)
+    elif how == "mul_":
+        src.mul_(3.0)
+    else:  # "out="
+        torch.add(new, 1.0, out=src)
+
+
+@pytest.mark.parametrize("overwrite", ["zero_", "fill_", "mul_", "out=", "reuse"])
+@pytest.mark.parametrize("form", ["copy_", "to"])
+def test_a_kernel_on_the_d2h_stream_after_the_copy_does_not_reach_it(shim, cycles_per_ms, overwrite, form):
+    """A kernel (not a copy) queued on the D2H stream after the copy overwrites its source.
+
+    torch runs that kernel after its copy, so the host gets the old data. The offloaded copy used to read the
+    source when the worker got to it, after such a kernel (found in review). ``reuse``: the source is a
+    temporary made on the D2H stream and dropped right after the call; the next allocation there takes its
+    block and a kernel writes it.
+    """
+    import torch
+
+    cc = shim
+    for _ in range(TRIALS):
+        dev, src, new, old, host = _setup()
+        producer = torch.cuda.Stream(dev)
+        d2h = cc.new_d2h_stream(dev)
+        with torch.cuda.stream(producer):
+            torch.cuda._sleep(10 * cycles_per_ms)  # the copy's producer is slow, so the worker waits for it
+        d2h.wait_stream(producer)
+        with torch.cuda.stream(d2h):
+            source = src * 1 if overwrite == "reuse" else src  # `src * 1` runs on D
+            if form == "copy_":
+                host.copy_(source, non_blocking=True)
+                result = host
+            else:
+                result = source.to("cpu", non_blocking=True)
+            if overwrite == "reuse":
+                del source
+                again = torch.empty(N, device=dev)  # the caching allocator hands out the temporary's block
+                torch.add(new, 1.0, out=again)
+            else:
+                _overwrite(overwrite, src, new)
+            done = torch.cuda.Event()
+            done.record()
+        done.synchronize()
+        _assert_bits(result, old)
+        torch.cuda.synchronize()
+
+
+def test_no_room_for_a_snapshot_runs_torchs_own_copy(shim, cycles_per_ms, monkeypatch):
+    """When the snapshot cannot be allocated, the copy is torch's own on the D2H stream: ordered, not offloaded."""
+    import torch
+
+    from syncless.cc import _d2h
+
+    cc = shim
+
+    def no_room(src):
+        raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
+
+    monkeypatch.setattr(_d2h, "snapshot", no_room)
+    before = cc.stats().offloaded
+    dev, src, new, old, host = _setup()
+    producer = torch.cuda.Stream(dev)
+    d2h = cc.new_d2h_stream(dev)
+    _slow_write(producer, src, new, 10 * cycles_per_ms)
+    d2h.wait_stream(producer)
+    with torch.cuda.stream(d2h):
+        host.copy_(src, non_blocking=True)
+        out = src.to("cpu", non_blocking=True)
+        src.zero_()
+    d2h.synchronize()
+    _assert_bits(host, new)
+    _assert_bits(out, new)
+    assert cc.stats().offloaded == before
+
+
 def test_streams_ordered_after_the_d2h_stream_wait_for_the_copy(shim, cycles_per_ms):
     """P.wait_stream(d2h) then P overwrites the source (and reads the pinned result back up): ordered on the GPU."""
     import torch

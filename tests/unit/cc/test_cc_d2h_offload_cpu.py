@@ -81,6 +81,38 @@ def test_ready_event_goes_on_the_d2h_stream_and_nothing_else(gpu_calls):
     ]
 
 
+def test_the_copy_reads_the_source_as_it_was_at_the_call(gpu_calls, monkeypatch):
+    """A kernel queued on D after the copy (here: the host writes while the worker is held) cannot reach it.
+
+    torch orders such a kernel after its own copy on D; the offload reads the source into a snapshot at the
+    call, on D, and the worker copies the snapshot. (It used to copy the source itself, after the kernel.)
+    """
+    log, worker = gpu_calls
+    hold = threading.Event()
+    monkeypatch.setattr(_streams, "wait_event_raw", lambda event: hold.wait(5))  # the ready event has not fired
+    record = _d2h_stream()
+    src = torch.randn(64)
+    old = src.clone()
+    dst = torch.full((64,), float("nan"))
+    seq = _d2h.offload(record, dst, src, "copy")
+    src.zero_()  # "x.zero_() on D after the copy"
+    hold.set()
+    worker.wait_and_raise(seq, timeout_s=5.0)
+    assert torch.equal(dst, old)
+
+
+def test_no_room_for_the_snapshot_offloads_nothing(gpu_calls, monkeypatch):
+    log, worker = gpu_calls
+
+    def no_room(src):
+        raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
+
+    monkeypatch.setattr(_d2h, "snapshot", no_room)
+    record = _d2h_stream()
+    assert _d2h.offload(record, torch.empty(4), torch.randn(4), "copy") == 0
+    assert worker.submitted == 0 and record.last_job == 0 and log == []  # the caller runs torch's own copy
+
+
 def test_failed_copy_surfaces_and_still_counts_as_finished(gpu_calls):
     log, worker = gpu_calls
     record = _d2h_stream()
