@@ -31,7 +31,7 @@ def cc_patched_attributes() -> list[tuple[object, str]]:
     """(owner, name) of every attribute cc may patch."""
     from syncless.cc import _sync_patches
 
-    pairs = [(torch.Tensor, name) for name in ("to", "cuda", "copy_")]
+    pairs = [(torch.Tensor, name) for name in ("to", "cuda", "copy_", "cpu", "item", "tolist")]
     return pairs + [(owner, name) for owner, name, _ in _sync_patches.patch_targets()]
 
 

@@ -74,7 +74,6 @@ from typing import Any
 
 from syncless._core import patching
 from syncless._core.errors import MissingDependencyError
-from syncless._core.layouts import is_dense_layout
 from syncless.cc import _host_writes, _streams
 from syncless.cc._layers import SHIM_KEY
 from syncless.cc._worker import OrderedWorker
@@ -156,15 +155,22 @@ def is_d2h_stream(stream: Any) -> bool:
 
 
 def pinned_like(src: Any, dtype: Any, memory_format: Any) -> Any:
-    """Allocate a pinned CPU tensor shaped like ``src`` for a fresh D2H result (host-only, no GPU work)."""
+    """Allocate the pinned CPU tensor torch's ``src.to("cpu", dtype, memory_format=..., non_blocking=True)`` returns.
+
+    Host-only, no GPU work. Its dtype, shape and strides are those torch's
+    own copy gives (read from the same call on the meta device, which follows
+    the same rules: the source's strides for a dense source, dense strides in
+    the source's order otherwise, or the asked memory format), and it is
+    pinned, as torch's non_blocking result is.
+    """
     import torch
 
     dtype = src.dtype if dtype is None else dtype
-    if memory_format is not None and memory_format is not torch.preserve_format:
-        return torch.empty(src.shape, dtype=dtype, pin_memory=True).contiguous(memory_format=memory_format)
-    if src.is_contiguous() or not is_dense_layout(src.shape, src.stride()):
+    if src.is_contiguous() and (memory_format is None or memory_format is torch.preserve_format):
         return torch.empty(src.shape, dtype=dtype, pin_memory=True)
-    return torch.empty_strided(src.shape, src.stride(), dtype=dtype, pin_memory=True)
+    fmt = torch.preserve_format if memory_format is None else memory_format
+    layout = patching.beneath(torch.Tensor, "to", SHIM_KEY)(src, device="meta", dtype=dtype, memory_format=fmt)
+    return torch.empty_strided(layout.shape, layout.stride(), dtype=dtype, pin_memory=True)
 
 
 def make_job(index: int, ready: Any, dst: Any, src: Any):

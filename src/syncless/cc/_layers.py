@@ -24,6 +24,9 @@ from syncless._core.tensor_calls import has_override
 SHIM_KEY = "cc.shim"
 EMULATION_KEY = "cc.emulation"
 TENSOR_ATTRS = ("to", "cuda", "copy_")
+# Tensor methods that block the host until the tensor's stream is done (a device-to-host read), which the
+# shim only fronts to let a D2H stream's offloaded copies finish first (docs/cc.md).
+SYNCING_ATTRS = ("cpu", "item", "tolist")
 
 
 def call_for_routing(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[Any, tuple] | None:

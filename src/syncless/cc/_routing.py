@@ -41,6 +41,9 @@ class CopyFacts:
         autograd: the source needs autograd tracking (requires grad, grad mode on).
         pageable_target: a D2H into an existing host tensor that is not pinned.
         noncontiguous_target: a D2H into an existing host tensor that is not contiguous.
+        inference_target: a D2H into an inference tensor while inference mode is off (torch refuses it).
+        complex_to_real: a D2H from a complex source into a real destination (torch warns that it drops
+            the imaginary part).
     """
 
     src_type: str
@@ -57,6 +60,8 @@ class CopyFacts:
     autograd: bool = False
     pageable_target: bool = False
     noncontiguous_target: bool = False
+    inference_target: bool = False
+    complex_to_real: bool = False
 
 
 def route_copy(facts: CopyFacts, max_staged_bytes: int) -> tuple[str, str]:
@@ -93,6 +98,15 @@ def route_copy(facts: CopyFacts, max_staged_bytes: int) -> tuple[str, str]:
         return ORIGINAL, "ordinary_stream"
     if facts.autograd:
         return ORIGINAL, "autograd"
+    if facts.nbytes > max_staged_bytes:
+        # An offloaded copy first snapshots its source on the GPU (docs/cc.md): the same bound as a staged H2D.
+        return ORIGINAL, "too_large"
+    if facts.inference_target:
+        # torch raises at the call; the worker's copy would run later, elsewhere, and not raise at all.
+        return ORIGINAL, "inference_target"
+    if facts.complex_to_real:
+        # torch warns at the call, on the caller's thread (where warnings filters and catch_warnings apply).
+        return ORIGINAL, "complex_to_real"
     if facts.pageable_target:
         # torch's D2H into pageable memory has finished when the call returns (CUDA copies it synchronously), and
         # a program may rely on that; offloaded, the host would read it before the worker wrote it.

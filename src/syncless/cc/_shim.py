@@ -23,7 +23,7 @@ from syncless._core.layouts import broadcasts_to
 from syncless._core.tensor_calls import maybe_non_blocking_to, parse_to, read_copy, read_cuda, reads_as_cuda_device
 from syncless.cc import _d2h, _emulation, _host_writes, _routing, _staging, _streams, _sync_patches
 from syncless.cc._d2h import WORKER
-from syncless.cc._layers import SHIM_KEY, TENSOR_ATTRS, call_for_routing
+from syncless.cc._layers import SHIM_KEY, SYNCING_ATTRS, TENSOR_ATTRS, call_for_routing
 from syncless.cc._stats import COUNTERS
 
 _log = logging.getLogger(__name__)
@@ -57,9 +57,28 @@ def _d2h_record(src: Any):
     return _d2h.lookup(torch.cuda.current_stream(src.device.index))
 
 
+def _refuses_inplace(dst: Any) -> bool:
+    """Whether torch refuses an in-place write of ``dst`` here: an inference tensor outside inference mode."""
+    import torch
+
+    return dst.is_inference() and not torch.is_inference_mode_enabled()
+
+
+def _drops_imaginary(src: Any, dst: Any, dst_dtype: Any) -> bool:
+    """Whether a copy of ``src`` into ``dst`` (or a new tensor of ``dst_dtype``) drops an imaginary part."""
+    if not src.is_complex():
+        return False
+    if dst is not None:
+        return not dst.is_complex()
+    return dst_dtype is not None and not dst_dtype.is_complex
+
+
 def _decide(src: Any, dst_type: str, index: int | None, *, into_existing: bool, registered: bool,
-            dtype_changes: bool, autograd: bool, dst: Any = None) -> tuple[str, str, Any]:
-    """Gather the facts of one ``non_blocking`` copy and route it; count left-alone copies."""
+            dtype_changes: bool, autograd: bool, dst: Any = None, dst_dtype: Any = None) -> tuple[str, str, Any]:
+    """Gather the facts of one ``non_blocking`` copy and route it; count left-alone copies.
+
+    ``dst``: the destination of a ``copy_``; ``dst_dtype``: the dtype asked of a ``.to`` (None: unchanged).
+    """
     src_type = src.device.type
     record = None
     capturing = False
@@ -81,6 +100,8 @@ def _decide(src: Any, dst_type: str, index: int | None, *, into_existing: bool, 
         autograd=autograd,
         pageable_target=record is not None and dst is not None and not dst.is_pinned(),
         noncontiguous_target=record is not None and dst is not None and not dst.is_contiguous(),
+        inference_target=record is not None and dst is not None and _refuses_inplace(dst),
+        complex_to_real=record is not None and _drops_imaginary(src, dst, dst_dtype),
     )
     route, reason = _routing.route_copy(facts, _STATE.max_staged_bytes)
     if route == _routing.ORIGINAL:
@@ -162,19 +183,13 @@ def _wrap_to(next_to):
             index = self.device.index
         autograd = self.requires_grad and torch.is_grad_enabled()
         route, _, record = _decide(self, device.type, index, into_existing=False, registered=False,
-                                   dtype_changes=dtype is not None and dtype != self.dtype, autograd=autograd)
-        if route != _routing.OFFLOAD:
+                                   dtype_changes=dtype is not None and dtype != self.dtype, autograd=autograd,
+                                   dst_dtype=dtype)
+        if route != _routing.OFFLOAD and _touches_host(self.device.type, device.type):
             _settle_d2h_stream(index)
         if route == _routing.STAGE_FRESH:
             COUNTERS.add("staged")
-            landed = _staging.land(self, index)
-            if (dtype is not None and dtype != landed.dtype) or (
-                memory_format is not None and memory_format is not torch.preserve_format
-            ):
-                # The cast runs on the current stream, after the wait on the staging stream.
-                fmt = torch.preserve_format if memory_format is None else memory_format
-                return next_to(landed, dtype=landed.dtype if dtype is None else dtype, memory_format=fmt)
-            return landed
+            return _staging.land_converted(self, index, dtype, memory_format)
         if route == _routing.OFFLOAD:
             dst = _d2h.pinned_like(self, dtype, memory_format)
             if _d2h.offload(record, dst, self, _describe(".to('cpu', non_blocking=True)", self)):
@@ -224,11 +239,9 @@ def _wrap_cuda(next_cuda):
             _settle_d2h_stream(index)
             return next_cuda(*args, **kwargs)
         COUNTERS.add("staged")
-        landed = _staging.land(self, index, next_fn=next_cuda, device=index, non_blocking=True)
         if memory_format is not None and memory_format is not torch.preserve_format:
-            to_beneath = patching.beneath(torch.Tensor, "to", SHIM_KEY)
-            return to_beneath(landed, memory_format=memory_format)
-        return landed
+            return _staging.land_converted(self, index, None, memory_format)
+        return _staging.land(self, index, next_fn=next_cuda, device=index, non_blocking=True)
 
     return cuda
 
@@ -247,6 +260,16 @@ def _settle_d2h_stream(index: int | None) -> None:
     record = _d2h.lookup(torch.cuda.current_stream(index))
     if record is not None:
         _d2h.wait_for_stream(record)
+
+
+def _touches_host(a_type: str, b_type: str) -> bool:
+    """Whether a copy between devices of these types reads or writes host memory (one side CUDA, one not).
+
+    Only such a copy waits for offloaded D2H copies when issued on a D2H stream: they write host memory, and
+    torch would run the copy after them on that stream (and a blocking D2H synchronizes the stream). GPU-only
+    work needs no wait: each offloaded copy reads a snapshot of its own (:mod:`._d2h`).
+    """
+    return (a_type == "cuda") != (b_type == "cuda")
 
 
 def _settle_for_cuda(device: Any) -> None:
@@ -271,17 +294,23 @@ def _cuda_index(*tensors: Any) -> int | None:
 
 
 def _settle_for_to(self: Any, args: tuple, kwargs: dict) -> None:
-    """:func:`_settle_d2h_stream` for a ``Tensor.to`` that is not offloaded (the GPU it copies on)."""
+    """:func:`_settle_d2h_stream` for a ``Tensor.to`` that is not offloaded and moves bytes to or from the host.
+
+    A ``.to`` that stays on the GPU (a cast, another GPU) waits for nothing: an offloaded copy reads only its
+    own snapshot and writes only host memory, so GPU work queued after it cannot disturb it (:mod:`._d2h`).
+    """
     if not WORKER.is_pending(WORKER.submitted):
-        return
-    if self.device.type == "cuda":
-        _settle_d2h_stream(self.device.index)
         return
     try:
         device = parse_to(args, kwargs)[0]
     except (TypeError, RuntimeError, ValueError):
         return  # torch refuses the call
-    if device is not None and device.type == "cuda":
+    if device is None:
+        return  # a cast on the tensor's own device
+    if self.device.type == "cuda":
+        if device.type != "cuda":
+            _settle_d2h_stream(self.device.index)
+    elif device.type == "cuda":
         _settle_d2h_stream(_streams.device_index(device))
 
 
@@ -298,15 +327,15 @@ def _wrap_copy(next_copy):
         if non_blocking is not True or "async" in kwargs:
             # The hot path: a blocking copy goes straight beneath, unless D2H copies are still queued.
             pending = WORKER.is_pending(WORKER.submitted)
-            if pending and not is_compiling() and call_for_routing(args, kwargs) is not None:
+            if (pending and not is_compiling() and call_for_routing(args, kwargs) is not None
+                    and isinstance(other, torch.Tensor) and _touches_host(args[0].device.type, other.device.type)):
                 _settle_d2h_stream(_cuda_index(args[0], other))
             return next_copy(*args, **kwargs)
         if is_compiling() or not isinstance(other, torch.Tensor) or call_for_routing(args, kwargs) is None:
             return next_copy(*args, **kwargs)  # compiling, or torch refuses the call, or an override takes it
         self, src = args[0], other
-        if src.device.type != "cuda" or self.device.type != "cpu":  # anything but a D2H, which may be offloaded
-            _settle_d2h_stream(_cuda_index(self, src))
         if self.device.type == "cuda" and src.device.type != "cuda":
+            _settle_d2h_stream(self.device.index)  # an H2D reads host memory an offloaded copy may still write
             index = self.device.index
             registered = _staging.is_registered_target(self)
             route, _, _ = _decide(src, "cuda", index, into_existing=True, registered=registered,
@@ -328,7 +357,8 @@ def _wrap_copy(next_copy):
                 COUNTERS.add("offloaded")
                 return self
             # No room for the snapshot: torch's own copy (below), after the queued ones.
-        _settle_d2h_stream(_cuda_index(src))
+        if _touches_host(self.device.type, src.device.type):
+            _settle_d2h_stream(_cuda_index(src))
         result = next_copy(*args, **kwargs)
         if self.device.type == "cpu" and src.device.type == "cuda":
             _note_plain_d2h(self, src)
@@ -337,7 +367,29 @@ def _wrap_copy(next_copy):
     return copy_
 
 
+def _wrap_syncing(next_fn):
+    """Front a host-blocking read (``Tensor.cpu``, ``item``, ``tolist``): on a D2H stream, its offloaded copies first.
+
+    torch runs such a read on the current stream and returns once that stream has reached it, so everything
+    queued there before, an offloaded copy included, has finished; the program may then read that copy's host
+    memory. The offloaded copies are not on the stream, so the host waits for them (:mod:`._d2h`). Costs one
+    integer compare while no offloaded copy is pending; otherwise passes the call on untouched.
+    """
+    import torch
+
+    def syncing(*args, **kwargs):
+        if WORKER.is_pending(WORKER.submitted) and not is_compiling():
+            tensor = args[0] if args else None
+            if isinstance(tensor, torch.Tensor) and call_for_routing(args, kwargs) is not None \
+                    and tensor.device.type == "cuda":
+                _settle_d2h_stream(tensor.device.index)
+        return next_fn(*args, **kwargs)
+
+    return syncing
+
+
 _WRAPPERS = {"to": _wrap_to, "cuda": _wrap_cuda, "copy_": _wrap_copy}
+_WRAPPERS.update({name: _wrap_syncing for name in SYNCING_ATTRS})
 
 
 def install_shim(max_staged_bytes: int | None = None) -> bool:
@@ -354,7 +406,7 @@ def install_shim(max_staged_bytes: int | None = None) -> bool:
         if _STATE.installed:
             return False
         WORKER.restart()
-        for name in TENSOR_ATTRS:
+        for name in TENSOR_ATTRS + SYNCING_ATTRS:
             patching.add_layer(torch.Tensor, name, SHIM_KEY, patching.RANK_CC_SHIM, _WRAPPERS[name])
         _sync_patches.install_sync_patches()
         _STATE.installed = True
@@ -378,7 +430,7 @@ def uninstall_all(timeout_s: float = 60.0) -> None:
             except BaseException as err:  # noqa: BLE001 - re-raised below, after the originals are back
                 pending_error = err
         if _STATE.installed:
-            for name in TENSOR_ATTRS:
+            for name in TENSOR_ATTRS + SYNCING_ATTRS:
                 patching.remove_layer(torch.Tensor, name, SHIM_KEY)
             _sync_patches.uninstall_sync_patches()
             _STATE.installed = False

@@ -115,6 +115,38 @@ def land(src: Any, index: int, next_fn=None, **kwargs: Any) -> Any:
     return landed
 
 
+def land_converted(src: Any, index: int, dtype: Any, memory_format: Any) -> Any:
+    """``src.to(cuda:index, dtype, memory_format=..., non_blocking=True)`` for host ``src``, through the staging stream.
+
+    staging : copy host -> tmp  E
+    current : [wait E] result <- tmp (the cast or the new layout, a D2D)
+
+    With no conversion this is :func:`land`. Otherwise the result has the
+    layout torch's own ``.to`` would give it (read from the same call on the
+    meta device), and the host source is read when torch would read it, as in
+    :func:`stage_into`: a block torch moves as it lies (the source's dtype and
+    dense layout, or a contiguous source) is staged in stream order; any other
+    source torch makes contiguous on the host at the call, and so does this.
+    Does not block the host beyond the transfer (under CC).
+    """
+    import torch
+
+    fmt = torch.preserve_format if memory_format is None else memory_format
+    target_dtype = src.dtype if dtype is None else dtype
+    if target_dtype == src.dtype and fmt is torch.preserve_format:
+        return land(src, index)
+    to_beneath = _beneath("to")
+    shape = to_beneath(src, device="meta", dtype=target_dtype, memory_format=fmt)  # torch's layout for the result
+    if src.is_contiguous() or (target_dtype == src.dtype and same_dense_layout(shape.shape, shape.stride(),
+                                                                               src.shape, src.stride())):
+        landed = land(src, index)  # torch moves this block as it lies, in stream order
+    else:
+        landed = land(src.clone(memory_format=torch.contiguous_format), index)  # torch reads it now
+    result = torch.empty_strided(shape.shape, shape.stride(), dtype=target_dtype, device=landed.device)
+    _beneath("copy_")(result, landed)  # on the current stream, which waits for the staging copy (land)
+    return result
+
+
 def stage_into(dst: Any, src: Any, next_copy) -> Any:
     """``dst.copy_(src, non_blocking=True)`` for CUDA ``dst`` and host ``src`` through a staging tensor.
 

@@ -14,12 +14,14 @@ LEFT_ALONE_REASONS = (
     "other_device",      # the non-CUDA side is not the CPU (meta, ...)
     "compiling",         # torch.compile is tracing
     "capturing",         # a CUDA graph is being captured
-    "too_large",         # above SYNCLESS_CC_MAX_STAGED_BYTES
+    "too_large",         # above SYNCLESS_CC_MAX_STAGED_BYTES (an H2D's staging tensor, a D2H's snapshot)
     "ordinary_stream",   # D2H on a stream not made by new_d2h_stream()
     "autograd",          # D2H of a tensor that autograd tracks
     "layout",            # sparse, nested or other non-strided tensors
     "pageable_target",   # D2H into pageable host memory: torch's copy is synchronous, so it stays torch's
     "noncontiguous_target",  # D2H into a non-contiguous host tensor: torch writes it on the host before returning
+    "inference_target",  # D2H into an inference tensor outside inference mode: torch refuses it at the call
+    "complex_to_real",   # D2H that drops an imaginary part: torch warns at the call, on the caller's thread
 )
 
 

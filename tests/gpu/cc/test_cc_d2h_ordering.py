@@ -308,3 +308,105 @@ def test_staged_transposed_h2d_reads_host_memory_in_stream_order(shim, cycles_pe
             result = up * 1
         torch.cuda.synchronize()
         _assert_bits(result.cpu(), new)
+
+
+@pytest.mark.parametrize("form", ["to float16", "cuda contiguous_format"])
+def test_a_fresh_h2d_that_converts_reads_a_transposed_source_at_the_call(shim, cycles_per_ms, form):
+    """``h[0].t().to("cuda", float16, non_blocking=True)``, then the host overwrites ``h[0]`` (legal: torch read it).
+
+    torch makes the transposed source contiguous on the host at the call (its dtype or layout changes). The shim
+    once staged it as it lay, in stream order, behind an unrelated D2H into another row of ``h`` still queued on
+    a slow stream, so it read the overwrite (found in review; deterministic under "on").
+    """
+    import torch
+
+    side = 512
+    for _ in range(TRIALS):
+        dev = torch.device("cuda", 0)
+        h = torch.zeros(3, side, side).pin_memory()
+        old = torch.randn(side, side)
+        h[0].copy_(old)
+        src = h[0].t()
+        x = torch.randn(side, side, device=dev)
+        slow = torch.cuda.Stream(dev)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(slow):
+            torch.cuda._sleep(20 * cycles_per_ms)
+            h[2].copy_(x, non_blocking=True)  # torch's own D2H, noted under h's storage
+        if form == "to float16":
+            y = src.to(dev, torch.float16, non_blocking=True)
+            expected = old.t().to(torch.float16)
+        else:
+            y = src.cuda(non_blocking=True, memory_format=torch.contiguous_format)
+            expected = old.t().contiguous()
+        h[0].fill_(7.0)
+        torch.cuda.synchronize()
+        assert y.is_contiguous() == expected.is_contiguous() and y.stride() == expected.stride()
+        assert torch.equal(y.cpu(), expected)
+
+
+@pytest.mark.parametrize("read", ["cpu", "item", "tolist"])
+def test_a_blocking_read_on_the_d2h_stream_waits_for_its_offloaded_copies(shim, cycles_per_ms, read):
+    """On ``D``: an offloaded ``h.copy_(src)``, then ``x.cpu()`` / ``x.item()`` / ``x.tolist()`` (blocking reads).
+
+    torch returns from such a read once ``D`` has reached it, so the earlier copy into ``h`` is complete and
+    the program may read ``h`` with no other synchronize (found in review: the shim once returned with the
+    offloaded copy still pending).
+    """
+    import torch
+
+    cc = shim
+    for _ in range(TRIALS):
+        dev, src, new, _, host = _setup()
+        producer = torch.cuda.Stream(dev)
+        d2h = cc.new_d2h_stream(dev)
+        _slow_write(producer, src, new, 20 * cycles_per_ms)
+        d2h.wait_stream(producer)
+        with torch.cuda.stream(d2h):
+            host.copy_(src, non_blocking=True)
+            small = src[:2]
+            value = {"cpu": lambda: small.cpu(), "item": lambda: small[0].item(), "tolist": lambda: small.tolist()}[
+                read]()
+        _assert_bits(host, new)  # read right away, as torch allows
+        del value
+        torch.cuda.synchronize()
+
+
+def test_an_inference_tensor_target_is_refused_at_the_call(shim):
+    """A D2H into an inference tensor outside inference mode: torch raises at the call, and so must the shim."""
+    import torch
+
+    cc = shim
+    dev, src, _, _, _ = _setup()
+    with torch.inference_mode():
+        host = torch.empty(N).pin_memory()
+    d2h = cc.new_d2h_stream(dev)
+    d2h.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(d2h), pytest.raises(RuntimeError, match="Inplace update to inference tensor"):
+        host.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+
+
+def test_a_complex_to_real_d2h_warns_on_the_calling_thread(shim):
+    """torch warns that the imaginary part is dropped, at the call; offloaded, it warned on the worker thread."""
+    import warnings
+
+    import torch
+
+    cc = shim
+    dev = torch.device("cuda", 0)
+    z = torch.randn(N, dtype=torch.complex64, device=dev)
+    host = torch.full((N,), float("nan")).pin_memory()
+    torch.cuda.synchronize()
+    d2h = cc.new_d2h_stream(dev)
+    before = torch.is_warn_always_enabled()
+    torch.set_warn_always(True)  # torch warns once per process otherwise
+    try:
+        with warnings.catch_warnings(record=True) as seen, torch.cuda.stream(d2h):
+            warnings.simplefilter("always")
+            host.copy_(z, non_blocking=True)
+            d2h.synchronize()
+    finally:
+        torch.set_warn_always(before)
+    assert any("imaginary" in str(w.message) for w in seen), [str(w.message) for w in seen]
+    _assert_bits(host, z.real)

@@ -171,3 +171,37 @@ def test_new_d2h_stream_without_cuda_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SynclessError, match=r"needs a CUDA GPU.*is_available\(\) is False"):
         cc.new_d2h_stream()
+
+
+@pytest.mark.parametrize("memory_format", [None, torch.preserve_format, torch.contiguous_format, torch.channels_last])
+@pytest.mark.parametrize("source", ["contiguous", "transposed", "channels_last", "channels_last slice"])
+def test_an_offloaded_to_result_has_torchs_layout_and_is_pinned(monkeypatch, source, memory_format):
+    """``x.to("cpu", non_blocking=True)``'s result: the strides torch's own copy gives, in pinned memory.
+
+    The review found a non-dense source given contiguous strides (torch infers dense strides in the source's
+    order) and ``memory_format=channels_last`` made by ``.contiguous()``, which returns pageable memory.
+    """
+    pinned = []
+
+    def keep(make):
+        def allocate(*args, pin_memory=False, **kwargs):
+            pinned.append(pin_memory)
+            return make(*args, **kwargs)  # no pinned allocator on a CPU-only build
+        return allocate
+
+    monkeypatch.setattr(torch, "empty", keep(torch.empty))
+    monkeypatch.setattr(torch, "empty_strided", keep(torch.empty_strided))
+    base = torch.randn(2, 3, 4, 5)
+    x = {
+        "contiguous": base,
+        "transposed": base[0, 0].t(),
+        "channels_last": base.contiguous(memory_format=torch.channels_last),
+        "channels_last slice": base.contiguous(memory_format=torch.channels_last)[..., :3],
+    }[source]
+    if memory_format is torch.channels_last and x.dim() != 4:
+        pytest.skip("channels_last needs 4 dims")
+    kwargs = {} if memory_format is None else {"memory_format": memory_format}
+    result = _d2h.pinned_like(x, torch.float64, memory_format)
+    expected = x.to("meta", torch.float64, **kwargs)  # torch's own _to_copy layout
+    assert result.dtype == torch.float64 and result.shape == x.shape and result.stride() == expected.stride()
+    assert pinned and all(pinned)

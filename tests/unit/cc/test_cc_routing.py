@@ -33,7 +33,11 @@ def facts(src="cpu", dst="cuda", **kw):
         (facts(src="cuda", dst="cpu"), (r.ORIGINAL, "ordinary_stream")),
         (facts(src="cuda", dst="cpu", on_d2h_stream=True), (r.OFFLOAD, "")),
         (facts(src="cuda", dst="cpu", on_d2h_stream=True, autograd=True), (r.ORIGINAL, "autograd")),
-        (facts(src="cuda", dst="cpu", on_d2h_stream=True, nbytes=10 * MAX), (r.OFFLOAD, "")),
+        (facts(src="cuda", dst="cpu", on_d2h_stream=True, nbytes=MAX), (r.OFFLOAD, "")),
+        # The snapshot an offload makes on the GPU is bounded like a staged H2D.
+        (facts(src="cuda", dst="cpu", on_d2h_stream=True, nbytes=MAX + 1), (r.ORIGINAL, "too_large")),
+        (facts(src="cuda", dst="cpu", on_d2h_stream=True, inference_target=True), (r.ORIGINAL, "inference_target")),
+        (facts(src="cuda", dst="cpu", on_d2h_stream=True, complex_to_real=True), (r.ORIGINAL, "complex_to_real")),
     ],
 )
 def test_route(f, expected):
@@ -57,12 +61,14 @@ def test_every_reason_is_a_known_stats_reason():
     seen = set()
     for f in [facts(non_blocking=False), facts(src="cpu", dst="cpu"), facts(src="cuda"), facts(src="meta"),
               facts(compiling=True), facts(capturing=True), facts(strided=False), facts(nbytes=MAX + 1),
-              facts(src="cuda", dst="cpu"), facts(src="cuda", dst="cpu", on_d2h_stream=True, autograd=True)]:
+              facts(src="cuda", dst="cpu"), facts(src="cuda", dst="cpu", on_d2h_stream=True, autograd=True),
+              facts(src="cuda", dst="cpu", on_d2h_stream=True, inference_target=True),
+              facts(src="cuda", dst="cpu", on_d2h_stream=True, complex_to_real=True)]:
         route, reason = r.route_copy(f, MAX)
         assert route == r.ORIGINAL
         seen.add(reason)
     assert seen <= set(LEFT_ALONE_REASONS)
-    assert len(seen) == 10
+    assert len(seen) == 12
 
 
 @pytest.mark.parametrize(

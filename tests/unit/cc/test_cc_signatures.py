@@ -87,7 +87,25 @@ def _cc_forms() -> list[Form]:
                                                          type(torch.Event("cpu")).__module__)),
         Form("torch.Event.record names", lambda e: (torch.Event.record.__name__, torch.Event.query.__doc__)),
     ]
+    forms += [  # host-blocking reads cc fronts (they wait for a D2H stream's offloaded copies)
+        Form("x.cpu()", lambda e: e.x.cpu()),
+        Form("x.cpu(memory_format=torch.contiguous_format)", lambda e: e.x.cpu(memory_format=torch.contiguous_format)),
+        Form("x.cpu(1) refused", lambda e: e.x.cpu(1)),
+        Form("torch.Tensor.cpu(x)", lambda e: torch.Tensor.cpu(e.x)),
+        Form("torch.Tensor.cpu() refused", lambda e: torch.Tensor.cpu()),
+        Form("x[0].item()", lambda e: e.x.reshape(-1)[0].item()),
+        Form("x.item() refused (many elements)", lambda e: e.x.item()),
+        Form("x.item(1) refused", lambda e: e.x.item(1)),
+        Form("torch.Tensor.item(1) refused", lambda e: torch.Tensor.item(1)),
+        Form("x.tolist()", lambda e: e.x.tolist()),
+        Form("x.tolist(foo=1) refused", lambda e: e.x.tolist(foo=1)),
+        Form("sub.tolist() (a subclass)", lambda e: e.sub.tolist()),
+        Form("sub.cpu() (a subclass)", lambda e: e.sub.cpu()),
+    ]
     mode_forms = [
+        Form("x.cpu()", lambda e: e.x.cpu()),
+        Form("x[0].item()", lambda e: e.x.reshape(-1)[0].item()),
+        Form("x.tolist()", lambda e: e.x.tolist()),
         Form("x.to(float16)", lambda e: e.x.to(torch.float16)),
         Form("x.to('cpu', non_blocking=True)", lambda e: e.x.to("cpu", non_blocking=True)),
         Form("x.to('cuda', non_blocking=True)", lambda e: e.x.to("cuda", non_blocking=True)),

@@ -110,3 +110,34 @@ def test_stage_into_leaves_an_expanded_target_to_torch(landed):
         torch.empty(1, 5).expand(4, 5).copy_(torch.randn(4, 5))
     assert str(ours.value) == str(torchs.value)
     assert not landed
+
+
+FRESH_CASES = {
+    # name: (make src from a base host tensor, dtype, memory_format, torch reads the source at the call)
+    "contiguous, cast": (lambda h: h, torch.float64, None, False),
+    "transposed, cast": (lambda h: h.t(), torch.float64, None, True),  # the review's case: torch's temporary
+    "transposed, to contiguous": (lambda h: h.t(), None, torch.contiguous_format, True),
+    "channels_last, kept": (lambda h: h.reshape(1, 5, 3, 2).contiguous(memory_format=torch.channels_last), None,
+                            torch.channels_last, False),  # one dense block, as it lies
+    "channels_last, cast": (lambda h: h.reshape(1, 5, 3, 2).contiguous(memory_format=torch.channels_last),
+                            torch.float16, torch.channels_last, True),
+    "contiguous to channels_last": (lambda h: h.reshape(1, 5, 3, 2), None, torch.channels_last, False),
+    "column slice, cast": (lambda h: h[:, 1:4], torch.float64, None, True),
+}
+
+
+@pytest.mark.parametrize("name", list(FRESH_CASES))
+def test_a_fresh_converted_h2d_reads_the_source_when_torch_would(landed, name):
+    """``src.to("cuda", dtype, memory_format=..., non_blocking=True)``: the result's layout and when src is read."""
+    make_src, dtype, memory_format, reads_now = FRESH_CASES[name]
+    base = torch.randn(6, 5)
+    src = make_src(base)
+    kwargs = {} if memory_format is None else {"memory_format": memory_format}
+    # torch's own result of a copy to another device: its layout as _to_copy makes it (the meta device follows
+    # the same rules; a same-device .to may return the source itself), its values.
+    layout = src.to("meta", dtype or src.dtype, **kwargs)
+    result = _staging.land_converted(src, 0, dtype, memory_format)
+    assert len(landed) == 1
+    assert _shares_memory(landed[0], src) is not reads_now
+    assert result.dtype == layout.dtype and result.stride() == layout.stride()
+    assert torch.equal(result, src.to(layout.dtype))
