@@ -78,6 +78,7 @@ class Op:
 _STREAM_ARGS = {  # positions of stream names, device slots, host slots, events in each kind's args
     "SLEEP": ((0,), (), (), ()), "KERNEL": ((0,), (1,), (), ()), "FILL": ((0,), (1,), (), ()),
     "H2D": ((0,), (3,), (1,), ()), "H2D_FRESH": ((0,), (2,), (1,), ()), "D2H": ((0,), (1,), (3,), ()),
+    "BLOCKING_READ": ((0,), (1,), (), ()),
     "D2H_FRESH": ((0,), (1,), (2,), ()), "D2D": ((0,), (1, 3), (), ()), "WAIT_STREAM": ((0, 1), (), (), ()),
     "RECORD": ((1,), (), (), (0,)), "WAIT_EVENT": ((0,), (), (), (1,)), "EVENT_SYNC": ((), (), (), (0,)),
     "EVENT_SPIN": ((), (), (), (0,)), "EVENT_QUERY": ((), (), (), (0,)), "STREAM_SYNC": ((0,), (), (), ()),
@@ -149,6 +150,15 @@ def h2d_reads_host_now(host_view: tuple, dev_view: tuple, non_blocking: bool, ho
             _dense_layout(host_view) == _dense_layout(dev_view)):
         return False
     return _dense_layout(host_view) != "contiguous"  # a contiguous source is its own temporary
+
+
+FRESH_FORMS = 4  # H2D_FRESH forms: .to(device), .to(device="cuda"), .cuda(), .to(device, memory_format=contiguous)
+
+
+def fresh_result_view(host_view: tuple, form: int) -> tuple:
+    """The layout of a fresh H2D's result, as a view: the source's own (torch's preserve_format on a dense source),
+    or contiguous for the form that asks ``memory_format=torch.contiguous_format``."""
+    return ("full",) if form == 3 else host_view
 
 
 def _dense_layout(view: tuple) -> str | None:
@@ -337,12 +347,13 @@ class Model:
             at = self._tick(s)
             self._access(hb, at if nb and not reads_now else ("host", 0), False)
             self._access(gb, at, True)
-        elif k == "H2D_FRESH":  # (s, h, g, nb, form, dtype)
+        elif k == "H2D_FRESH":  # (s, h, g, nb, form, dtype, host view)
             s, h, g, nb = a[0], a[1], a[2], a[3]
             if self.dev[g] is not None:
                 raise Illegal(f"device slot {g} is in use", [])
             hb = self.hst[h]
-            reads_now = h2d_reads_host_now(("full",), ("full",), nb, hb.dtype, a[5] or hb.dtype)
+            hv = a[6]
+            reads_now = h2d_reads_host_now(hv, fresh_result_view(hv, a[4]), nb, hb.dtype, a[5] or hb.dtype)
             self._check("host" if reads_now else s, hb, False, needs)
             self._raise(needs, op)
             at = self._tick(s)
@@ -362,6 +373,14 @@ class Model:
             else:  # torch: cudaMemcpyAsync then cudaStreamSynchronize of s
                 self._sync_host(self.vc[s])
                 self._access(hb, ("host", 0), True)
+        elif k == "BLOCKING_READ":  # (s, g, form): dev[g].cpu() / .item() / .tolist() with s current
+            s, g = a[0], a[1]
+            gb = self._dev(g)
+            self._check(s, gb, False, needs)
+            self._raise(needs, op)
+            at = self._tick(s)
+            self._access(gb, at, False)
+            self._sync_host(self.vc[s])  # torch returns once s has reached the read: all of s before it is done
         elif k == "D2H_FRESH":  # (s, g, h, nb, dtype)
             s, g, h, nb, dtype = a
             gb, hb = self._dev(g), self.hst[h]

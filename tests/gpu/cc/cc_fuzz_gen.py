@@ -13,6 +13,7 @@ import random
 
 from cc_fuzz import (
     DTYPES,
+    FRESH_FORMS,
     INIT,
     LONG_SLEEP,
     N_DEV,
@@ -185,7 +186,9 @@ class Generator:
             return Op("H2D", (s, h, hv, rng.choice(live), gv, rng.random() < 0.8))
         if roll < 0.42 and empty:
             dtype = rng.choice((None, None) + DTYPES)
-            return Op("H2D_FRESH", (s, h, rng.choice(empty), rng.random() < 0.8, rng.randrange(3), dtype))
+            hv = ("t",) if rng.random() < 0.3 else ("full",)
+            return Op("H2D_FRESH", (s, h, rng.choice(empty), rng.random() < 0.8, rng.randrange(FRESH_FORMS), dtype,
+                                    hv))
         if roll < 0.58 and live:
             hv, gv = random_view_pair(rng)
             # Mostly on D2H streams: that is where the worker takes the copy.
@@ -212,6 +215,8 @@ class Generator:
                 return None
             return Op(rng.choice(("EVENT_SYNC", "EVENT_SPIN", "EVENT_QUERY")), (rng.choice(recorded),))
         if roll < 0.88:
+            if live and rng.random() < 0.35:  # a host-blocking read on s: it synchronizes s as well
+                return Op("BLOCKING_READ", (s, rng.choice(live), rng.randrange(3)))
             return Op("STREAM_SYNC", (s,)) if rng.random() < 0.7 else Op("DEVICE_SYNC", (rng.randrange(2),))
         if roll < 0.93:
             hv, _ = random_view_pair(rng)

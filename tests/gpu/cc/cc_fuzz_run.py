@@ -21,7 +21,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from cc_fuzz import DTYPES, N_DEV, N_EVENTS, N_HOST, SIDE, STREAMS, Op, ProgramSpec, apply_view, h2d_reads_host_now
+from cc_fuzz import (DTYPES, N_DEV, N_EVENTS, N_HOST, SIDE, STREAMS, Op, ProgramSpec, apply_view, fresh_result_view,
+                     h2d_reads_host_now)
 
 
 def digest(t: Any) -> str:
@@ -331,6 +332,8 @@ class Runner:
             self._h2d_fresh(*a)
         elif k == "D2H_FRESH":
             self._d2h_fresh(*a)
+        elif k == "BLOCKING_READ":
+            self._blocking_read(*a)
         elif k == "WAIT_STREAM":
             b.wait_stream(a[0], a[1])
         elif k == "RECORD":
@@ -386,13 +389,19 @@ class Runner:
         if not nb:
             b.stream_sync(s)  # torch's blocking copy: cudaMemcpyAsync then cudaStreamSynchronize
 
-    def _h2d_fresh(self, s: str, h: int, g: int, nb: bool, form: int, dtype: str | None) -> None:
-        torch, b, src = self.torch, self.b, self.host[h]
+    def _h2d_fresh(self, s: str, h: int, g: int, nb: bool, form: int, dtype: str | None, hv: tuple) -> None:
+        torch, b = self.torch, self.b
+        src = apply_view(self.host[h], hv)
         if b.simulated:
             out = torch.empty(tuple(src.shape), dtype=src.dtype if dtype is None else getattr(torch, dtype))
-            if h2d_reads_host_now(("full",), ("full",), nb, str(src.dtype)[6:], dtype or str(src.dtype)[6:]):
+            host_dtype = str(src.dtype)[6:]
+            if h2d_reads_host_now(hv, fresh_result_view(hv, form), nb, host_dtype, dtype or host_dtype):
                 src = src.clone()  # as torch does, the host is read now (see h2d_reads_host_now)
             b.launch(s, lambda: out.copy_(src))
+        elif form == 3:
+            kwargs = {} if dtype is None else {"dtype": getattr(torch, dtype)}
+            out = b.launch(s, lambda: src.to(b.device, non_blocking=nb, memory_format=torch.contiguous_format,
+                                             **kwargs))
         elif dtype is not None:
             out = b.launch(s, lambda: src.to(b.device, dtype=getattr(torch, dtype), non_blocking=nb))
         elif form == 0:
@@ -402,6 +411,19 @@ class Runner:
         else:
             out = b.launch(s, lambda: src.cuda(non_blocking=nb))
         self.dev[g] = out
+
+    def _blocking_read(self, s: str, g: int, form: int) -> None:
+        """``dev[g].cpu()``, ``.item()`` of one element or ``.tolist()`` of a row, with ``s`` current; kept as a read."""
+        torch, b, src = self.torch, self.b, self.dev[g]
+        sink = getattr(self._sink, "reads", self.reads)
+        if b.simulated:
+            out = torch.empty(tuple(src.shape), dtype=src.dtype)
+            b.launch(s, lambda: out.copy_(src))
+            b.stream_sync(s)
+            value = out.clone() if form == 0 else out[0, 0].item() if form == 1 else out[0].tolist()
+        else:
+            value = b.launch(s, lambda: src.cpu() if form == 0 else src[0, 0].item() if form == 1 else src[0].tolist())
+        sink.append(digest(value) if form == 0 else repr(value))
 
     def _d2h_fresh(self, s: str, g: int, h: int, nb: bool, dtype: str | None) -> None:
         torch, b, src = self.torch, self.b, self.dev[g]

@@ -45,7 +45,7 @@ def test_generated_programs_cover_every_kind_of_op():
         walk(program_for(seed).ops)
     kinds = {"SLEEP", "KERNEL", "FILL", "H2D", "H2D_FRESH", "D2H", "D2H_FRESH", "D2D", "WAIT_STREAM", "RECORD",
              "WAIT_EVENT", "EVENT_SYNC", "EVENT_SPIN", "EVENT_QUERY", "STREAM_SYNC", "DEVICE_SYNC", "HOST_READ",
-             "HOST_WRITE", "RECORD_STREAM", "FREE", "ALLOC", "REGISTER", "THREAD", "CONCURRENT"}
+             "HOST_WRITE", "RECORD_STREAM", "FREE", "ALLOC", "REGISTER", "THREAD", "CONCURRENT", "BLOCKING_READ"}
     assert kinds <= seen, kinds - seen
 
 
@@ -195,4 +195,39 @@ def test_model_reads_the_host_when_the_shim_does():
                 model = fuzz.h2d_reads_host_now(src_view, dst_view, True, src_dtype, dst_dtype)
                 if model != _torch_reads_source_now(dst, src):
                     differ.append((dst_view, src_view, dst_dtype, src_dtype, model))
+    assert not differ, differ[:5]
+
+
+def test_model_reads_a_fresh_h2ds_host_source_when_the_shim_does(monkeypatch):
+    """The same for a fresh H2D (``.to``/``.cuda``), every host view and form the generator makes, every dtype pair.
+
+    The shim's rule is ``_staging.land_converted``'s choice: the source staged as it lies (read in stream order)
+    or a clone made at the call. A stand-in for the transfer records which it was handed.
+    """
+    import torch
+
+    from syncless.cc import _staging
+
+    handed = []
+
+    def fake_land(src, index, next_fn=None, **kwargs):
+        handed.append(src)
+        return src.clone()
+
+    monkeypatch.setattr(_staging, "land", fake_land)
+    differ = []
+    for hv in (("full",), ("t",)):
+        for form in range(fuzz.FRESH_FORMS):
+            for host_dtype in fuzz.DTYPES:
+                for dtype in (None,) + fuzz.DTYPES:
+                    base = torch.empty(fuzz.SIDE, fuzz.SIDE, dtype=getattr(torch, host_dtype))
+                    src = fuzz.apply_view(base, hv)
+                    handed.clear()
+                    fmt = torch.contiguous_format if form == 3 else None
+                    _staging.land_converted(src, 0, None if dtype is None else getattr(torch, dtype), fmt)
+                    shim = handed[0].untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+                    model = fuzz.h2d_reads_host_now(hv, fuzz.fresh_result_view(hv, form), True, host_dtype,
+                                                    dtype or host_dtype)
+                    if model != shim:
+                        differ.append((hv, form, host_dtype, dtype, model))
     assert not differ, differ[:5]
