@@ -9,7 +9,10 @@ not for the *host* source when a ``non_blocking`` D2H still has to write it::
     the shim  S1 : D2H x -> h ........    staging   : H2D h -> tmp            (reads h now: stale)
 
 So every ``non_blocking`` D2H into pinned memory that the shim sees is noted
-here under the host storage's address, until it is known finished: a plain
+here under the byte range of the host storage it writes, until it is known
+finished (a source overlapping that range waits for it, whichever storage
+object it belongs to: two tensors made with ``torch.from_numpy`` over one
+numpy array share bytes but not a storage): a plain
 one (torch's own copy, on an ordinary stream) with an event recorded after
 it on its stream; an offloaded one with its job number (see :mod:`._d2h`).
 Before a staging copy reads host memory, :func:`order_after_pending_writes`
@@ -31,12 +34,17 @@ from typing import Any
 from syncless.cc import _streams
 
 _lock = threading.Lock()
-_pending: dict[int, list[tuple]] = {}  # host storage address -> [("event", ev) | ("job", seq)]
-_PURGE_AT = 256
+# Byte ranges of host storages a noted D2H may still be writing: [start, end, entry], where entry is
+# ("event", ev) or ("job", seq). Finished ones are dropped whenever the list is read under the lock, so it
+# holds about as many entries as there are D2H copies into pinned memory in flight.
+_pending: list[tuple[int, int, tuple]] = []
 
 
-def _key(t: Any) -> int:
-    return t.untyped_storage().data_ptr()
+def _range(t: Any) -> tuple[int, int]:
+    """The byte range of ``t``'s whole storage (a write anywhere in it is a conservative overlap)."""
+    storage = t.untyped_storage()
+    start = storage.data_ptr()
+    return start, start + max(storage.nbytes(), 1)
 
 
 def _is_done(entry: tuple) -> bool:
@@ -49,14 +57,16 @@ def _is_done(entry: tuple) -> bool:
     return not WORKER.is_pending(entry[1])
 
 
-def _remember(key: int, entry: tuple) -> None:
+def _live() -> list[tuple[int, int, tuple]]:
+    """The entries not yet finished (the caller holds ``_lock``); the list is trimmed to them."""
+    _pending[:] = [item for item in _pending if not _is_done(item[2])]
+    return _pending
+
+
+def _remember(t: Any, entry: tuple) -> None:
+    start, end = _range(t)
     with _lock:
-        if len(_pending) >= _PURGE_AT:
-            for k in [k for k, entries in _pending.items() if all(_is_done(e) for e in entries)]:
-                del _pending[k]
-        entries = [e for e in _pending.get(key, ()) if not _is_done(e)]
-        entries.append(entry)
-        _pending[key] = entries
+        _live().append((start, end, entry))
 
 
 def note_plain_d2h(dst: Any, stream: Any) -> None:
@@ -70,12 +80,12 @@ def note_plain_d2h(dst: Any, stream: Any) -> None:
 
     event = torch.cuda.Event()
     _streams.record_event_raw(event, stream)
-    _remember(_key(dst), ("event", event))
+    _remember(dst, ("event", event))
 
 
 def note_offloaded_d2h(dst: Any, seq: int) -> None:
     """Note offloaded D2H job ``seq`` into host ``dst`` (host-only bookkeeping)."""
-    _remember(_key(dst), ("job", seq))
+    _remember(dst, ("job", seq))
 
 
 def order_after_pending_writes(staging: Any, src: Any) -> None:
@@ -86,13 +96,9 @@ def order_after_pending_writes(staging: Any, src: Any) -> None:
     """
     if not _pending:
         return
-    key = _key(src)
+    start, end = _range(src)
     with _lock:
-        entries = [e for e in _pending.get(key, ()) if not _is_done(e)]
-        if entries:
-            _pending[key] = entries
-        else:
-            _pending.pop(key, None)
+        entries = [entry for lo, hi, entry in _live() if lo < end and start < hi]
     if not entries:
         return
     import torch

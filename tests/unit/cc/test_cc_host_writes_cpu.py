@@ -57,3 +57,21 @@ def test_every_pending_write_is_waited_for_not_only_the_last(calls):
     _host_writes.note_offloaded_d2h(host[32:], 7)
     _host_writes.order_after_pending_writes(_staging(0), host)
     assert log == [("host waits", 6), ("host waits", 7)]
+
+
+def test_a_write_through_another_storage_over_the_same_bytes_is_waited_for(calls):
+    """Two tensors over one numpy array share bytes, not a storage (found in review: the notes were keyed by
+    the storage's address, so a row's D2H was invisible to an upload of the whole array)."""
+    import numpy as np
+
+    log, worker = calls
+    array = np.zeros((4, 16), dtype=np.float32)
+    whole, row = torch.from_numpy(array), torch.from_numpy(array[3])
+    assert whole.untyped_storage().data_ptr() != row.untyped_storage().data_ptr()
+    worker._submitted = 3
+    _host_writes.note_offloaded_d2h(row, 3)
+    _host_writes.order_after_pending_writes(_staging(), whole)
+    assert log == [("host waits", 3)]
+    log.clear()
+    _host_writes.order_after_pending_writes(_staging(), torch.from_numpy(array[1]))  # bytes the write misses
+    assert log == []
