@@ -225,11 +225,15 @@ class _Checking:
         self._token: _state.RegionToken | None = None
 
     def __enter__(self) -> None:
+        if settings.enabled and is_compiling():
+            return  # traced by torch.compile: not a region (see checked)
         self._token = _state.enter_checked()
         _layers.entered(self._token)
 
     def __exit__(self, *exc_info: object) -> None:
         token, self._token = self._token, None
+        if token is None:
+            return
         _state.exit_checked(token)
         _layers.exited(token, failing=exc_info[1] is not None)
 

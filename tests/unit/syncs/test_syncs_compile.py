@@ -88,3 +88,18 @@ def test_a_checked_function_compiles_in_one_graph(restored_globals):
         assert syncs.checked(lambda: _state.checked_depth.get())() == 1  # run eagerly it is still a region
         syncs.disable()
     dynamo.reset()
+
+
+def test_a_checking_block_inside_a_compiled_function_compiles_in_one_graph(restored_globals):
+    def step(x):
+        with syncs.checking():
+            return x.to(torch.float64) * 2
+
+    x = torch.randn(4)
+    with _debugmode.fake():
+        syncs.set_mode("record")
+        plain = _compiled(step, x)  # before enable(): checking() does nothing
+        assert syncs.enable()
+        _same(plain, _compiled(step, x), "checking() block, enabled")
+        syncs.disable()
+    dynamo.reset()
