@@ -23,7 +23,16 @@ attribute. When the last layer leaves:
 * someone else's function is there: it stays; our entry, which it may call,
   becomes a plain pass-through to the base.
 
-An entry costs one Python call per use. Attributes that are classes (cc's
+An entry costs one Python call per use. torch keeps a few tables keyed by
+its own method objects (``UninitializedParameter``'s allowed methods,
+``torch.overrides``' tensor-method set and name index); while an entry
+fronts such a method it is listed there too, so a ``__torch_function__``
+that receives ``func`` (the entry, the attribute as it is at call time)
+finds it (:func:`_list_beside`). torch.compile's own tables of tensor
+methods and torch callables are built once from the attributes as they are
+then: they are built before the first entry arrives (if dynamo is loaded)
+and forgotten when the last one leaves (:func:`_prime_compiler_tables`).
+Attributes that are classes (cc's
 ``torch.Event``) or static/class methods cannot be fronted by a function
 without changing what they are; they are replaced directly, as before, and a
 layer change under another library's later patch of them is refused with a
@@ -35,6 +44,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import sys
 import threading
 import types
 from collections.abc import Callable
@@ -66,6 +76,90 @@ def _current(owner: Any, name: str) -> Any:
 def _can_front(owner: Any, name: str) -> bool:
     raw = inspect.getattr_static(owner, name)
     return isinstance(raw, _FRONTABLE)
+
+
+def _method_tables() -> list[Any]:
+    """The tables torch keys by its own callables (by identity), as they exist now; none is built here.
+
+    * ``UninitializedTensorMixin._allowed_methods``: a lazy module's
+      ``__torch_function__`` lets through only the methods listed (it gets the
+      attribute as it is at call time: an entry while syncless is installed).
+    * ``torch.overrides._get_tensor_methods()`` and the name index of
+      ``_get_overridable_functions()`` (``is_tensor_method_or_property``,
+      ``resolve_name``), once built (both are caches built on first use).
+    """
+    tables: list[Any] = []
+    parameter = sys.modules.get("torch.nn.parameter")
+    mixin = getattr(parameter, "UninitializedTensorMixin", None)
+    allowed = getattr(mixin, "_allowed_methods", None)
+    if isinstance(allowed, list):
+        tables.append(allowed)
+    overrides = sys.modules.get("torch.overrides")
+    for name, pick in (("_get_tensor_methods", None), ("_get_overridable_functions", 1)):
+        cached = getattr(overrides, name, None)
+        info = getattr(cached, "cache_info", None)
+        if info is None or not info().currsize:
+            continue  # not built yet: it will be built from the attributes as they are then
+        table = cached() if pick is None else cached()[pick]
+        if isinstance(table, (list, set, dict)):
+            tables.append(table)
+    return tables
+
+
+def _list_beside(known: Any, new: Any) -> None:
+    """Wherever a torch table lists ``known``, list ``new`` too (in a dict: with the same value)."""
+    for table in _method_tables():
+        if known not in table or new in table:
+            continue
+        if isinstance(table, dict):
+            table[new] = table[known]
+        elif isinstance(table, set):
+            table.add(new)
+        else:
+            table.append(new)
+
+
+def _unlist(gone: Any, keep: Any) -> None:
+    """Take ``gone`` out of torch's tables, listing ``keep`` wherever ``gone`` was."""
+    _list_beside(gone, keep)
+    for table in _method_tables():
+        if gone not in table:
+            continue
+        if isinstance(table, dict):
+            del table[gone]
+        elif isinstance(table, set):
+            table.discard(gone)
+        else:
+            table.remove(gone)
+
+
+def _prime_compiler_tables() -> None:
+    """Build dynamo's tables of tensor methods and torch callables now, from torch's own attributes.
+
+    Both are caches built on first use from ``getattr(torch.Tensor, name)``
+    and friends; built while an entry is installed, they would lack the
+    method beneath it, which our wrappers call while compiling (an unbound
+    ``torch.Tensor.to(x, ...)`` would then break the graph, even after we
+    leave). Cheap once dynamo is loaded; dynamo is never imported here.
+    """
+    rules = sys.modules.get("torch._dynamo.trace_rules")
+    for name in ("get_tensor_method", "get_torch_obj_rule_map"):
+        build = getattr(rules, name, None)
+        if callable(build):
+            build()
+
+
+def _forget_compiler_tables() -> None:
+    """Drop dynamo's cached tables (they may have been built while our entries were installed)."""
+    rules = sys.modules.get("torch._dynamo.trace_rules")
+    clear = getattr(rules, "clear_lru_cache", None)
+    if callable(clear):
+        clear()
+        return
+    for name in ("get_tensor_method", "get_torch_obj_rule_map"):
+        cache_clear = getattr(getattr(rules, name, None), "cache_clear", None)
+        if callable(cache_clear):
+            cache_clear()
 
 
 def _make_entry(base: Any) -> tuple[Callable[..., Any], Callable[[Any], None]]:
@@ -125,6 +219,7 @@ class _Chain:
             if self.retarget is not None:
                 self.retarget(self.base)
                 _retired[id(self.entry)] = (self.entry, self.base, self.base_was_own)
+                _list_beside(self.entry, self.base)  # the entry stays listed: the other library still calls it
             else:
                 _log.warning("%s.%s was patched by another library after syncless; syncless leaves that patch "
                              "in place, with syncless's layers still beneath it", _label(self.owner), self.name)
@@ -133,6 +228,8 @@ class _Chain:
             setattr(self.owner, self.name, self.base)
         else:
             delattr(self.owner, self.name)
+        if self.retarget is not None:
+            _unlist(self.entry, self.base)
 
 
 def _label(owner: Any) -> str:
@@ -163,8 +260,11 @@ def add_layer(owner: Any, name: str, key: str, rank: int, wrap: Wrapper) -> None
                 del _retired[id(base)]
                 base, own = retired[1], retired[2]
             chain = _Chain(owner, name, base, own)
+            if not _chains:
+                _prime_compiler_tables()
             if _can_front(owner, name):
                 chain.entry, chain.retarget = _make_entry(base)
+                _list_beside(base, chain.entry)
                 setattr(owner, name, chain.entry)
             _chains[chain_key] = chain
         if key in chain.layers:
@@ -186,6 +286,10 @@ def remove_layer(owner: Any, name: str, key: str) -> None:
         else:
             chain.restore()
             del _chains[chain_key]
+            if not _chains:
+                # Only once every attribute is torch's again: rebuilt earlier, they would lack the methods
+                # beneath the entries still installed.
+                _forget_compiler_tables()
 
 
 def original(owner: Any, name: str) -> Any:

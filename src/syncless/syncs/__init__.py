@@ -39,6 +39,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from syncless._core.compiling import is_compiling
 from syncless._core.errors import SyncViolation
 from syncless._core.logs import log_once
 from syncless.syncs import _copies, _debugmode, _hook, _state, _waits
@@ -172,7 +173,10 @@ def checked(fn: F) -> F:
     """Decorate ``fn`` so that its body is a checked region on the calling thread.
 
     With the mode ``off`` this returns ``fn`` itself. Coroutine functions are
-    checked across their awaits (the region belongs to the task).
+    checked across their awaits (the region belongs to the task); an event
+    loop that ``fn`` runs itself (``asyncio.run``) runs its tasks unchecked.
+    A call that ``torch.compile`` traces is not a region (the graph it
+    compiles runs no Python to check).
     """
     if not callable(fn):
         raise TypeError(f"checked decorates a function; got {type(fn).__name__}")
@@ -199,6 +203,10 @@ def checked(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if settings.enabled and is_compiling():
+            # torch.compile traces this call: the compiled graph runs no Python to check, and the region's
+            # bookkeeping (ContextVars, the running event loop) is not traceable (fullgraph=True would fail).
+            return fn(*args, **kwargs)
         token = _state.enter_checked()
         _layers.entered(token)
         try:
@@ -217,11 +225,15 @@ class _Checking:
         self._token: _state.RegionToken | None = None
 
     def __enter__(self) -> None:
+        if settings.enabled and is_compiling():
+            return  # traced by torch.compile: not a region (see checked)
         self._token = _state.enter_checked()
         _layers.entered(self._token)
 
     def __exit__(self, *exc_info: object) -> None:
         token, self._token = self._token, None
+        if token is None:
+            return
         _state.exit_checked(token)
         _layers.exited(token, failing=exc_info[1] is not None)
 

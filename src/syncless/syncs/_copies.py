@@ -23,8 +23,9 @@ installed through :mod:`syncless._core.patching` (layer key ``"syncs"``, the
 top rank), so they see the user's call and never syncless's internal copies.
 They take and pass on the caller's arguments untouched, so torch parses every
 call itself (the contract is in ``docs/syncs.md``, "Calling conventions"). Outside a
-checked region a wrapper costs the patch layer's entry call and one
-ContextVar read.
+checked region a wrapper costs the patch layer's entry call, one call of
+``torch.compiler.is_dynamo_compiling`` (a function returning False outside
+dynamo) and one ContextVar read.
 """
 
 from __future__ import annotations
@@ -226,13 +227,48 @@ def _plain_tensor_types() -> tuple[type, ...]:
 
 
 def _stepping_aside(*tensors: Any) -> bool:
-    """Whether the checks must stay out: torch.compile is tracing (fake or functional tensors)."""
+    """Whether the checks must stay out, and pass the call on unread.
+
+    They stay out of what they would change by reading a tensor (each read,
+    ``is_pinned()`` included, is a torch op): torch.compile tracing (fake or
+    functional tensors), a ``TorchDispatchMode`` (it would see those ops), a
+    functorch transform (``vmap``/``grad`` wrappers have no batching rule for
+    ``is_pinned``), and tensors whose layout is not strided (nested tensors
+    have no sizes, sparse ones no strides).
+    """
     import torch
 
     plain = _plain_tensor_types()
     if any(type(t) not in plain for t in tensors):
         return True
-    return bool(torch.compiler.is_compiling())
+    if torch.compiler.is_compiling() or _dispatch_modes():
+        return True
+    real = tuple(t for t in tensors if isinstance(t, torch.Tensor))  # not the TensorFacts tests stand in with
+    if _is_functorch_wrapped(real):
+        return True
+    return any(t.is_nested or t.layout is not torch.strided for t in real)
+
+
+def _dispatch_modes() -> int:
+    """How many ``TorchDispatchMode``s are active (0 where torch cannot say)."""
+    import torch
+
+    count = getattr(torch._C, "_len_torch_dispatch_stack", None)
+    return count() if count is not None else 0
+
+
+def _is_functorch_wrapped(tensors: tuple) -> bool:
+    """Whether a functorch transform (``vmap``, ``grad``, ...) is running or wraps one of ``tensors``."""
+    import torch
+
+    functorch = getattr(torch._C, "_functorch", None)
+    if functorch is None:
+        return False
+    peek = getattr(functorch, "peek_interpreter_stack", None)
+    if peek is not None and peek() is not None:
+        return True
+    wrapped = getattr(functorch, "is_functorch_wrapped_tensor", None)
+    return wrapped is not None and any(wrapped(t) for t in tensors)
 
 
 def _report_copy(reason: str, api: str) -> None:
@@ -252,34 +288,34 @@ def _planned(src: Any, to_cuda: bool, dtype: Any, memory_format: Any, non_blocki
         return None
 
 
-def _check_to(self: Any, args: tuple, kwargs: dict) -> None:
-    """Check ``self.to(*args, **kwargs)`` before it runs (``args`` without the tensor).
+def _read_to(self: Any, args: tuple, kwargs: dict) -> tuple[str, str] | None:
+    """Return (reason, api) if ``self.to(*args, **kwargs)`` would block although non_blocking, else None.
+
+    ``args`` excludes the tensor.
 
     Reads the call with torch's own parser; a call the parser refuses is left
     alone, so torch raises its own error for it.
     """
     if not maybe_non_blocking_to(args, kwargs) or _stepping_aside(self):
-        return
-    try:
-        device, dtype, non_blocking, memory_format = parse_to(args, kwargs)
-    except (TypeError, RuntimeError, ValueError):
-        return
+        return None
+    device, dtype, non_blocking, memory_format = parse_to(args, kwargs)
     if non_blocking is not True or device is None:
-        return
+        return None
     if self.is_cpu and device.type == "cuda":
         to_cuda = True
     elif self.is_cuda and device.type == "cpu":
         to_cuda = False
     else:
-        return
+        return None
     result = _planned(self, to_cuda, dtype, memory_format, non_blocking)
     reason = None if result is None else classify_copy(result, self, non_blocking)
-    if reason is not None:
-        _report_copy(reason, f"Tensor.to({device.type})")
+    return None if reason is None else (reason, f"Tensor.to({device.type})")
 
 
-def _check_cuda(self: Any, args: tuple, kwargs: dict) -> None:
-    """Check ``self.cuda(*args, **kwargs)`` before it runs (``args`` without the tensor).
+def _read_cuda(self: Any, args: tuple, kwargs: dict) -> tuple[str, str] | None:
+    """Return (reason, api) if ``self.cuda(*args, **kwargs)`` would block although non_blocking, else None.
+
+    ``args`` excludes the tensor.
 
     Only torch's own form is read (:func:`read_cuda`); any other (the
     deprecated ``async=``, a repeated or unknown argument, a non-bool
@@ -289,22 +325,23 @@ def _check_cuda(self: Any, args: tuple, kwargs: dict) -> None:
 
     call = read_cuda(args, kwargs)
     if call is None:
-        return
+        return None
     device, non_blocking, memory_format = call
     if non_blocking is not True or _stepping_aside(self) or not self.is_cpu:
-        return
+        return None
     if not reads_as_cuda_device(device):
-        return
+        return None
     if memory_format is not None and not isinstance(memory_format, torch.memory_format):
-        return
+        return None
     result = _planned(self, True, None, memory_format, non_blocking)
     reason = None if result is None else classify_copy(result, self, non_blocking)
-    if reason is not None:
-        _report_copy(reason, "Tensor.cuda()")
+    return None if reason is None else (reason, "Tensor.cuda()")
 
 
-def _check_copy(self: Any, args: tuple, kwargs: dict) -> None:
-    """Check ``self.copy_(*args, **kwargs)`` before it runs (``args`` without the destination).
+def _read_copy(self: Any, args: tuple, kwargs: dict) -> tuple[str, str] | None:
+    """Return (reason, api) if ``self.copy_(*args, **kwargs)`` would block although non_blocking, else None.
+
+    ``args`` excludes the destination.
 
     Only torch's own form is read (:func:`read_copy`); any other (the
     deprecated ``async=``, a repeated or unknown argument, a non-bool
@@ -313,32 +350,64 @@ def _check_copy(self: Any, args: tuple, kwargs: dict) -> None:
     """
     call = read_copy(args, kwargs)
     if call is None:
-        return
+        return None
     src, non_blocking = call
     if non_blocking is not True or src is None or _stepping_aside(self, src):
-        return
+        return None
     if not broadcasts_to(tuple(src.shape), tuple(self.shape)):
-        return  # torch refuses the copy itself
+        return None  # torch refuses the copy itself
     reason = classify_copy(self, src, non_blocking)
-    if reason is not None:
-        direction = "H2D" if self.is_cuda else "D2H"
-        _report_copy(reason, f"Tensor.copy_ ({direction})")
+    return None if reason is None else (reason, f"Tensor.copy_ ({'H2D' if self.is_cuda else 'D2H'})")
+
+
+def _checking(read):
+    """Make the check that reports what ``read`` finds; a call it cannot read is passed on unchecked.
+
+    Reading may fail where torch would not (a parser or a tensor attribute
+    refusing an unusual tensor or form): torch then runs, or refuses, the
+    call itself, as without the detector. Only the report may raise
+    (``SyncViolation`` in error mode).
+    """
+
+    def check(self: Any, args: tuple, kwargs: dict) -> None:
+        try:
+            found = read(self, args, kwargs)
+        except (RuntimeError, TypeError, ValueError):
+            return
+        if found is not None:
+            _report_copy(*found)
+
+    return check
+
+
+_check_to = _checking(_read_to)
+_check_cuda = _checking(_read_cuda)
+_check_copy = _checking(_read_copy)
 
 
 def _make_wrapper(check, beneath):
     # Takes and passes on exactly what the caller gave (*args, **kwargs, the tensor included), so torch
     # parses every call itself: its forms, defaults, errors and deprecation warnings stay its own. Outside a
-    # checked region this costs one ContextVar read; inside, ``check`` reads the call defensively and never
+    # checked region this costs a dynamo question and one ContextVar read; inside, ``check`` reads the call defensively and never
     # raises for a form it does not understand. A call torch hands to a ``__torch_function__`` override (a
     # subclass's or a mode's) is not read here, since reading it would call the override; the override's call
     # back into torch, made with overrides disabled, is the one checked.
     # The wrapper keeps the name of what it wraps ("to", "cuda", "copy_"): dynamo then treats the bound
     # method as a plain tensor method and puts the call in the graph instead of tracing into this function,
     # so fullgraph=True holds.
+    # Whether dynamo traces this wrapper, asked first: dynamo traces it for an unbound torch.Tensor.to(x, ...)
+    # or a functools.partial of it, folds the question to True, and goes straight to the torch method beneath,
+    # never reaching the ContextVar read (which it cannot trace: fullgraph=True would fail). Outside dynamo,
+    # is_dynamo_compiling is a function returning False (is_compiling, where it is missing, costs more).
+    import torch
+
     depth = checked_depth.get
+    is_compiling = getattr(torch.compiler, "is_dynamo_compiling", None) or torch.compiler.is_compiling
 
     @functools.wraps(beneath)
     def wrapper(*args, **kwargs):
+        if is_compiling():
+            return beneath(*args, **kwargs)
         if args and depth() and not has_override(args, kwargs):
             check(args[0], args[1:], kwargs)
         return beneath(*args, **kwargs)

@@ -3,9 +3,13 @@
 torch's debug mode is one process-wide integer (0 off, 1 warn, 2 error).
 The detector arms it at "warn" while at least one checked region is active
 on any thread, and puts back whatever was there before when the last one
-leaves. The warnings it produces are sorted per thread by the showwarning
-hook (:mod:`._hook`), which is why torch's own "error" level cannot be used:
-it would raise on every thread.
+leaves (unless the user set a level in the meantime). The warnings it
+produces are sorted per thread by the showwarning hook (:mod:`._hook`),
+which is why torch's own "error" level cannot be used: it would raise on
+every thread. A user's "error" level is honoured by the hook instead: a sync
+outside a region raises torch's ``RuntimeError``, after the sync (torch
+raises before it). While armed, ``torch.cuda.get_sync_debug_mode()`` reads 1
+on every thread.
 
 A CPU-only torch build has no debug mode (``torch._C._cuda_set_sync_debug_mode``
 is absent); :class:`FakeDebugMode` stands in for it in tests, so the
@@ -112,8 +116,13 @@ class _Armer:
 
     Every region entry (on any thread or task) adds one, every exit removes
     one. The 0 -> 1 step saves the current level and sets "warn"; the 1 -> 0
-    step restores the saved level. Under the lock, so two threads that enter
-    and leave at the same time cannot both save or both restore.
+    step restores the saved level, unless the user set another level while
+    armed (``torch.cuda.set_sync_debug_mode``): theirs is the newer choice and
+    stays. Under the lock, so two threads that enter and leave at the same
+    time cannot both save or both restore.
+
+    A user level of "error" is kept in spirit while armed: the hook raises
+    torch's error for a sync outside a region (:mod:`._hook`).
     """
 
     def __init__(self) -> None:
@@ -121,6 +130,8 @@ class _Armer:
         self._count = 0
         self._saved = LEVEL_OFF
         self._armed_on: TorchDebugMode | FakeDebugMode | None = None
+        # Called (with no lock held) after the last region closed: the hook may leave then (see ._hook).
+        self.on_disarmed = None
 
     @property
     def count(self) -> int:
@@ -128,8 +139,12 @@ class _Armer:
 
     @property
     def saved_level(self) -> int:
-        """The level in force before the detector armed (what the user asked for)."""
-        return self._saved if self._count else _backend.get()
+        """The level the user asked for: the one before the detector armed, or one they set since."""
+        switch = self._armed_on
+        if not self._count or switch is None:
+            return _backend.get()
+        current = switch.get()
+        return self._saved if current == LEVEL_WARN else current
 
     def arm(self) -> None:
         with self._lock:
@@ -145,11 +160,15 @@ class _Armer:
             if self._count == 0:
                 return
             self._count -= 1
-            if self._count == 0 and self._armed_on is not None:
-                # Restore on the switch we armed, even if a test swapped backends since.
-                if self._armed_on.get() != self._saved:
-                    self._armed_on.set(self._saved)
-                self._armed_on = None
+            if self._count or self._armed_on is None:
+                return
+            # Restore on the switch we armed, even if a test swapped backends since; a level other than
+            # ours was set by the user while we were armed, and stays.
+            if self._armed_on.get() == LEVEL_WARN and self._saved != LEVEL_WARN:
+                self._armed_on.set(self._saved)
+            self._armed_on = None
+        if self.on_disarmed is not None:
+            self.on_disarmed()
 
 
 armer = _Armer()

@@ -29,10 +29,13 @@ TORCH_SYNC_TEXT = "called a synchronizing CUDA operation"
 # torch says this once per process when its debug mode is first set: we set it, the user did not.
 TORCH_PROTOTYPE_TEXT = "Synchronization debug mode is a prototype feature"
 
-_lock = threading.Lock()
+_lock = threading.RLock()
 _filter_entry: tuple | None = None
 _previous = None  # the showwarning we replaced most recently; non-sync warnings go there
-_installed_over = None  # the showwarning in place when install() ran; uninstall() puts it back
+_previous_filters = None  # warnings.filters (the list object) when we replaced _previous
+_installed_over = None  # the showwarning in place when install() ran
+_installed = False  # between install() and the hook's release
+_leave_when_disarmed = False  # disable() came while a region was open: release when the last one closes
 _local = threading.local()
 
 
@@ -80,6 +83,9 @@ def showwarning(message, category, filename, lineno, file=None, line=None) -> No
         SyncViolation: in ``error`` mode; it propagates out of the torch call
             that synchronized.
     """
+    if not _installed:
+        _step_out(message, category, filename, lineno, file, line)
+        return
     if not is_torch_sync_warning(message, category):
         if not str(message).startswith(TORCH_PROTOTYPE_TEXT):
             _forward(message, category, filename, lineno, file, line)
@@ -88,9 +94,32 @@ def showwarning(message, category, filename, lineno, file=None, line=None) -> No
     if violation is not None:
         _report.handle(violation, forward_warning=_forward)
         return
-    if _debugmode.armer.saved_level != _debugmode.LEVEL_OFF and not is_violation_context():
+    if is_violation_context():
+        return
+    user_level = _debugmode.armer.saved_level
+    if user_level == _debugmode.LEVEL_ERROR:
+        # The user asked torch to raise for every sync; we lowered the process to "warn" to sort syncs per
+        # thread, so raise torch's error here (after the sync: torch raises before it).
+        raise RuntimeError(TORCH_SYNC_TEXT)
+    if user_level != _debugmode.LEVEL_OFF:
         # The user had torch's debug mode on before we armed it: keep their warnings.
         _forward(message, category, filename, lineno, file, line)
+
+
+def _step_out(message, category, filename, lineno, file=None, line=None) -> None:
+    """The hook after its release, put back by someone who saved it: hand over to what was beneath it.
+
+    A library that installed its showwarning over ours saved ours, and puts it
+    back when it leaves (``logging.captureWarnings(False)``). Ours is gone by
+    then: the function beneath ours takes its place again, and this warning.
+    """
+    target = _installed_over if _installed_over is not None else warnings._showwarning_orig  # type: ignore[attr-defined]
+    if target is showwarning:
+        target = warnings._showwarning_orig  # type: ignore[attr-defined]
+    with _lock:
+        if warnings.showwarning is showwarning and not _installed:
+            warnings.showwarning = target
+    target(message, category, filename, lineno, file, line)
 
 
 def reassert() -> None:
@@ -98,12 +127,12 @@ def reassert() -> None:
 
     Cheap when nothing changed: two identity checks.
     """
-    global _previous, _filter_entry
+    global _previous, _previous_filters, _filter_entry
     if warnings.showwarning is not showwarning:
         with _lock:
             current = warnings.showwarning
             if current is not showwarning:
-                _previous = current
+                _previous, _previous_filters = current, warnings.filters
                 warnings.showwarning = showwarning
     filters = warnings.filters
     if _filter_entry is None or not filters or filters[0] is not _filter_entry:
@@ -117,10 +146,13 @@ _state.reassert_warnings = reassert
 
 def install() -> None:
     """Install the hook and the filter (idempotent)."""
-    global _installed_over
+    global _installed_over, _installed, _leave_when_disarmed
     with _lock:
         if warnings.showwarning is not showwarning:
             _installed_over = warnings.showwarning
+        _installed = True
+        _leave_when_disarmed = False
+        _debugmode.armer.on_disarmed = _leave_if_asked
     reassert()
 
 
@@ -138,18 +170,43 @@ def forget_filters() -> None:
 
 
 def uninstall() -> None:
-    """Remove the filter and, if it is still ours, the hook."""
-    global _previous, _filter_entry
+    """Remove the filter and, if it is still ours, the hook; while a region is open, once the last one closes.
+
+    An open region keeps torch's debug mode armed until it closes (see
+    ``syncs.disable``); the hook stays until then, dropping the syncs that
+    arming causes, so that no thread sees torch's raw warnings meanwhile.
+    """
+    global _leave_when_disarmed
     with _lock:
-        if warnings.showwarning is showwarning:
-            # Not _previous: a re-assertion inside a catch_warnings block (pytest's, per test)
-            # displaced that block's function, which the block restores by itself.
-            restore = _installed_over if _installed_over is not None else _previous
-            warnings.showwarning = restore if restore is not None else warnings._showwarning_orig  # type: ignore[attr-defined]
-        _previous = None
-        if _filter_entry is not None:
-            forget_filters()
-            mutated = getattr(warnings, "_filters_mutated", None)
-            if callable(mutated):
-                mutated()
-            _filter_entry = None
+        if _debugmode.armer.count:
+            _leave_when_disarmed = True
+            return
+        _leave()
+
+
+def _leave_if_asked() -> None:
+    """Called by the armer after the last region closed."""
+    with _lock:
+        if _leave_when_disarmed and not _debugmode.armer.count:
+            _leave()
+
+
+def _leave() -> None:
+    """Release the hook: put back the showwarning it displaced, and forget the filter."""
+    global _previous, _previous_filters, _filter_entry, _installed, _leave_when_disarmed
+    _installed = False
+    _leave_when_disarmed = False
+    if warnings.showwarning is showwarning:
+        if _previous is not None and warnings.filters is _previous_filters:
+            # We displaced this one in the warnings context that is still in force (e.g. logging's
+            # captureWarnings hook, installed after us): it stays.
+            restore = _previous
+        else:
+            # A catch_warnings block we displaced a function in has closed since (pytest's, per test), or we
+            # displaced nothing: what was there when we came.
+            restore = _installed_over
+        warnings.showwarning = restore if restore is not None else warnings._showwarning_orig  # type: ignore[attr-defined]
+    _previous = _previous_filters = None
+    # Every time: a catch_warnings block that closed since the last release may have put a copy back.
+    forget_filters()
+    _filter_entry = None

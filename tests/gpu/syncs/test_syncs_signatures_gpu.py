@@ -90,7 +90,23 @@ def _gpu_forms() -> list[Form]:
         Form("torch.cuda.synchronize(dev)", lambda e: torch.cuda.synchronize(dev)),
         Form("sub.to('cpu', non_blocking=True)", lambda e: e.sub.to("cpu", non_blocking=True)),
         Form("p.to(sub, True)", lambda e: e.p.to(e.sub, True)),
+        # Calls the checks pass on unread (reading them would change what torch does): functorch transforms,
+        # nested and sparse tensors (results made dense here, so that they can be described).
+        Form("vmap(p.to('cuda', non_blocking=True))", lambda e: torch.vmap(lambda t: t.to("cuda", non_blocking=True))(e.p)),
+        Form("vmap(h.cuda(non_blocking=True)) pageable", lambda e: torch.vmap(lambda t: t.cuda(non_blocking=True))(e.h)),
+        Form("nested.copy_(nested, non_blocking=True)", lambda e: _nested(e.y).copy_(_nested(e.x), non_blocking=True)
+             .to_padded_tensor(0.0)),
+        Form("nested.to('cpu', non_blocking=True)", lambda e: _nested(e.x).to("cpu", non_blocking=True).to_padded_tensor(0.0)),
+        Form("sparse pinned.to('cuda', non_blocking=True)",
+             lambda e: e.p.to_sparse().pin_memory().to("cuda", non_blocking=True).to_dense()),
+        Form("sparse gd.copy_(sparse, non_blocking=True)",
+             lambda e: e.x.to_sparse().copy_(e.h.to_sparse(), non_blocking=True).to_dense()),
     ]
+
+
+def _nested(t: torch.Tensor) -> torch.Tensor:
+    """A nested tensor of two rows of ``t`` and all of it, on ``t``'s device."""
+    return torch.nested.nested_tensor([t[:2], t])
 
 
 FORMS = cpu_forms() + _gpu_forms()

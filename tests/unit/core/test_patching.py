@@ -287,3 +287,76 @@ def test_the_entry_looks_like_the_base(target):
     entry = target.__dict__["greet"]
     assert entry.__name__ == "greet" and entry.__qualname__ == original.__qualname__
     assert entry.__wrapped__ is original
+
+
+# -- torch's tables keyed by its own methods -----------------------------------------
+
+
+def _pass_through(next_fn):
+    return lambda *args, **kwargs: next_fn(*args, **kwargs)
+
+
+def _listed(table, fn):
+    return any(item is fn for item in table)
+
+
+def test_a_lazy_parameter_lets_the_entry_through_while_it_fronts_an_allowed_method():
+    # torch hands __torch_function__ the attribute as it is at call time (our entry); a lazy module's
+    # parameter lets through only the methods in _allowed_methods, listed by identity.
+    allowed = torch.nn.parameter.UninitializedTensorMixin._allowed_methods
+    before = list(allowed)
+    base = torch.Tensor.to
+    patching.add_layer(torch.Tensor, "to", "test", 1, _pass_through)
+    try:
+        entry = torch.Tensor.to
+        assert _listed(allowed, entry) and _listed(allowed, base)
+        assert torch.nn.LazyLinear(3).to(torch.float64).weight.dtype == torch.float64
+        with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):  # torch's own error
+            torch.nn.UninitializedParameter().copy_(torch.randn(1))
+    finally:
+        patching.remove_layer(torch.Tensor, "to", "test")
+    assert torch.Tensor.to is base
+    assert allowed == before and not _listed(allowed, entry)
+
+
+def test_a_retired_entry_stays_listed_while_a_foreign_patch_can_still_call_it():
+    allowed = torch.nn.parameter.UninitializedTensorMixin._allowed_methods
+    before = list(allowed)
+    base = torch.Tensor.cuda
+    patching.add_layer(torch.Tensor, "cuda", "test", 1, _pass_through)
+    entry = torch.Tensor.cuda
+
+    def foreign_cuda(*args, **kwargs):
+        return entry(*args, **kwargs)
+
+    torch.Tensor.cuda = foreign_cuda
+    try:
+        patching.remove_layer(torch.Tensor, "cuda", "test")
+        assert _listed(allowed, entry) and _listed(allowed, base)  # the foreign patch hands our entry on
+    finally:
+        torch.Tensor.cuda = entry  # the foreign library undoes its patch
+        patching.add_layer(torch.Tensor, "cuda", "test", 1, _pass_through)
+        patching.remove_layer(torch.Tensor, "cuda", "test")
+        allowed[:] = [item for item in allowed if item is not entry]
+    assert torch.Tensor.cuda is base and allowed == before
+
+
+@pytest.mark.parametrize("built", ["before", "while layered"])
+def test_torch_overrides_tables_name_the_entry_as_a_tensor_method_and_forget_it_after(built):
+    overrides = torch.overrides
+    base = torch.Tensor.copy_
+    overrides._get_tensor_methods.cache_clear()
+    overrides._get_overridable_functions.cache_clear()
+    if built == "before":
+        assert overrides.is_tensor_method_or_property(base)
+    patching.add_layer(torch.Tensor, "copy_", "test", 1, _pass_through)
+    try:
+        entry = torch.Tensor.copy_
+        assert overrides.is_tensor_method_or_property(entry)
+        assert overrides.resolve_name(entry) == "torch.Tensor.copy_"
+    finally:
+        patching.remove_layer(torch.Tensor, "copy_", "test")
+    assert torch.Tensor.copy_ is base
+    assert overrides.is_tensor_method_or_property(base)
+    assert overrides.resolve_name(base) == "torch.Tensor.copy_"
+    assert entry not in overrides._get_tensor_methods()

@@ -133,6 +133,13 @@ def _forms_to() -> list[Form]:
              lambda e: e.sub.to(device="cpu", non_blocking=True, copy=True)),
         Form("plain_sub.to(float64)", lambda e: e.plain_sub.to(f64)),
         Form("x.to(sub)", lambda e: e.x.to(e.sub)),
+        # A lazy module's parameters let through only the methods torch lists (by identity) in
+        # UninitializedTensorMixin._allowed_methods; func is the attribute as it is at call time.
+        Form("LazyLinear(3).to(float64)", lambda e: str(torch.nn.LazyLinear(3).to(f64).weight.dtype)),
+        Form("UninitializedParameter().to(float64)",
+             lambda e: str(torch.nn.UninitializedParameter().to(f64).dtype)),
+        Form("Tensor.to(UninitializedParameter(), 'cpu', non_blocking=True)",
+             lambda e: type(torch.Tensor.to(torch.nn.UninitializedParameter(), "cpu", non_blocking=True)).__name__),
     ]
 
 
@@ -159,6 +166,9 @@ def _forms_cuda() -> list[Form]:
         Form("Tensor.cuda() refused", lambda e: torch.Tensor.cuda()),
         Form("Tensor.cuda(x, None, True)", lambda e: torch.Tensor.cuda(e.x, None, True)),
         Form("sub.cuda(non_blocking=True)", lambda e: e.sub.cuda(non_blocking=True)),
+        Form("UninitializedParameter().cuda(non_blocking=True)",
+             lambda e: str(torch.nn.UninitializedParameter().cuda(non_blocking=True).device)),
+        Form("LazyLinear(3).cuda()", lambda e: str(torch.nn.LazyLinear(3).cuda().weight.device)),
     ]
 
 
@@ -191,6 +201,9 @@ def _forms_copy() -> list[Form]:
         Form("sub_dst.copy_(y, True)", lambda e: e.sub_dst.copy_(e.y, True)),
         Form("dst.copy_(sub, non_blocking=True)", lambda e: e.dst.copy_(e.sub, non_blocking=True)),
         Form("dst.copy_(plain_sub)", lambda e: e.dst.copy_(e.plain_sub)),
+        Form("UninitializedParameter().copy_(y) refused (leaf)",
+             lambda e: torch.nn.UninitializedParameter().copy_(e.y, non_blocking=True)),
+        Form("UninitializedBuffer().copy_(y)", lambda e: torch.nn.UninitializedBuffer().copy_(e.y)),
     ]
 
 
