@@ -37,13 +37,16 @@ After the copy, ordering is host-side, at the calls that order work after
 ``D`` (:mod:`._sync_patches`, :mod:`._shim`, :mod:`._host_writes`): an event
 recorded on ``D`` carries ``D``'s last job number, and waiting on it (also
 ``P.wait_stream(D)``, which records one), synchronizing or querying it, or
-synchronizing ``D`` or the device first waits for those jobs; any copy other
-than an offloaded one issued while ``D`` is current waits for them too; a
-staged H2D of host memory that a pending job writes waits for that job.
-These host waits happen only where torch itself would have made the GPU
-wait for the copy, and never while the worker still needs the caller's next
-call (a job depends only on work enqueued before it), so they cannot
-deadlock. What syncless cannot see stays unordered after the copy's write of
+synchronizing ``D`` or the device first waits for those jobs; a copy between
+host and GPU issued while ``D`` is current (not offloaded), and the blocking
+reads ``cpu()``/``item()``/``tolist()``, wait for them too; a staged H2D of
+host memory that a pending job writes waits for that job. These host waits
+happen only where torch itself would have made the GPU wait for the copy,
+and never while the worker still needs the caller's next call (a job
+depends only on work enqueued before it), so one thread cannot deadlock on
+them; the worker serves every D2H stream in issue order, so across host
+threads a wait may also cover other streams' earlier jobs (docs/cc.md,
+"Limits"). What syncless cannot see stays unordered after the copy's write of
 the host memory: a kernel launched on ``D`` that reads that host memory
 itself (zero-copy access to pinned memory), or a wait through a C-made
 ``torch.Event`` recorded on ``D`` (``torch.Stream.record_event()``); nor is anything done through the generic ``torch.Stream`` object of
@@ -167,7 +170,8 @@ def pinned_like(src: Any, dtype: Any, memory_format: Any) -> Any:
 
     dtype = src.dtype if dtype is None else dtype
     if src.is_contiguous() and (memory_format is None or memory_format is torch.preserve_format):
-        return torch.empty(src.shape, dtype=dtype, pin_memory=True)
+        # torch keeps a dense source's strides exactly, a size-1 dim's odd stride included
+        return torch.empty_strided(src.shape, src.stride(), dtype=dtype, pin_memory=True)
     fmt = torch.preserve_format if memory_format is None else memory_format
     layout = patching.beneath(torch.Tensor, "to", SHIM_KEY)(src, device="meta", dtype=dtype, memory_format=fmt)
     return torch.empty_strided(layout.shape, layout.stride(), dtype=dtype, pin_memory=True)
@@ -218,6 +222,33 @@ def snapshot(src: Any) -> Any:
         return src.clone()
 
 
+_CLOSING = [False]  # set under _offload_lock while uninstall() drains: no new offload may slip in behind it
+
+
+def stop_offloading() -> None:
+    """From now on :func:`offload` declines (returns 0): the caller runs torch's own copy. For ``uninstall()``."""
+    with _offload_lock:
+        _CLOSING[0] = True
+
+
+def resume_offloading() -> None:
+    """Undo :func:`stop_offloading` (the layers are gone, or installed again)."""
+    with _offload_lock:
+        _CLOSING[0] = False
+
+
+def _version_alias(dst: Any) -> Any:
+    """A tensor over ``dst``'s bytes with a version counter of its own, for the worker to write through.
+
+    torch bumps ``dst``'s version when the copy is issued, which autograd's saved-tensor checks read; the
+    offload bumps it then too (:func:`offload`), and the worker's later write must not bump it again.
+    """
+    import torch
+
+    alias = torch.empty(0, dtype=dst.dtype)
+    return alias.set_(dst.untyped_storage(), dst.storage_offset(), dst.size(), dst.stride())
+
+
 def offload(record: _D2HStream, dst: Any, src: Any, what: str) -> int:
     """Queue ``dst.copy_(src)`` on the worker, reading ``src`` as the D2H stream would now.
 
@@ -230,6 +261,8 @@ def offload(record: _D2HStream, dst: Any, src: Any, what: str) -> int:
     """
     import torch
 
+    if _CLOSING[0]:
+        return 0
     stream = record.stream
     try:
         snap = snapshot(src)
@@ -238,15 +271,26 @@ def offload(record: _D2HStream, dst: Any, src: Any, what: str) -> int:
                      "torch's own copy (blocking under CC)", src.numel() * src.element_size())
         return 0
     ready = torch.cuda.Event()
-    job = make_job(stream.device.index, ready, dst, snap)
+    job = make_job(stream.device.index, ready, _version_alias(dst), snap)
     del snap  # the job holds it until its copy has run
     with _offload_lock:
+        if _CLOSING[0]:  # uninstall() began draining after the check above: torch's own copy, on this thread
+            return 0
         # D : ...everything D was ordered after... src -> snap R#n ...
         _streams.record_event_raw(ready, stream)
         seq = WORKER.submit(job, what)
         record.last_job = seq
+    _bump_version(dst)  # as torch's copy does, at the call
     _host_writes.note_offloaded_d2h(dst, seq)  # a staged H2D of dst waits for it
     return seq
+
+
+def _bump_version(dst: Any) -> None:
+    import torch
+
+    increment = getattr(torch.autograd.graph, "increment_version", None)
+    if increment is not None:
+        increment(dst)
 
 
 def wait_for_stream(record: _D2HStream) -> None:

@@ -424,6 +424,9 @@ def uninstall_all(timeout_s: float = 60.0) -> None:
 
     with _lock:
         pending_error: BaseException | None = None
+        # A thread inside a wrapper right now must not offload behind the drain below (its later synchronize
+        # would be torch's own, which does not wait for the worker): from here it runs torch's own copy.
+        _d2h.stop_offloading()
         if WORKER.submitted:
             try:
                 WORKER.wait_and_raise(WORKER.submitted, timeout_s=timeout_s)
@@ -435,6 +438,7 @@ def uninstall_all(timeout_s: float = 60.0) -> None:
             _sync_patches.uninstall_sync_patches()
             _STATE.installed = False
         _emulation.uninstall_emulation()
+        _d2h.resume_offloading()
     if pending_error is not None:
         raise pending_error
 

@@ -74,10 +74,24 @@ def register_inplace_h2d_target(t: Any) -> None:
 
 
 def is_registered_target(t: Any) -> bool:
-    """Return whether ``t`` shares its storage with a live registered in-place target."""
+    """Return whether ``t`` shares its storage with a live registered in-place target.
+
+    The registered tensor must still own the storage it was registered with: one whose storage moved
+    (``resize_`` growing it, ``set_``, ``.data =``) no longer vouches for its old address, which the
+    caching allocator may hand to an unrelated tensor (found in review); its entry is dropped.
+    """
     if not _TARGETS:
         return False
-    return _TARGETS.get(_storage_key(t)) is not None
+    key = _storage_key(t)
+    target = _TARGETS.get(key)
+    if target is None:
+        return False
+    if _storage_key(target) != key:
+        with _target_lock:
+            if _TARGETS.get(key) is target:
+                del _TARGETS[key]
+        return False
+    return True
 
 
 def _beneath(name: str):

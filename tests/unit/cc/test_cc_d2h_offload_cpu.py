@@ -174,7 +174,8 @@ def test_new_d2h_stream_without_cuda_is_a_clear_error(monkeypatch):
 
 
 @pytest.mark.parametrize("memory_format", [None, torch.preserve_format, torch.contiguous_format, torch.channels_last])
-@pytest.mark.parametrize("source", ["contiguous", "transposed", "channels_last", "channels_last slice"])
+@pytest.mark.parametrize("source", ["contiguous", "transposed", "channels_last", "channels_last slice",
+                                    "channels_last, one channel", "column transposed", "empty"])
 def test_an_offloaded_to_result_has_torchs_layout_and_is_pinned(monkeypatch, source, memory_format):
     """``x.to("cpu", non_blocking=True)``'s result: the strides torch's own copy gives, in pinned memory.
 
@@ -197,6 +198,10 @@ def test_an_offloaded_to_result_has_torchs_layout_and_is_pinned(monkeypatch, sou
         "transposed": base[0, 0].t(),
         "channels_last": base.contiguous(memory_format=torch.channels_last),
         "channels_last slice": base.contiguous(memory_format=torch.channels_last)[..., :3],
+        # contiguous, with odd strides on size-1 dims, which torch's copy keeps (found in review)
+        "channels_last, one channel": torch.randn(2, 1, 4, 4).contiguous(memory_format=torch.channels_last),
+        "column transposed": torch.randn(1, 6).t(),
+        "empty": torch.randn(0, 3).t(),
     }[source]
     if memory_format is torch.channels_last and x.dim() != 4:
         pytest.skip("channels_last needs 4 dims")
@@ -205,3 +210,31 @@ def test_an_offloaded_to_result_has_torchs_layout_and_is_pinned(monkeypatch, sou
     expected = x.to("meta", torch.float64, **kwargs)  # torch's own _to_copy layout
     assert result.dtype == torch.float64 and result.shape == x.shape and result.stride() == expected.stride()
     assert pinned and all(pinned)
+
+
+def test_the_destination_version_is_bumped_at_the_call_once(gpu_calls, monkeypatch):
+    """torch bumps the destination's version when the copy is issued (autograd's saved-tensor check reads it);
+    the worker's later write must not bump it again (found in review: it bumped it later, on the worker)."""
+    log, worker = gpu_calls
+    hold = threading.Event()
+    monkeypatch.setattr(_streams, "wait_event_raw", lambda event: hold.wait(5))
+    dst = torch.full((16,), float("nan"))
+    src = torch.randn(16)
+    before = dst._version
+    seq = _d2h.offload(_d2h_stream(), dst, src, "copy")
+    assert dst._version == before + 1  # at the call, the worker still held
+    hold.set()
+    worker.wait_and_raise(seq, timeout_s=5.0)
+    assert dst._version == before + 1 and torch.equal(dst, src)
+
+
+def test_no_offload_slips_in_while_uninstall_drains(gpu_calls):
+    """Once ``uninstall()`` starts draining, a thread still inside a wrapper runs torch's own copy instead."""
+    log, worker = gpu_calls
+    _d2h.stop_offloading()
+    try:
+        assert _d2h.offload(_d2h_stream(), torch.empty(4), torch.randn(4), "copy") == 0
+        assert worker.submitted == 0 and log == []
+    finally:
+        _d2h.resume_offloading()
+    assert _d2h.offload(_d2h_stream(), torch.empty(4), torch.randn(4), "copy") == 1

@@ -65,3 +65,28 @@ def test_lapse_during_a_locked_section_does_not_deadlock():
     worker.start()
     assert finished.wait(10), "the lapse callback deadlocked on the targets' lock"
     assert not _staging._TARGETS
+
+
+def test_a_target_whose_storage_moved_no_longer_vouches_for_its_old_address():
+    """``resize_`` (growing), ``set_`` or ``.data =`` move a live target's storage; whatever later sits at the
+    old address was never registered (found in review: it counted as registered, and its upload skipped the
+    ordering after the current stream)."""
+    from types import SimpleNamespace
+
+    for move in ("resize_", "set_", "data"):
+        target = torch.randn(64)
+        _staging._remember_target(target)
+        old_address = target.untyped_storage().data_ptr()
+        # Stands for a new tensor the caching allocator puts at the old address (CPU memory cannot be forced).
+        stranger = SimpleNamespace(device=target.device,
+                                   untyped_storage=lambda: SimpleNamespace(data_ptr=lambda: old_address))
+        if move == "resize_":
+            target.resize_(1 << 20)
+        elif move == "set_":
+            target.set_(torch.randn(64).untyped_storage())
+        else:
+            target.data = torch.randn(64)
+        assert target.untyped_storage().data_ptr() != old_address, move
+        assert not _staging.is_registered_target(stranger), move
+        assert not _staging.is_registered_target(target), move  # registered for its old storage only
+        _staging._TARGETS.clear()
