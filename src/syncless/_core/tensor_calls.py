@@ -120,3 +120,29 @@ def has_override(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
 
     check = torch._C._has_torch_function
     return check(args) or (bool(kwargs) and check(tuple(kwargs.values())))
+
+
+def dispatch_modes() -> int:
+    """How many ``TorchDispatchMode``s are active (0 where torch cannot say)."""
+    import torch
+
+    count = getattr(torch._C, "_len_torch_dispatch_stack", None)
+    return count() if count is not None else 0
+
+
+def functorch_active(tensors: Sequence[Any]) -> bool:
+    """Whether a functorch transform (``vmap``, ``grad``, ...) is running or wraps one of ``tensors``.
+
+    Such wrappers have no batching rule for most of what a wrapper would do to read or reroute a copy
+    (``is_pinned``, ``record_stream``), so both syncs and cc pass the call on unread.
+    """
+    import torch
+
+    functorch = getattr(torch._C, "_functorch", None)
+    if functorch is None:
+        return False
+    peek = getattr(functorch, "peek_interpreter_stack", None)
+    if peek is not None and peek() is not None:
+        return True
+    wrapped = getattr(functorch, "is_functorch_wrapped_tensor", None)
+    return wrapped is not None and any(wrapped(t) for t in tensors if isinstance(t, torch.Tensor))

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from syncless._core.tensor_calls import has_override
+from syncless._core.tensor_calls import dispatch_modes, functorch_active, has_override
 
 SHIM_KEY = "cc.shim"
 EMULATION_KEY = "cc.emulation"
@@ -34,7 +34,8 @@ def call_for_routing(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[An
 
     None when the call has no tensor first (torch refuses it: ``Tensor.to()``,
     ``Tensor.to(self=x)``, ``Tensor.copy_(1, y)``), when torch hands it to
-    a ``__torch_function__`` override, or when a tensor in it handles calls
+    a ``__torch_function__`` override, while a ``TorchDispatchMode`` or a
+    functorch transform (``vmap``, ``grad``) is active, or when a tensor in it handles calls
     in ``__torch_dispatch__``: torch.compile's fake and functional tensors
     (no memory to stage; tracing code must not touch data pointers) and
     other dispatch subclasses, which see the copy themselves. Reads no
@@ -44,6 +45,10 @@ def call_for_routing(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[An
 
     tensor = torch.Tensor
     if not args or not isinstance(args[0], tensor) or has_override(args, kwargs):
+        return None
+    if dispatch_modes() or functorch_active(args):
+        # A TorchDispatchMode would see the shim's own ops (events, record_stream, staging copies); a functorch
+        # transform has no batching rule for them: the call goes on as torch's own.
         return None
     plain_dispatch = tensor.__torch_dispatch__
     for values in (args, kwargs.values()):

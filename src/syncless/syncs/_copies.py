@@ -40,6 +40,8 @@ from typing import Any
 from syncless._core import patching
 from syncless._core.layouts import broadcasts_to, is_dense_layout
 from syncless._core.tensor_calls import (
+    dispatch_modes,
+    functorch_active,
     has_override,
     maybe_non_blocking_to,
     parse_to,
@@ -241,34 +243,12 @@ def _stepping_aside(*tensors: Any) -> bool:
     plain = _plain_tensor_types()
     if any(type(t) not in plain for t in tensors):
         return True
-    if torch.compiler.is_compiling() or _dispatch_modes():
+    if torch.compiler.is_compiling() or dispatch_modes():
         return True
     real = tuple(t for t in tensors if isinstance(t, torch.Tensor))  # not the TensorFacts tests stand in with
-    if _is_functorch_wrapped(real):
+    if functorch_active(real):
         return True
     return any(t.is_nested or t.layout is not torch.strided for t in real)
-
-
-def _dispatch_modes() -> int:
-    """How many ``TorchDispatchMode``s are active (0 where torch cannot say)."""
-    import torch
-
-    count = getattr(torch._C, "_len_torch_dispatch_stack", None)
-    return count() if count is not None else 0
-
-
-def _is_functorch_wrapped(tensors: tuple) -> bool:
-    """Whether a functorch transform (``vmap``, ``grad``, ...) is running or wraps one of ``tensors``."""
-    import torch
-
-    functorch = getattr(torch._C, "_functorch", None)
-    if functorch is None:
-        return False
-    peek = getattr(functorch, "peek_interpreter_stack", None)
-    if peek is not None and peek() is not None:
-        return True
-    wrapped = getattr(functorch, "is_functorch_wrapped_tensor", None)
-    return wrapped is not None and any(wrapped(t) for t in tensors)
 
 
 def _report_copy(reason: str, api: str) -> None:

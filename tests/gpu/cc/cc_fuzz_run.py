@@ -392,12 +392,16 @@ class Runner:
     def _h2d_fresh(self, s: str, h: int, g: int, nb: bool, form: int, dtype: str | None, hv: tuple) -> None:
         torch, b = self.torch, self.b
         src = apply_view(self.host[h], hv)
+        transposed_result = fresh_result_view(hv, form) == ("t",)
         if b.simulated:
             out = torch.empty(tuple(src.shape), dtype=src.dtype if dtype is None else getattr(torch, dtype))
             host_dtype = str(src.dtype)[6:]
             if h2d_reads_host_now(hv, fresh_result_view(hv, form), nb, host_dtype, dtype or host_dtype):
                 src = src.clone()  # as torch does, the host is read now (see h2d_reads_host_now)
-            b.launch(s, lambda: out.copy_(src))
+            target = out.t() if transposed_result else out  # the slot holds what the real run's slot holds
+            b.launch(s, lambda: target.copy_(src))
+            self.dev[g] = out
+            return
         elif form == 3:
             kwargs = {} if dtype is None else {"dtype": getattr(torch, dtype)}
             out = b.launch(s, lambda: src.to(b.device, non_blocking=nb, memory_format=torch.contiguous_format,
@@ -410,7 +414,10 @@ class Runner:
             out = b.launch(s, lambda: src.to(device="cuda", non_blocking=nb))
         else:
             out = b.launch(s, lambda: src.cuda(non_blocking=nb))
-        self.dev[g] = out
+        # torch's result of a transposed source keeps its strides (preserve_format); the slot keeps its transpose,
+        # a contiguous view of the same memory, so that later views of the slot stay valid (the values are those
+        # of the host source transposed, in every configuration alike).
+        self.dev[g] = out.t() if transposed_result else out
 
     def _blocking_read(self, s: str, g: int, form: int) -> None:
         """``dev[g].cpu()``, ``.item()`` of one element or ``.tolist()`` of a row, with ``s`` current; kept as a read."""

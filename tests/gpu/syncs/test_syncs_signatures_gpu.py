@@ -96,12 +96,20 @@ def _gpu_forms() -> list[Form]:
         Form("vmap(h.cuda(non_blocking=True)) pageable", lambda e: torch.vmap(lambda t: t.cuda(non_blocking=True))(e.h)),
         Form("nested.copy_(nested, non_blocking=True)", lambda e: _nested(e.y).copy_(_nested(e.x), non_blocking=True)
              .to_padded_tensor(0.0)),
-        Form("nested.to('cpu', non_blocking=True)", lambda e: _nested(e.x).to("cpu", non_blocking=True).to_padded_tensor(0.0)),
+        Form("nested.to('cpu', non_blocking=True)",
+             lambda e: _synchronized(_nested(e.x).to("cpu", non_blocking=True)).to_padded_tensor(0.0)),
         Form("sparse pinned.to('cuda', non_blocking=True)",
              lambda e: e.p.to_sparse().pin_memory().to("cuda", non_blocking=True).to_dense()),
         Form("sparse gd.copy_(sparse, non_blocking=True)",
              lambda e: e.x.to_sparse().copy_(e.h.to_sparse(), non_blocking=True).to_dense()),
     ]
+
+
+def _synchronized(t: torch.Tensor) -> torch.Tensor:
+    """``t`` once the device is idle: a ``non_blocking`` D2H result may be read on the host only after that (the
+    row read it at once, racing the copy under torch alone, and so differed from run to run)."""
+    torch.cuda.synchronize()
+    return t
 
 
 def _nested(t: torch.Tensor) -> torch.Tensor:
