@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from syncless._core import config
-from syncless._core.errors import CopyEngineUnavailable
+from syncless._core.errors import ConfigError, CopyEngineUnavailable
 from syncless._core.logs import log_once
 from syncless.pp import _faults
 from syncless.pp import _wire as wire
@@ -152,9 +152,12 @@ def make_transport(
 
     def local_layout() -> tuple[dict[str, TensorSpec], int | str, int]:
         checked_depth = check_depth(depth)
-        slots = config.read("SYNCLESS_PP_AUTO_SLOTS") if checked_depth == AUTO_DEPTH else 0
-        # Only the sender uses it (the path travels with each step), so stages may differ.
-        resolved["min_nbytes"] = config.read("SYNCLESS_PP_AUTO_DIRECT_MIN_BYTES") if slots else 0
+        try:  # read inside the exchange, so that a bad value is raised alike on every stage
+            slots = config.read("SYNCLESS_PP_AUTO_SLOTS") if checked_depth == AUTO_DEPTH else 0
+            # Only the sender uses it (the path travels with each step), so stages may differ.
+            resolved["min_nbytes"] = config.read("SYNCLESS_PP_AUTO_DIRECT_MIN_BYTES") if slots else 0
+        except ConfigError as err:  # shared as the ValueError it is (agree passes on ValueError and TypeError)
+            raise ValueError(str(err)) from err
         resolved["device"] = _resolve_device(persistent, device)
         return specs_from_persistent(persistent), checked_depth, slots
 
