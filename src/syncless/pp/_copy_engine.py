@@ -329,7 +329,11 @@ class CopyEngineTransport(AutoCalls, CopyEngineEnding, Transport):
         the next stage's socket (it waits there only if that stage's host
         left a few hundred steps unread, at most the timeout). Successive
         sends may run on different streams: each step goes out after the
-        previous one.
+        previous one. With ``depth="auto"`` each step runs as depth 0 does
+        (on the caller's stream, into the persistent tensors) when the next
+        stage has posted its ``recv()`` for it, else as depth D does (see
+        ``_copy_engine_auto``); the host also reads, without blocking, what
+        the next stage posted.
 
         Raises:
             ValueError, TypeError: the step does not fit the next stage's layout (nothing was enqueued).
@@ -485,7 +489,9 @@ class CopyEngineTransport(AutoCalls, CopyEngineEnding, Transport):
         overlaps the transfer; later work sees the data. With depth 0:
         tell the sender the persistent tensors are free (everything queued
         before is done), then wait for its copies into them; the transfer
-        starts only then.
+        starts only then. With ``depth="auto"``: that first write, then a
+        message to the sender that this step is posted (before the metadata
+        is read), then the half the step's path needs (``_copy_engine_auto``).
 
         Raises:
             PeerTimeoutError: the previous stage sent nothing within the timeout, or an earlier step timed out.
