@@ -34,12 +34,12 @@ import torch
 
 from syncless._core import cuda as cuda_core
 from syncless._core.errors import CopyEngineUnavailable, CudaError, PeerTimeoutError, TransportSetupError
+from syncless._core.logs import log_once
 from syncless.pp import _driver as drv
 from syncless.pp import _faults
 from syncless.pp import _meta_channel as meta_channel
 from syncless.pp import _persistent as persistent_memory
 from syncless.pp import _wire as wire
-from syncless._core.logs import log_once
 from syncless.pp._auto import MAX_SLOTS, MIN_SLOTS
 from syncless.pp._copy_engine import REGION_OFFSET, SCRATCH_NBYTES, SCRATCH_OFFSET, CopyEngineTransport
 from syncless.pp._eligibility import (
@@ -57,6 +57,8 @@ from syncless.pp._teardown import Teardown, keep_forever
 logger = logging.getLogger(__name__)
 
 INJECTABLE_FAILURES = ("mem_ops", "peer_open")
+#: The longest reason a stage gives for not sharing its persistent tensors with depth="auto".
+MAX_REASON_CHARS = 4096
 
 
 def open_copy_engine(
@@ -169,7 +171,10 @@ def open_copy_engine(
                 try:
                     targets, target_handles = _share_persistent(ctx, persistent, recv_ring.layout, 'depth="auto"')
                 except CopyEngineUnavailable as err:  # no error here: every step into this stage takes a slot
-                    parts.direct_problem = f"steps into {stages.name()} all go through a slot: {err}"
+                    reason = f"steps into {stages.name()} all go through a slot: {err}"
+                    # Bounded, as the set-up message that carries it to the previous stage must be.
+                    parts.direct_problem = reason if len(reason) <= MAX_REASON_CHARS else \
+                        reason[:MAX_REASON_CHARS - 3] + "..."
                     log_once(logger, logging.WARNING, f"pp-auto-direct:{parts.direct_problem}",
                              "syncless.pp: %s", parts.direct_problem)
             if depth == 0 or (auto and parts.direct_problem is None):
@@ -347,8 +352,8 @@ wire.register_record(
     targets=(wire.is_sequence_of(wire.is_tuple_of(wire.is_int_at_least(-1), wire.is_int_at_least(0))),
              "a list of (handle index, byte offset) pairs"),
     target_handles=(wire.is_sequence_of(wire.is_bytes_of(drv.IPC_HANDLE_NBYTES)), "a list of CUDA IPC handles"),
-    direct_problem=(wire.is_optional(lambda text: wire.is_str(text) and len(text) <= 4096),
-                    "None or a reason of at most 4096 characters"),
+    direct_problem=(wire.is_optional(lambda text: wire.is_str(text) and len(text) <= MAX_REASON_CHARS),
+                    f"None or a reason of at most {MAX_REASON_CHARS} characters"),
 )
 
 
