@@ -111,6 +111,16 @@ def _count(text: str) -> int:
     return value
 
 
+def _int_between(low: int, high: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text.strip())
+        if not low <= value <= high:
+            raise ValueError(f"{value} is outside [{low}, {high}]")
+        return value
+
+    return parse
+
+
 def parse_nbytes(text: str) -> int:
     """Parse a byte count such as ``"1048576"``, ``"64MiB"`` or ``"2G"`` (binary units)."""
     match = _SIZE_PATTERN.match(text.lower())
@@ -170,6 +180,22 @@ _declare(
     "60",
     "a number of seconds from 0.1 to 86400 (one day)",
     "How long a pipeline stage waits for its peer before raising instead of hanging.",
+)
+_declare(
+    "SYNCLESS_PP_AUTO_SLOTS",
+    _int_between(2, 64),
+    "2",
+    "a whole number from 2 to 64",
+    'With make_transport(..., depth="auto"): receive slots per link for the steps that go through a slot; every '
+    "stage must set the same value.",
+)
+_declare(
+    "SYNCLESS_PP_AUTO_DIRECT_MIN_BYTES",
+    parse_nbytes,
+    "0",
+    "a byte count such as 0, 1048576, 64MiB or 1GiB",
+    'With depth="auto": the smallest step that may go straight into the receiver\'s persistent tensors (smaller '
+    "steps always go through a slot).",
 )
 _declare(
     "SYNCLESS_FUZZ_PROGRAMS",

@@ -112,25 +112,27 @@ def _raw_landed_equals(rig: Rig, nbytes: int, expected: Any, what: str) -> bool:
 def run_bandwidth(rig: Rig) -> dict[str, dict[int, float]]:
     """Measure every payload with each method; return ``{method: {nbytes: GB/s}}`` on both ranks.
 
-    The methods: the raw peer copy, NCCL, ours (default depth) and ours with depth=0.
+    The methods: the raw peer copy, NCCL, ours (default depth), ours with depth=0 and ours with depth="auto".
     """
-    measured: dict[str, dict[int, float]] = {"raw": {}, "nccl": {}, "ours": {}, "ours_depth0": {}}
+    measured: dict[str, dict[int, float]] = {"raw": {}, "nccl": {}, "ours": {}, "ours_depth0": {}, "ours_auto": {}}
     for index, nbytes in enumerate(rig.plan.payloads):
         seed = 100 + 10 * index
         mine = {
             "raw": bandwidth_raw(rig, nbytes, seed),
             "nccl": bandwidth_nccl(rig, nbytes, seed + 1),
             "ours": bandwidth_ours(rig, nbytes, seed + 2) if rig.fwd is not None else NAN,
-            "ours_depth0": bandwidth_ours(rig, nbytes, seed + 3, depth0=True) if rig.fwd0 is not None else NAN,
+            "ours_depth0": bandwidth_ours(rig, nbytes, seed + 3, "fwd0") if rig.fwd0 is not None else NAN,
+            "ours_auto": bandwidth_ours(rig, nbytes, seed + 4, "fwda") if rig.fwda is not None else NAN,
         }
         rank0, rank1 = rig.gather(mine)
-        row = {"raw": rank0["raw"], "nccl": rank1["nccl"], "ours": rank1["ours"], "ours_depth0": rank1["ours_depth0"]}
+        row = {"raw": rank0["raw"], "nccl": rank1["nccl"], "ours": rank1["ours"], "ours_depth0": rank1["ours_depth0"],
+               "ours_auto": rank1["ours_auto"]}
         for method, value in row.items():
             measured[method][nbytes] = value
         if rig.sender:
             rig.report.progress(
                 f"bandwidth {size_label(nbytes)}: raw peer copy {row['raw']:.1f}, NCCL {row['nccl']:.1f}, "
-                f"ours {row['ours']:.1f}, ours depth=0 {row['ours_depth0']:.1f} GB/s"
+                f"ours {row['ours']:.1f}, ours depth=0 {row['ours_depth0']:.1f}, ours auto {row['ours_auto']:.1f} GB/s"
             )
     return measured
 
@@ -284,15 +286,18 @@ def bandwidth_nccl(rig: Rig, nbytes: int, seed: int) -> float:
     )
 
 
-def bandwidth_ours(rig: Rig, nbytes: int, seed: int, depth0: bool = False) -> float:
+#: the bandwidth method of each forward transport of the rig
+_FORWARD_METHODS = {"fwd": "ours", "fwd0": "ours_depth0", "fwda": "ours_auto"}
+
+
+def bandwidth_ours(rig: Rig, nbytes: int, seed: int, name: str = "fwd") -> float:
     """Ours: ``transport.send`` / ``transport.recv`` of the same two tensors per step.
 
-    ``depth0``: use the depth=0 transport (``rig.fwd0``, which copies straight into
-    the receiver's persistent tensors) instead of the default one (``rig.fwd``).
+    ``name``: which forward transport of the rig: ``"fwd"`` (the default depth), ``"fwd0"`` (depth=0,
+    straight into the receiver's persistent tensors) or ``"fwda"`` (depth="auto").
     """
     rows = rows_for(nbytes)
     payload = make_payload(rows, seed, rig.device) if rig.sender else None
-    name = "fwd0" if depth0 else "fwd"
     transport = getattr(rig, name)
 
     def send_one() -> None:
@@ -306,7 +311,7 @@ def bandwidth_ours(rig: Rig, nbytes: int, seed: int, depth0: bool = False) -> fl
 
     check = _payload_check(rows, seed, rig.device)
     steps = rig.plan.steps_for(nbytes)
-    method = "ours_depth0" if depth0 else "ours"
+    method = _FORWARD_METHODS[name]
     return _bandwidth_loop(rig, method, nbytes, send_one, recv_one, before_rep, check, 10.0 + 0.5 * steps)
 
 
@@ -326,6 +331,8 @@ def run_latency(rig: Rig, methods: tuple[str, ...] = ("nccl", "ours")) -> None:
             if base == "ours" and (rig.fwd is None or rig.bwd is None):
                 continue
             if base == "ours_depth0" and (rig.fwd0 is None or rig.bwd0 is None):
+                continue
+            if base == "ours_auto" and (rig.fwda is None or rig.bwda is None):
                 continue
             if base == "raw_flags" and rig.raw is None:
                 continue
@@ -365,15 +372,16 @@ def _latency_on_current_stream(rig: Rig, nbytes: int, seed: int, method: str, ba
         state: dict[str, Any] = {"x": make_payload(rows, seed, rig.device) if rig.sender else None,
                                  "bufs": [empty_payload(rows, rig.device), empty_payload(rows, rig.device)]}
         loop, initial_ms = _pingpong_nccl, 5.0 + 0.1 * iters
-    elif base in ("ours", "ours_depth0"):
-        fwd, bwd = (rig.fwd, rig.bwd) if base == "ours" else (rig.fwd0, rig.bwd0)
+    elif base in ("ours", "ours_depth0", "ours_auto"):
+        fwd, bwd = {"ours": (rig.fwd, rig.bwd), "ours_depth0": (rig.fwd0, rig.bwd0),
+                    "ours_auto": (rig.fwda, rig.bwda)}[base]
         state = {"x": make_payload(rows, seed, rig.device) if rig.sender else None, "fwd": fwd, "bwd": bwd}
         loop, initial_ms = _pingpong_ours, 10.0 + 0.5 * iters
     elif base == "raw_flags":
         state = {"x": pattern(nbytes // 2, seed, rig.device) if rig.sender else None, "nbytes": nbytes}
         loop, initial_ms = _pingpong_raw, 2.0 + 0.05 * iters
     else:
-        raise ValueError(f"method must be 'nccl', 'ours', 'ours_depth0' or 'raw_flags'; got {method!r}")
+        raise ValueError(f"method must be 'nccl', 'ours', 'ours_depth0', 'ours_auto' or 'raw_flags'; got {method!r}")
     loop(rig, state, 2)
     rig.sync(f"{method} ping-pong warm-up")
     tuner = GateTuner(initial_ms, LATENCY_GATE_GROWTH)

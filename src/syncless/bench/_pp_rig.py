@@ -68,9 +68,12 @@ class Rig:
     #: the same two directions built with depth=0 (sender copies straight into the persistent tensors)
     fwd0: Any = None
     bwd0: Any = None
+    #: the same two directions built with depth="auto" (each step direct or through a slot; opt-in until measured)
+    fwda: Any = None
+    bwda: Any = None
     raw: PeerBuffer | None = None
     spin: SpinKernel | None = None
-    #: the receiving side's persistent tensors: "fwd"/"fwd0" on rank 1, "bwd"/"bwd0" on rank 0
+    #: the receiving side's persistent tensors: "fwd"/"fwd0"/"fwda" on rank 1, "bwd"/"bwd0"/"bwda" on rank 0
     persistent: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: last value written to the raw ping-pong flags (the same count on both ranks)
     flag_seq: int = 0

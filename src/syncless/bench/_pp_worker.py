@@ -99,13 +99,17 @@ def _describe(rig: Rig) -> dict[str, Any]:
         "gate_cycles_per_ms": rig.gate.cycles_per_ms,
         "raw_peer_buffers": rig.raw is not None,
     }
-    for name, transport in (("fwd", rig.fwd), ("bwd", rig.bwd), ("fwd0", rig.fwd0), ("bwd0", rig.bwd0)):
+    for name, transport in (("fwd", rig.fwd), ("bwd", rig.bwd), ("fwd0", rig.fwd0), ("bwd0", rig.bwd0),
+                            ("fwda", rig.fwda), ("bwda", rig.bwda)):
         if transport is not None:
             info[f"transport_{name}"] = {
                 "backend": getattr(transport, "backend", None),
                 "fallback_reason": getattr(transport, "fallback_reason", None),
                 "batched_copies": getattr(transport, "batched_copies", None),
             }
+            if name in ("fwda", "bwda"):
+                info[f"transport_{name}"]["direct_unavailable_reason"] = getattr(
+                    transport, "direct_unavailable_reason", None)
     if rig.spin is not None:
         info["spin_kernel"] = {
             "sm_count": rig.spin.sm_count,
@@ -149,8 +153,8 @@ def _open_raw(rig: Rig) -> None:
 
 
 def _make_transports(rig: Rig) -> None:
-    """Build the forward (0 -> 1) and reverse (1 -> 0) transports, and the same pair with depth=0 on copy
-    engines only; record a failure instead of stopping."""
+    """Build the forward (0 -> 1) and reverse (1 -> 0) transports, and the same pair with depth=0 and with
+    depth="auto" on copy engines only; record a failure instead of stopping."""
     from syncless.pp import make_transport
 
     plan = rig.plan
@@ -159,11 +163,15 @@ def _make_transports(rig: Rig) -> None:
         ("bwd", [1, 0], 0, plan.latency_max_rows, None),  # rank 0 receives the echo
         ("fwd0", [0, 1], 1, plan.max_rows, 0),  # bandwidth and the ping-pong again with depth=0
         ("bwd0", [1, 0], 0, plan.latency_max_rows, 0),
+        ("fwda", [0, 1], 1, plan.max_rows, "auto"),  # and with depth="auto" (opt-in, beside the default)
+        ("bwda", [1, 0], 0, plan.latency_max_rows, "auto"),
     )
     for name, order, receiver, rows, depth in specs:
-        tensors = empty_payload(rows, rig.device, own_allocation=depth == 0) if rig.rank == receiver else None
+        # depth=0 and "auto" copy straight into the persistent tensors: in an allocation of their own.
+        shared = depth in (0, "auto")
+        tensors = empty_payload(rows, rig.device, own_allocation=shared) if rig.rank == receiver else None
         transport = error = None
-        # depth=0 is measured only on copy engines: without them there is nothing of it to measure.
+        # depth=0 and "auto" are measured only on copy engines: without them there is nothing of them to measure.
         extra = {} if depth is None else {"depth": depth, "backend": "copy_engine"}
         try:
             transport = make_transport(
@@ -202,9 +210,9 @@ def _run_sections(rig: Rig) -> None:
     progress(f"set up; transport under test: {backend}; measuring bandwidth")
     bandwidth = run_bandwidth(rig)
     progress("measuring one-way latency (ping-pong)")
-    run_latency(rig, ("nccl", "ours", "ours_depth0"))
+    run_latency(rig, ("nccl", "ours", "ours_depth0", "ours_auto"))
     progress("measuring one-way latency again, each rank on a stream of its own")
-    run_latency(rig, tuple(method + OWN_STREAM for method in ("nccl", "ours", "ours_depth0")))
+    run_latency(rig, tuple(method + OWN_STREAM for method in ("nccl", "ours", "ours_depth0", "ours_auto")))
     progress("measuring GEMM interference on the sender")
     run_gemm(rig, bandwidth)
     progress("measuring the full-SM kernel with a pending receive")
@@ -218,7 +226,7 @@ def _tear_down(rig: Rig) -> None:
     import torch.distributed as dist
 
     rig.sync("tear-down")
-    for transport in (rig.fwd, rig.bwd, rig.fwd0, rig.bwd0):
+    for transport in (rig.fwd, rig.bwd, rig.fwd0, rig.bwd0, rig.fwda, rig.bwda):
         if transport is not None:
             transport.close()
     if rig.raw is not None:

@@ -45,10 +45,16 @@ class Transport(abc.ABC):
         fallback_reason: why the copy-engine transport was not used when it
             was asked for with ``backend="auto"``; None otherwise.
         device: the device this stage's tensors live on.
+        direct_unavailable_reason: with the copy-engine transport and ``depth="auto"``, why a link of
+            this stage sends every step through a slot; None otherwise.
+        direct_steps_sent: with the copy-engine transport and ``depth="auto"``, how many steps this
+            stage sent straight into the next stage's persistent tensors; 0 otherwise.
     """
 
     backend: str = ""
     fallback_reason: str | None = None
+    direct_unavailable_reason: str | None = None
+    direct_steps_sent: int = 0
     device: torch.device
     #: what every later call raises once set (a timeout, a failed step, abort()); set by the implementations
     _failure: BaseException | None = None

@@ -43,6 +43,11 @@ NCCL send on it), and the caller may overwrite its tensors as soon as
 ``send()`` returns because everything it enqueues later on that stream runs
 after the copies.
 
+``depth="auto"`` mixes the two per step: each step goes straight into the
+persistent tensors (like depth 0) or through one of D slots (like depth D),
+over the same buffer, with one monotone word in ``empty``; ``_auto`` is its
+protocol and argues its orderings, ``_copy_engine_auto`` its host side.
+
 Depth 0 keeps no slots. The receiving stage shares its persistent tensors
 over CUDA IPC at set-up, and step N goes straight into them::
 
@@ -169,6 +174,7 @@ from syncless._core.errors import PeerTimeoutError, TransportFailedError
 from syncless.pp import _driver as drv
 from syncless.pp import _faults, _fork
 from syncless.pp._base import Transport, refuse_graph_capture
+from syncless.pp._copy_engine_auto import AutoCalls
 from syncless.pp._copy_engine_end import CopyEngineEnding, release_dropped, write_release
 from syncless.pp._group import StageMap
 from syncless.pp._layout import Ring, StepCheck, dense_spans
@@ -198,12 +204,17 @@ def _current_stream(index: int) -> int:
     return torch.cuda.current_stream(index).cuda_stream
 
 
-class CopyEngineTransport(CopyEngineEnding, Transport):
+class CopyEngineTransport(AutoCalls, CopyEngineEnding, Transport):
     """Pipeline transport over copy engines; built by ``make_transport``. See the module docstring.
 
     Attributes:
         depth: steps that may be in flight on each link (slots per buffer; 0: none, straight into
-            the persistent tensors).
+            the persistent tensors), or ``"auto"`` (each step direct or through a slot: ``_auto``).
+        auto_slots: with ``depth="auto"``, the slots per link (``SYNCLESS_PP_AUTO_SLOTS``); else 0.
+        direct_unavailable_reason: with ``depth="auto"``, why steps into this stage, or out of it, can
+            never go straight into the receiver's persistent tensors (they are not in memory that may
+            be shared: see ``alloc_persistent``), logged once by the receiving stage; None when every
+            link of this stage may go direct, and always with a fixed depth.
         batched_copies: whether send() issues a step's tensors as one batched copy (False where this
             stage sends fewer than two tensors, or the driver or cuda-bindings cannot, which the debug
             log says; even when True, a depth-0 step sent from the legacy default stream goes out one
@@ -224,10 +235,15 @@ class CopyEngineTransport(CopyEngineEnding, Transport):
         persistent: dict[str, torch.Tensor],
         device: torch.device,
         timeout_s: float,
+        auto: bool = False,
+        direct_min_nbytes: int = 0,
     ):
         self.device = device
         self.fallback_reason = None
-        self.depth = recv_ring.depth
+        self.depth: int | str = "auto" if auto else recv_ring.depth
+        self.auto_slots = recv_ring.depth if auto else 0
+        problems = [p for p in (parts.direct_problem, parts.next_direct_problem) if p is not None] if auto else []
+        self.direct_unavailable_reason = "; ".join(problems) or None
         self._teardown = teardown
         self._drained = False  # close() saw every queued step finish (or gave up on it)
         self._gpu_idle = False
@@ -256,10 +272,10 @@ class CopyEngineTransport(CopyEngineEnding, Transport):
         self._next_full = parts.peer_base[nxt] + FULL_OFFSET if nxt in parts.peer_base else 0
         self._prev_empty = parts.peer_base[prv] + EMPTY_OFFSET if prv in parts.peer_base else 0
         # Slot addresses, computed once: send() and recv() only index these lists.
-        self._recv_slots = [self._region + recv_ring.slot_offset(k) for k in range(self.depth)]
+        self._recv_slots = [self._region + recv_ring.slot_offset(k) for k in range(recv_ring.depth)]
         if next_ring is not None and nxt in parts.peer_base:
             next_region = parts.peer_base[nxt] + REGION_OFFSET
-            self._next_slots = [next_region + next_ring.slot_offset(k) for k in range(self.depth)]
+            self._next_slots = [next_region + next_ring.slot_offset(k) for k in range(next_ring.depth)]
         else:
             self._next_slots = []
         # The watchdog holds this transport weakly, so a transport dropped without close() is collected;
@@ -287,6 +303,11 @@ class CopyEngineTransport(CopyEngineEnding, Transport):
             self._send_row_nbytes = [spec.row_nbytes for spec in self._send_layout.specs.values()]
             self._send_names = self._send_layout.names
             self._send_what = f"send step {{}} to {stages.name(stages.index + 1)}"
+        self._set_up_auto(auto, recv_ring.depth, direct_min_nbytes)
+
+    def _caller_stream(self) -> int:
+        """Return the handle of the caller's current stream on this stage's GPU."""
+        return _current_stream(self._index)
 
     # -- sending ---------------------------------------------------------------------
 
@@ -308,7 +329,11 @@ class CopyEngineTransport(CopyEngineEnding, Transport):
         the next stage's socket (it waits there only if that stage's host
         left a few hundred steps unread, at most the timeout). Successive
         sends may run on different streams: each step goes out after the
-        previous one.
+        previous one. With ``depth="auto"`` each step runs as depth 0 does
+        (on the caller's stream, into the persistent tensors) when the next
+        stage has posted its ``recv()`` for it, else as depth D does (see
+        ``_copy_engine_auto``); the host also reads, without blocking, what
+        the next stage posted.
 
         Raises:
             ValueError, TypeError: the step does not fit the next stage's layout (nothing was enqueued).
@@ -329,6 +354,9 @@ class CopyEngineTransport(CopyEngineEnding, Transport):
             self._in_call = False
 
     def _send(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        if self._auto_send is not None:
+            self._send_auto(tensors)
+            return
         rows = self._send_check.rows(tensors)
         step = self._send_step + 1
         depth = self.depth
@@ -399,14 +427,18 @@ class CopyEngineTransport(CopyEngineEnding, Transport):
             raise
         finally:
             self._binding.exit(pushed)
+        self._last_send_stream = stream
+        self._send_metadata(step, rows, Bracket(stream, pre, post, self._send_what, step, waited=waited, ready=ready))
+
+    def _send_metadata(self, step: int, fields: list[int], bracket: Bracket) -> None:
+        """Watch the enqueued step ``step`` and send its metadata (``fields`` after the step number)."""
         try:
             # From here the GPU part of the step is enqueued: anything that stops the metadata (the peer,
             # an interrupt, an error) leaves the flags ahead of the steps, so it poisons the transport.
-            self._last_send_stream = stream
-            self._watchdog.watch(Bracket(stream, pre, post, self._send_what, step, waited=waited, ready=ready))
+            self._watchdog.watch(bracket)
             if _faults.hook is not None:
                 _faults.hook("step:before_meta")
-            parts.meta_out.send(step, rows)
+            self._parts.meta_out.send(step, fields)
         except BaseException as err:
             failure: BaseException
             if isinstance(err, PeerTimeoutError):
@@ -457,7 +489,9 @@ class CopyEngineTransport(CopyEngineEnding, Transport):
         overlaps the transfer; later work sees the data. With depth 0:
         tell the sender the persistent tensors are free (everything queued
         before is done), then wait for its copies into them; the transfer
-        starts only then.
+        starts only then. With ``depth="auto"``: that first write, then a
+        message to the sender that this step is posted (before the metadata
+        is read), then the half the step's path needs (``_copy_engine_auto``).
 
         Raises:
             PeerTimeoutError: the previous stage sent nothing within the timeout, or an earlier step timed out.
@@ -477,6 +511,8 @@ class CopyEngineTransport(CopyEngineEnding, Transport):
 
     def _recv(self) -> dict[str, torch.Tensor]:
         step = self._recv_step + 1
+        if self._auto_recv is not None:
+            self._enter_auto(step)  # before the metadata read: see _copy_engine_auto
         try:
             meta = self._parts.meta_in.recv(self._timeout_s, self._recv_what.format(step))
         except BaseException as err:  # an interrupt too: part of a message may have been read
@@ -487,6 +523,8 @@ class CopyEngineTransport(CopyEngineEnding, Transport):
                 )
             raise
         try:
+            if self._auto_recv is not None:
+                return self._finish_auto(step, meta)
             return self._recv_enqueue(step, meta)
         except BaseException as err:  # the metadata is consumed: a step left half-done poisons the transport
             self._fail_mid_step(f"receiving step {step}", err)

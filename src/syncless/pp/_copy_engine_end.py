@@ -62,7 +62,8 @@ class CopyEngineEnding:
 
     def _on_timeout(self, what: str, waited_s: float) -> None:
         """Watchdog thread: record the error and release every wait on our flags (once per stuck wait)."""
-        undefined = "bytes 0xFF" if self.depth else "whatever had landed"
+        undefined = {0: "whatever had landed", "auto": "bytes 0xFF after a slot step, whatever had landed after a "
+                     "direct one"}.get(self.depth, "bytes 0xFF")
         err = PeerTimeoutError(
             f"{what}: the GPU waited {waited_s:.1f} s for the peer's flag (timeout {self._timeout_s:g} s); the peer "
             f"died or stopped. The waits were released; that step's received data is undefined ({undefined}). "

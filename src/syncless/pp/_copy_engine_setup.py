@@ -5,9 +5,10 @@
 2. Topology (one node, NVLink between every pair of stage GPUs), then each
    rank allocates and zeroes its buffer (``_copy_engine`` describes its
    layout) and shares the IPC handle, with the name and token of the socket
-   the previous stage will send metadata to (and, at depth 0, handles of
-   its persistent tensors).
-3. Each rank maps its neighbours' buffers (and, at depth 0, the next
+   the previous stage will send metadata to (and, at depth 0 and with
+   ``depth="auto"`` where they may be shared, handles of its persistent
+   tensors; with ``"auto"``, why not where they may not).
+3. Each rank maps its neighbours' buffers (and, at depth 0 or "auto", the next
    stage's persistent tensors, checking the offsets that stage sent against
    what it mapped: :func:`check_targets`), tries a batched copy into the
    next stage's scratch bytes, and connects to the next stage's socket.
@@ -33,11 +34,13 @@ import torch
 
 from syncless._core import cuda as cuda_core
 from syncless._core.errors import CopyEngineUnavailable, CudaError, PeerTimeoutError, TransportSetupError
+from syncless._core.logs import log_once
 from syncless.pp import _driver as drv
 from syncless.pp import _faults
 from syncless.pp import _meta_channel as meta_channel
 from syncless.pp import _persistent as persistent_memory
 from syncless.pp import _wire as wire
+from syncless.pp._auto import MAX_SLOTS, MIN_SLOTS
 from syncless.pp._copy_engine import REGION_OFFSET, SCRATCH_NBYTES, SCRATCH_OFFSET, CopyEngineTransport
 from syncless.pp._eligibility import (
     StageDevice,
@@ -48,12 +51,14 @@ from syncless.pp._eligibility import (
     topology_problem,
 )
 from syncless.pp._group import StageMap, agree, barrier
-from syncless.pp._layout import Layout, Ring, TensorSpec
+from syncless.pp._layout import AUTO_DEPTH, Layout, Ring, TensorSpec
 from syncless.pp._teardown import Teardown, keep_forever
 
 logger = logging.getLogger(__name__)
 
 INJECTABLE_FAILURES = ("mem_ops", "peer_open")
+#: The longest reason a stage gives for not sharing its persistent tensors with depth="auto".
+MAX_REASON_CHARS = 4096
 
 
 def open_copy_engine(
@@ -64,13 +69,18 @@ def open_copy_engine(
     persistent: Mapping[str, torch.Tensor],
     device: torch.device,
     timeout_s: float,
-    depth: int,
+    depth: int | str,
+    auto_slots: int = 0,
+    auto_direct_min_nbytes: int = 0,
     inject_failure: str | None,
 ) -> CopyEngineTransport:
     """Set up the copy-engine transport; collective over the stages.
 
     Every stage passes the same ``depth`` (``make_transport`` checked it):
-    each stage's receive buffer holds ``depth`` slots. Blocks the host
+    each stage's receive buffer holds ``depth`` slots (``auto_slots`` with
+    ``depth="auto"``, which also shares the persistent tensors where
+    ``_share_persistent`` allows it, and otherwise runs every step through a
+    slot: no error). Blocks the host
     for four exchanges over the CPU group, and twice for a private stream
     (zeroing the buffer; the trial of batched copies). Enqueues nothing on
     the caller's streams. Any failure on any rank raises the same exception
@@ -103,8 +113,13 @@ def open_copy_engine(
         # Dropped last, and only if nothing was leaked (the retain keeps a leaked buffer's context alive).
         stack.shared(ctx.release, nbytes=0, what="the primary-context retain")
         parts = Parts(ctx)
-        recv_ring = Ring(Layout.from_specs(specs[stages.index]), depth)
-        next_ring = Ring(Layout.from_specs(specs[stages.index + 1]), depth) if stages.next_rank is not None else None
+        auto = depth == AUTO_DEPTH
+        slots = auto_slots if auto else depth
+        if auto and not MIN_SLOTS <= slots <= MAX_SLOTS:
+            raise ValueError(f'depth="auto" keeps {MIN_SLOTS} to {MAX_SLOTS} slots per link; got {slots}')
+        recv_ring = Ring(Layout.from_specs(specs[stages.index]), slots)
+        next_ring = Ring(Layout.from_specs(specs[stages.index + 1]), slots) if stages.next_rank is not None else None
+        meta_length = 1 + (1 if auto else 0)  # the step, the path bit (auto only), then one row count per tensor
 
         # Step 2: topology (every pair of GPUs on NVLink), then allocate and export (with the name of
         # the socket the previous stage will send metadata to).
@@ -126,12 +141,12 @@ def open_copy_engine(
             with ctx:
                 parts.private_stream = drv.stream_create(highest_priority=True)  # the watchdog's releases
                 stack.local(_in(ctx, drv.stream_destroy), parts.private_stream)
-                relays = next_ring is not None and next_ring.depth > 0  # depth >= 1 sends through a relay
+                relays = next_ring is not None and next_ring.depth > 0  # depth >= 1 and auto send through a relay
                 if relays:
                     parts.relay_stream = drv.stream_create()
                     stack.local(_in(ctx, drv.stream_destroy), parts.relay_stream)
                 stack.local(_in(ctx, parts.destroy_events))
-                if next_ring is not None and not relays:
+                if next_ring is not None and (auto or not relays):  # auto: its direct steps leave the relay
                     parts.sent = parts.acquire_event()
                 if stages.prev_rank is not None:
                     parts.received = parts.acquire_event()
@@ -148,19 +163,34 @@ def open_copy_engine(
                 handle = drv.ipc_handle(parts.buffer)
             if stages.prev_rank is None:
                 return _Export(handle)
-            targets, target_handles = _share_persistent(ctx, persistent, recv_ring.layout) if depth == 0 else ([], [])
+            targets: list[tuple[int, int]] = []
+            target_handles: list[bytes] = []
             if depth == 0:
+                targets, target_handles = _share_persistent(ctx, persistent, recv_ring.layout)
+            elif auto:
+                try:
+                    targets, target_handles = _share_persistent(ctx, persistent, recv_ring.layout, 'depth="auto"')
+                except CopyEngineUnavailable as err:  # no error here: every step into this stage takes a slot
+                    reason = f"steps into {stages.name()} all go through a slot: {err}"
+                    # Bounded, as the set-up message that carries it to the previous stage must be.
+                    parts.direct_problem = reason if len(reason) <= MAX_REASON_CHARS else \
+                        reason[:MAX_REASON_CHARS - 3] + "..."
+                    log_once(logger, logging.WARNING, f"pp-auto-direct:{parts.direct_problem}",
+                             "syncless.pp: %s", parts.direct_problem)
+            if depth == 0 or (auto and parts.direct_problem is None):
                 exposed = dict(persistent)
                 storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in exposed.values()}
                 stack.shared(_nothing, nbytes=sum(storages.values()),  # each shared allocation counted once
-                             what=f"{stages.name()}'s persistent tensors (mapped by the previous stage at depth 0)",
+                             what=f"{stages.name()}'s persistent tensors (mapped by the previous stage "
+                                  f"{'at depth 0' if depth == 0 else 'for direct steps'})",
                              on_leak=lambda: keep_forever(exposed))
             try:
                 parts.listener = meta_channel.Listener()
             except OSError as err:
                 raise CopyEngineUnavailable(f"could not create a local socket for the step metadata: {err}") from err
             stack.local(parts.listener.close)
-            return _Export(handle, parts.listener.name, parts.listener.token, targets, target_handles)
+            return _Export(handle, parts.listener.name, parts.listener.token, targets, target_handles,
+                           parts.direct_problem)
 
         exported: list[_Export] = outcome.agree(side_group, stages, local_allocate)
         handles = [export.buffer_handle for export in exported]
@@ -190,7 +220,9 @@ def open_copy_engine(
                     )
                     if parts.batch_problem is not None:
                         logger.debug("%s sends one copy per tensor: %s", stages.name(), parts.batch_problem)
-                if next_ring is not None and not depth:
+                if next_ring is not None and auto:
+                    parts.next_direct_problem = exported[stages.index + 1].direct_problem
+                if next_ring is not None and (not depth or (auto and parts.next_direct_problem is None)):
                     nxt = exported[stages.index + 1]
                     bases, sizes = [], []
                     for target_handle in nxt.target_handles:
@@ -204,7 +236,7 @@ def open_copy_engine(
                 nxt = exported[stages.index + 1]
                 try:
                     parts.meta_out = meta_channel.connect(
-                        nxt.socket_name, nxt.token, 1 + len(next_ring.layout.specs), timeout_s, what
+                        nxt.socket_name, nxt.token, meta_length + len(next_ring.layout.specs), timeout_s, what
                     )
                 except PeerTimeoutError as err:
                     raise CopyEngineUnavailable(str(err)) from err
@@ -218,7 +250,7 @@ def open_copy_engine(
             if parts.listener is None:
                 return
             try:
-                parts.meta_in = parts.listener.accept(1 + len(recv_ring.layout.specs), timeout_s, what)
+                parts.meta_in = parts.listener.accept(meta_length + len(recv_ring.layout.specs), timeout_s, what)
             except PeerTimeoutError as err:
                 raise CopyEngineUnavailable(str(err)) from err
             stack.local(parts.meta_in.close)
@@ -239,6 +271,8 @@ def open_copy_engine(
             persistent=dict(persistent),
             device=device,
             timeout_s=timeout_s,
+            auto=auto,
+            direct_min_nbytes=auto_direct_min_nbytes,
         )
     except BaseException as err:
         _unwind(stack, what, err, collective=False)  # nothing stays allocated or mapped, unless a peer may map it
@@ -304,8 +338,9 @@ class _Export(NamedTuple):
     buffer_handle: bytes  # IPC handle of its flags + receive slots
     socket_name: str | None = None  # where the previous stage sends metadata (None on the first stage)
     token: bytes | None = None  # what that connection must present first
-    targets: Sequence[tuple[int, int]] = ()  # depth 0: (handle index, offset) per persistent tensor
-    target_handles: Sequence[bytes] = ()  # depth 0: one IPC handle per allocation holding persistent tensors
+    targets: Sequence[tuple[int, int]] = ()  # depth 0, auto: (handle index, offset) per persistent tensor
+    target_handles: Sequence[bytes] = ()  # depth 0, auto: one IPC handle per allocation holding persistent tensors
+    direct_problem: str | None = None  # auto: why its persistent tensors are not shared (None: they are)
 
 
 # What may come back from a peer in step 2, checked field by field (set-up messages carry no pickles).
@@ -317,13 +352,15 @@ wire.register_record(
     targets=(wire.is_sequence_of(wire.is_tuple_of(wire.is_int_at_least(-1), wire.is_int_at_least(0))),
              "a list of (handle index, byte offset) pairs"),
     target_handles=(wire.is_sequence_of(wire.is_bytes_of(drv.IPC_HANDLE_NBYTES)), "a list of CUDA IPC handles"),
+    direct_problem=(wire.is_optional(lambda text: wire.is_str(text) and len(text) <= MAX_REASON_CHARS),
+                    f"None or a reason of at most {MAX_REASON_CHARS} characters"),
 )
 
 
 def _share_persistent(
-    ctx: drv.PrimaryContext, persistent: Mapping[str, torch.Tensor], layout: Layout
+    ctx: drv.PrimaryContext, persistent: Mapping[str, torch.Tensor], layout: Layout, mode: str = "depth=0"
 ) -> tuple[list[tuple[int, int]], list[bytes]]:
-    """Depth 0: export the persistent tensors so the previous stage can copy straight into them.
+    """Depth 0 and auto: export the persistent tensors so the previous stage can copy straight into them.
 
     Returns, per tensor in layout order, ``(index into the handle list, byte
     offset in that allocation)`` (``(-1, 0)`` for a tensor of no bytes), and
@@ -353,7 +390,7 @@ def _share_persistent(
                 base, size = drv.allocation_of(start)
             except CudaError as err:
                 raise CopyEngineUnavailable(
-                    f"depth=0 copies straight into the persistent tensors, but persistent[{name!r}] is not in "
+                    f"{mode} copies straight into the persistent tensors, but persistent[{name!r}] is not in "
                     f"device memory the driver can place ({err}); allocate the persistent tensors with "
                     "syncless.pp.alloc_persistent(...) or use depth >= 1"
                 ) from err
@@ -363,7 +400,7 @@ def _share_persistent(
             end = start + tensor.numel() * tensor.element_size()  # contiguous (make_transport checked)
             allocations[base][1].append(persistent_memory.Span(name, start, end))
             targets.append((order.index(base), start - base))
-        problem = persistent_memory.exposure_problem(allocations)
+        problem = persistent_memory.exposure_problem(allocations, mode=mode)
         if problem:
             raise CopyEngineUnavailable(problem)
         handles = []
@@ -373,7 +410,7 @@ def _share_persistent(
             except CudaError as err:
                 names = ", ".join(repr(span.name) for span in allocations[base][1])
                 raise CopyEngineUnavailable(
-                    f"depth=0 copies straight into the persistent tensors, but persistent[{names}] is in memory "
+                    f"{mode} copies straight into the persistent tensors, but persistent[{names}] is in memory "
                     f"legacy CUDA IPC cannot share ({err}: torch's expandable_segments, cudaMallocAsync or a custom "
                     "pool); allocate the persistent tensors with syncless.pp.alloc_persistent(...) (always "
                     "shareable) or use depth >= 1"
@@ -475,7 +512,9 @@ class Parts:
         self.batch_problem: str | None = "this stage sends fewer than two tensors per step"
         self.buffer = 0
         self.peer_base: dict[int, int] = {}
-        self.next_targets: list[int] = []  # depth 0: the next stage's persistent tensors, mapped here
+        self.next_targets: list[int] = []  # depth 0, auto: the next stage's persistent tensors, mapped here
+        self.direct_problem: str | None = None  # auto: why the previous stage cannot copy into ours
+        self.next_direct_problem: str | None = None  # auto: why this stage cannot copy into the next stage's
         self.listener: meta_channel.Listener | None = None
         self.meta_in: meta_channel.Receiver | None = None  # from the previous stage
         self.meta_out: meta_channel.Sender | None = None  # to the next stage

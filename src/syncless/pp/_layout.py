@@ -84,22 +84,32 @@ class Layout:
         return cls(dict(specs), offsets, max(_align_up(cursor, SLOT_ALIGN_BYTES), SLOT_ALIGN_BYTES))
 
 
-def check_depth(depth: object) -> int:
-    """Return ``depth`` as an int when it is a usable number of slots (an integer >= 0).
+#: The one word ``depth`` accepts besides a number: choose per step (``_auto``).
+AUTO_DEPTH = "auto"
+_DEPTH_WANTED = f'an int >= 0 (steps in flight per link) or "{AUTO_DEPTH}"'
+
+
+def check_depth(depth: object) -> int | str:
+    """Return ``depth`` as an int when it is a usable number of slots (an integer >= 0), or ``"auto"``.
 
     Raises:
-        ValueError: ``depth`` is not an integer (bool included) or is negative.
+        ValueError: ``depth`` is not an integer (bool included) nor exactly ``"auto"``, or is negative.
     """
+    if isinstance(depth, str):
+        if depth == AUTO_DEPTH:
+            return AUTO_DEPTH
+        raise ValueError(
+            f"depth must be {_DEPTH_WANTED}; got {depth!r} (str): the only word it accepts is \"{AUTO_DEPTH}\", "
+            "lower-case"
+        )
     if isinstance(depth, bool):
-        raise ValueError(f"depth must be an int >= 0 (steps in flight per link); got {depth!r}")
+        raise ValueError(f"depth must be {_DEPTH_WANTED}; got {depth!r}")
     try:
         value = operator.index(depth)
     except TypeError:
-        raise ValueError(
-            f"depth must be an int >= 0 (steps in flight per link); got {depth!r} ({type(depth).__name__})"
-        ) from None
+        raise ValueError(f"depth must be {_DEPTH_WANTED}; got {depth!r} ({type(depth).__name__})") from None
     if value < 0:
-        raise ValueError(f"depth must be an int >= 0 (steps in flight per link); got {value}")
+        raise ValueError(f"depth must be {_DEPTH_WANTED}; got {value}")
     return value
 
 

@@ -9,14 +9,14 @@ from typing import Any
 import torch
 
 from syncless._core import config
-from syncless._core.errors import CopyEngineUnavailable
+from syncless._core.errors import ConfigError, CopyEngineUnavailable
 from syncless._core.logs import log_once
 from syncless.pp import _faults
 from syncless.pp import _wire as wire
 from syncless.pp._base import Transport
 from syncless.pp._copy_engine_setup import INJECTABLE_FAILURES, open_copy_engine
 from syncless.pp._group import TRANSPORT_TAG, agree, cpu_group, resolve_stages
-from syncless.pp._layout import TensorSpec, check_depth, persistent_device, specs_from_persistent
+from syncless.pp._layout import AUTO_DEPTH, TensorSpec, check_depth, persistent_device, specs_from_persistent
 from syncless.pp._torch_dist import TorchDistTransport
 
 logger = logging.getLogger("syncless.pp")
@@ -26,9 +26,11 @@ BACKENDS = ("auto", "copy_engine", "torch_distributed")
 #: What each stage's part of make_transport's first exchange must be (it comes from another process).
 LAYOUT_CHECK = (
     wire.is_tuple_of(
-        lambda specs: type(specs) is dict and all(type(s) is TensorSpec for s in specs.values()), wire.is_int
+        lambda specs: type(specs) is dict and all(type(s) is TensorSpec for s in specs.values()),
+        lambda depth: type(depth) is int or depth == AUTO_DEPTH,
+        wire.is_int,
     ),
-    "a (dict of name -> TensorSpec, depth) pair",
+    'a (dict of name -> TensorSpec, depth (an int or "auto"), auto slots) triple',
 )
 
 
@@ -58,7 +60,7 @@ def make_transport(
     backend: str | None = None,
     timeout_s: float | None = None,
     device: Any = None,
-    depth: int = 2,
+    depth: int | str = 2,
     _inject_failure: str | None = None,
 ) -> Transport:
     """Build the transport between this stage and its neighbours; collective over ``group``.
@@ -104,6 +106,13 @@ def make_transport(
             them) and that CUDA IPC can share (not
             ``expandable_segments``), else set-up raises
             :class:`~syncless.CopyEngineUnavailable` (``"auto"`` falls back).
+            ``"auto"`` (opt-in) chooses per step: straight into the
+            persistent tensors when the receiver's host has already posted
+            ``recv()`` for that step and they are shareable (as for ``0``),
+            else through one of ``SYNCLESS_PP_AUTO_SLOTS`` slots (as for
+            ``depth >= 1``); persistent tensors that cannot be shared are
+            no error there, the link then always uses the slots
+            (``transport.direct_unavailable_reason`` says why).
             The torch.distributed transport checks it and ignores it (its
             backend queues the sends itself).
         _inject_failure: tests only: ``"mem_ops"`` or ``"peer_open"`` makes
@@ -141,19 +150,31 @@ def make_transport(
 
     resolved: dict[str, Any] = {}
 
-    def local_layout() -> tuple[dict[str, TensorSpec], int]:
+    def local_layout() -> tuple[dict[str, TensorSpec], int | str, int]:
         checked_depth = check_depth(depth)
+        try:  # read inside the exchange, so that a bad value is raised alike on every stage
+            slots = config.read("SYNCLESS_PP_AUTO_SLOTS") if checked_depth == AUTO_DEPTH else 0
+            # Only the sender uses it (the path travels with each step), so stages may differ.
+            resolved["min_nbytes"] = config.read("SYNCLESS_PP_AUTO_DIRECT_MIN_BYTES") if slots else 0
+        except ConfigError as err:  # shared as the ValueError it is (agree passes on ValueError and TypeError)
+            raise ValueError(str(err)) from err
         resolved["device"] = _resolve_device(persistent, device)
-        return specs_from_persistent(persistent), checked_depth
+        return specs_from_persistent(persistent), checked_depth, slots
 
     shared = agree(side, stages, "make_transport", local_layout, check=LAYOUT_CHECK)
-    specs = [layout for layout, _ in shared]
-    depths = [stage_depth for _, stage_depth in shared]
+    specs = [layout for layout, _, _ in shared]
+    depths = [stage_depth for _, stage_depth, _ in shared]
     # Every stage sizes its neighbours' slots from its own depth, so all must agree;
     # every rank sees the same list and raises the same error.
-    if len(set(depths)) > 1:
-        listing = ", ".join(f"{stages.name(i)}: {d}" for i, d in enumerate(depths))
+    if len(set(map(repr, depths))) > 1:
+        listing = ", ".join(f"{stages.name(i)}: {d!r}" for i, d in enumerate(depths))
         raise ValueError(f"make_transport: every stage must pass the same depth; got {listing}")
+    all_slots = [slots for _, _, slots in shared]
+    if len(set(all_slots)) > 1:
+        listing = ", ".join(f"{stages.name(i)}: {n}" for i, n in enumerate(all_slots))
+        raise ValueError(
+            f'make_transport(depth="auto"): every stage must set the same SYNCLESS_PP_AUTO_SLOTS; got {listing}'
+        )
     my_depth = depths[stages.index]
     my_device = resolved["device"]
     recv_specs = specs[stages.index] if stages.prev_rank is not None else {}
@@ -173,6 +194,8 @@ def make_transport(
                 device=my_device,
                 timeout_s=timeout,
                 depth=my_depth,
+                auto_slots=all_slots[stages.index],
+                auto_direct_min_nbytes=resolved["min_nbytes"],
                 inject_failure=_inject_failure,
             )
         except CopyEngineUnavailable as err:

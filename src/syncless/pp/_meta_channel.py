@@ -52,8 +52,15 @@ Sockets are close-on-exec (Python's default) and closed in forked children
 would keep the connection open after this process died, and the peer would
 wait for the timeout instead of seeing the closed end at once.
 
-Every call here blocks the host (for at most its timeout); none touches the
-GPU. No pickles: the handshake is raw bytes, the steps fixed ``int64``
+With ``depth="auto"`` the connection also carries one message the other way:
+at the start of each recv(N) the receiving stage sends ``N`` ("posted",
+:meth:`Receiver.post`), and the sending stage reads what has arrived at each
+send without blocking (:meth:`Sender.read_posted`); ``_auto.PostedLog``
+refuses any value out of order. It is the same authenticated pair of sockets,
+so no other process can write into it.
+
+Every call here blocks the host (for at most its timeout; ``read_posted``
+never does); none touches the GPU. No pickles: the handshake is raw bytes, the steps fixed ``int64``
 frames. Plain Python over sockets, so it is unit-tested on the CPU.
 """
 
@@ -95,6 +102,10 @@ MAX_PENDING = 256
 #: Refusals logged one by one per listener; the rest are counted and summed up once.
 LOGGED_REFUSALS = 8
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+#: One "posted recv(N)" message, receiver to sender (``depth="auto"``).
+_POSTED = struct.Struct("<q")
+#: Posted messages one read takes at most (more are read by a second call of the loop).
+POSTED_BATCH = 8
 
 PeerCredentials = Callable[[socket.socket], tuple[int, int, int]]
 
@@ -413,7 +424,64 @@ class Sender(_Endpoint):
 
     A send blocks only while the receiver's socket buffer is full (a few
     hundred messages unread), at most ``timeout_s``.
+
+    The reverse direction (``depth="auto"`` only): the receiver posts each
+    recv() it starts (:meth:`Receiver.post`, one int64 each), and
+    :meth:`read_posted` takes what has arrived without blocking.
     """
+
+    def __init__(self, sock: socket.socket, length: int, timeout_s: float):
+        super().__init__(sock, length, timeout_s)
+        self._posted = bytearray(8 * POSTED_BATCH)
+        self._posted_view = memoryview(self._posted)
+        self._posted_got = 0  # bytes of a message read so far (a stream socket may split one)
+
+    def read_posted(self) -> list[int]:
+        """Return the values the receiver posted since the last call, oldest first; never blocks the host.
+
+        One ``readv`` system call when at most :data:`POSTED_BATCH` messages are waiting (the auto protocol
+        leaves at most two). The socket is in timeout mode, which Python keeps non-blocking at the
+        system level (documented for ``socket.settimeout``), so the read returns at once; a read through
+        the socket object would first wait up to the timeout for data.
+
+        Raises:
+            PeerTimeoutError: the next stage closed its end (it died, aborted or closed the transport), or
+                the read failed.
+        """
+        values: list[int] = []
+        fd = self._sock.fileno()
+        while True:
+            got = self._posted_got
+            try:
+                count = os.readv(fd, [self._posted_view[got:]])
+            except BlockingIOError:
+                return values
+            except InterruptedError:
+                continue
+            except OSError as err:
+                raise PeerTimeoutError(f"the next stage's metadata socket failed (it may have died): {err}") from err
+            if count == 0:
+                raise PeerTimeoutError(
+                    "the next stage closed its metadata socket (it died, aborted or closed the transport)"
+                )
+            got += count
+            whole = got - got % 8
+            values.extend(struct.unpack_from(f"<{whole // 8}q", self._posted))
+            self._posted[: got - whole] = self._posted[whole:got]
+            self._posted_got = got - whole
+            if got < len(self._posted):
+                return values  # the socket had less than the buffer holds: nothing more is waiting
+
+    def close(self) -> None:
+        """Close the socket (a second call does nothing), first taking what the receiver posted and nobody read.
+
+        Closing a Unix socket with unread bytes makes the peer's next read fail with a reset instead of
+        seeing the end of the stream, so the one or two unread "posted" messages are read away first.
+        """
+        if self._sock.fileno() >= 0:
+            with contextlib.suppress(PeerTimeoutError):
+                self.read_posted()
+        super().close()
 
     def send(self, step: int, rows: list[int]) -> None:
         """Queue one message.
@@ -453,6 +521,10 @@ class Receiver(_Endpoint):
         while got < size:
             try:
                 count = self._sock.recv_into(view[got:], size - got)
+            except ConnectionResetError as err:  # it closed with bytes of ours unread (a crash, an abort)
+                raise PeerTimeoutError(
+                    f"{what}: the previous stage closed its metadata socket (it died or closed the transport): {err}"
+                ) from err
             except OSError as err:
                 raise PeerTimeoutError(
                     f"{what}: the previous stage sent nothing within {timeout_s:g} s (it may have died or "
@@ -464,3 +536,19 @@ class Receiver(_Endpoint):
                 )
             got += count
         return self._format.unpack_from(self._buffer)
+
+    def post(self, step: int) -> bool:
+        """Tell the sender this stage's stream has the entry of recv(``step``) enqueued (``depth="auto"``).
+
+        One small send; it waits only while the sender's socket buffer is full, which the protocol
+        rules out (the sender reads every posted value at each send, so at most two are unread).
+        Returns False when it could not be sent (the sender closed its end or died): the sender then
+        never learns that this step was posted and sends it through a slot, and the metadata read
+        that follows reports the closed connection.
+        """
+        try:
+            self._sock.sendall(_POSTED.pack(step), socket.MSG_NOSIGNAL)
+        except OSError as err:
+            logger.debug("posting recv(%d) to the previous stage failed: %s", step, err)
+            return False
+        return True

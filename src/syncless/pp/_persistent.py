@@ -302,6 +302,7 @@ def _cuda_allocate(ordinal: int, nbytes: int) -> tuple[int, Callable[[], None]]:
 def exposure_problem(
     allocations: Mapping[int, tuple[int, Sequence[Span]]],
     carved: Callable[[int], list[Span] | None] | None = None,
+    mode: str = "depth=0",
 ) -> str | None:
     """Return why sharing these allocations would expose memory beyond the persistent tensors, or None.
 
@@ -310,6 +311,7 @@ def exposure_problem(
             what the driver reports for the allocation (``cuMemGetAddressRange``).
         carved: the tensors :func:`alloc_persistent` carved from an allocation (None: not made there);
             default :func:`carved_spans`.
+        mode: what shares them, for the message (``depth=0`` or ``depth="auto"``).
 
     An allocation of :func:`alloc_persistent` is safe when every tensor carved
     from it is persistent here (the padding between them holds nothing). Any
@@ -324,7 +326,7 @@ def exposure_problem(
             missing = [span.name for span in owned if _uncovered(span.start, span.end, spans)]
             if missing:
                 return (
-                    f"depth=0 shares whole allocations, and the one holding persistent[{names}] "
+                    f"{mode} shares whole allocations, and the one holding persistent[{names}] "
                     f"(from alloc_persistent) also holds {', '.join(map(repr, missing))}, which are not persistent "
                     "tensors of this transport: the previous stage could read and write them. Pass every tensor "
                     "of one alloc_persistent call, or allocate the others separately"
@@ -333,7 +335,7 @@ def exposure_problem(
         uncovered = _uncovered(base, base + size, spans)
         if uncovered:
             return (
-                f"depth=0 lets the previous stage map the whole allocation holding persistent[{names}], "
+                f"{mode} lets the previous stage map the whole allocation holding persistent[{names}], "
                 f"{size} bytes of which {uncovered} are not persistent tensors (torch's caching allocator shares "
                 "its segments among tensors: weights, the KV cache) and would be readable and writable there. "
                 "Allocate the persistent tensors with syncless.pp.alloc_persistent(...), or use depth >= 1"

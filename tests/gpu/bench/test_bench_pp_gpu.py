@@ -107,14 +107,15 @@ def test_tiny_benchmark_run_measures_everything_with_correct_data(tmp_path):
     assert outcome.complete, (outcome.failure, outcome.errors)
     results = outcome.results
     assert results["setup"]["rank0"]["transport_fwd"]["backend"] == "copy_engine", results["setup"]
-    for method in ("raw", "nccl", "ours", "ours_depth0"):
+    assert results["setup"]["rank0"]["transport_fwda"]["direct_unavailable_reason"] is None, results["setup"]
+    for method in ("raw", "nccl", "ours", "ours_depth0", "ours_auto"):
         for nbytes in plan.payloads:
             record = results["bandwidth"][method][nbytes]
             assert _finite(record["gbps"]) and record["data_ok"] is True, (method, nbytes, record)
     for method in ("nccl", "ours"):
         for direction in ("send", "recv"):
             assert _finite(results["host_cpu"][method][8 * MIB][direction]["thread_us"])
-    for base in ("nccl", "ours", "ours_depth0", "raw_flags"):
+    for base in ("nccl", "ours", "ours_depth0", "ours_auto", "raw_flags"):
         for method in (base, base + "@own"):  # on the default stream, and on a stream of each rank's own
             record = results["latency"][method][64 * KIB]
             assert _finite(record["one_way_us"]) and record["data_ok"] is True, (method, record)

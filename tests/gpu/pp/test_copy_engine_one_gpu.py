@@ -22,21 +22,27 @@ _spec.loader.exec_module(cases)
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(200)]
 
 
-@pytest.mark.parametrize("depth, steps", [(0, 800), (1, 800), (2, 2000), (3, 800)])
+@pytest.mark.parametrize("depth, steps", [(0, 800), (1, 800), (2, 2000), (3, 800), ("auto", 2000)])
 def test_two_stages_on_one_gpu_deliver_every_step_bit_exact(depth, steps):
     # Every 100th step the receiver stalls ~20 ms: the sender fills all `depth` slots and must wait.
+    # With "auto" the hosts are paced (pp_cases.auto_host_pause) so that both paths are taken.
+    seed = 1234 + (depth if isinstance(depth, int) else 99)
     results = run_ranks(
-        cases.bit_exact, 2, args=("cuda", steps, 256, "copy_engine", "copy_engine", None, 1234 + depth, 60, depth, 100),
+        cases.bit_exact, 2, args=("cuda", steps, 256, "copy_engine", "copy_engine", None, seed, 60, depth, 100),
         devices=[0, 0], timeout_s=150,
     )
     assert results[1] == {"backend": "copy_engine", "mismatches": 0, "steps": steps}
     assert results[0]["batched_copies"] == results[0]["batching_expected"]  # whenever driver and bindings can
+    if depth == "auto":
+        assert 0 < results[0]["direct_steps"] < steps, results[0]
 
 
-@pytest.mark.parametrize("depth", [0, 2])
+@pytest.mark.parametrize("depth", [0, 2, "auto"])
 def test_steps_stay_in_order_when_each_call_runs_on_another_stream(depth):
     results = run_ranks(cases.stream_switching, 2, args=(400, depth), devices=[0, 0], timeout_s=150)
     assert results[1] == {"mismatches": 0, "steps": 400}
+    if depth == "auto":  # both paths, so a direct step on the caller's stream follows a relayed one and back
+        assert 0 < results[0]["direct_steps"] < 400, results[0]
 
 
 def test_three_stages_on_one_gpu_middle_stage_forwards_bit_exact():

@@ -31,6 +31,27 @@ def test_copy_engine_two_gpus_2000_steps_bit_exact():
     assert results[0]["batched_copies"] == results[0]["batching_expected"]  # whenever driver and bindings can
 
 
+@pytest.mark.parametrize("stage_ranks", [None, [1, 0]])
+def test_copy_engine_two_gpus_auto_2000_steps_bit_exact(stage_ranks):
+    # depth="auto" (opt-in): paced hosts (pp_cases.auto_host_pause) so that steps go both ways, direct into
+    # the persistent tensors and through a slot; every 100th step the receiver stalls ~20 ms.
+    results = run_ranks(
+        cases.bit_exact, 2, args=("cuda", 2000, 256, "copy_engine", "copy_engine", stage_ranks, 2026, 60, "auto", 100),
+        devices=[0, 1], timeout_s=150,
+    )
+    first, last = (0, 1) if stage_ranks is None else (1, 0)
+    assert results[last] == {"backend": "copy_engine", "mismatches": 0, "steps": 2000}
+    assert 0 < results[first]["direct_steps"] < 2000, results[first]
+
+
+def test_three_stages_on_two_gpus_auto_middle_stage_forwards_bit_exact():
+    results = run_ranks(
+        cases.bit_exact, 3, args=("cuda", 500, 64, "copy_engine", "copy_engine", None, 31, 60, "auto"),
+        devices=[0, 1, 1], timeout_s=120,
+    )
+    assert [r["mismatches"] for r in results] == [0, 0, 0]
+
+
 def test_copy_engine_reverse_direction_depth_1():
     results = run_ranks(
         cases.bit_exact, 2, args=("cuda", 300, 64, "copy_engine", "copy_engine", [1, 0], 99, 60, 1, 50),
@@ -55,7 +76,7 @@ def test_copy_engine_depth_0_straight_into_persistent_with_stalls():
     assert results[1]["mismatches"] == 0
 
 
-@pytest.mark.parametrize("depth", [0, 2])
+@pytest.mark.parametrize("depth", [0, 2, "auto"])
 def test_copy_engine_two_gpus_steps_stay_in_order_across_streams(depth):
     # Calls alternate at random between torch's default stream and created streams, some held by a
     # long kernel first (depth >= 1 sends through the relay stream from any of them, depth 0 from none).

@@ -102,13 +102,14 @@ def bit_exact(
     ``depth`` None uses make_transport's default. ``stall_every`` > 0 (CUDA
     only): before every such step the last stage holds its stream for a
     long kernel, so the sender runs into a full ring (back-pressure) and any
-    slot reused too early shows up as a mismatch.
+    slot reused too early shows up as a mismatch. With ``depth="auto"`` the
+    hosts are paced (:func:`auto_host_pause`) so that steps go both ways.
     """
     device = _device(kind)
     order = list(stage_ranks) if stage_ranks else list(range(world))
     index = order.index(rank)
     first, last = index == 0, index == len(order) - 1
-    persistent = None if first else _persistent(device, max_rows, own_allocation=depth == 0)
+    persistent = None if first else _persistent(device, max_rows, own_allocation=depth in (0, "auto"))
     extra = {} if depth is None else {"depth": depth}
     transport = make_transport(
         None, persistent, stage_ranks=order, backend=backend, timeout_s=timeout_s, device=device, **extra
@@ -132,6 +133,8 @@ def bit_exact(
                     src[name][: value.shape[0]].copy_(value)
                     tensors[name] = src[name][: value.shape[0]]
             _maybe_sleep(kind, rng, 0.05)
+            if depth == "auto":
+                auto_host_pause(step, sender=True)
             transport.send(tensors)
             for t in src.values():  # the caller reuses its buffers at once
                 _poison(t)
@@ -143,6 +146,8 @@ def bit_exact(
             _maybe_sleep(kind, rng, 0.15)  # a long kernel before reading: back-pressure on the sender
             if last and stall_every and kind == "cuda" and step % stall_every == 0:
                 torch.cuda._sleep(STALL_CYCLES)
+            if depth == "auto":
+                auto_host_pause(step, sender=False)
             out = transport.recv()
             bad += _mismatches(out, expected(seed, step, max_rows, device))
             if not last:
@@ -160,7 +165,23 @@ def bit_exact(
 
         result["batched_copies"] = transport.batched_copies
         result["batching_expected"] = _driver.batch_api_problem() is None
+        result["direct_steps"] = transport.direct_steps_sent
+        say(f"stage 0: {transport.direct_steps_sent} of {steps} steps went direct")
     return result
+
+
+def auto_host_pause(step, sender):
+    """Pace the hosts of a ``depth="auto"`` test so that both paths are taken.
+
+    The sender's host sleeps 2 ms before every 4th step: the receiver's host, blocked in recv() for
+    the metadata, has posted that step by then, so it goes direct. Right after it, the sender sends
+    again at once, before the receiver's host posted: a slot step. The receiver's host sleeps 0.5 ms
+    before every 8th step (a stage busy on its host), so the sender gets ahead at times too.
+    """
+    if sender and step % 4 == 0:
+        time.sleep(0.002)
+    elif not sender and step % 8 == 5:
+        time.sleep(0.0005)
 
 
 def _recv_must_raise(transport, failure):
@@ -187,7 +208,7 @@ def stream_switching(rank, world, steps, depth=2, seed=4321, timeout_s=60):
     """
     device = _device("cuda")
     max_rows = 64
-    persistent = None if rank == 0 else _persistent(device, max_rows, own_allocation=depth == 0)
+    persistent = None if rank == 0 else _persistent(device, max_rows, own_allocation=depth in (0, "auto"))
     transport = make_transport(
         None, persistent, backend="copy_engine", timeout_s=timeout_s, device=device, depth=depth
     )
@@ -202,6 +223,8 @@ def stream_switching(rank, world, steps, depth=2, seed=4321, timeout_s=60):
         with torch.cuda.stream(stream):
             if rng.random() < 0.3:
                 torch.cuda._sleep(rng.randint(1, 20) * 100_000)  # up to about 1 ms
+            if depth == "auto":
+                auto_host_pause(step, sender=rank == 0)
             if rank == 0:
                 transport.send(expected(seed, step, max_rows, device))
             else:
@@ -211,7 +234,11 @@ def stream_switching(rank, world, steps, depth=2, seed=4321, timeout_s=60):
             say(f"rank {rank}: {step}/{steps} steps enqueued")
     torch.cuda.synchronize()
     mismatches = sum(int(check) for check in checks)
+    direct = transport.direct_steps_sent
     transport.close()
+    if rank == 0:
+        say(f"rank 0: {direct} of {steps} steps went direct")
+        return {"direct_steps": direct, "steps": steps}
     return {"mismatches": mismatches, "steps": steps}
 
 

@@ -76,7 +76,7 @@ def _nested(depth):
 
 def _export_tree(**changes):
     fields = {"buffer_handle": {"bytes": "ab" * 64}, "socket_name": None, "token": None, "targets": {"list": []},
-              "target_handles": {"list": []}}
+              "target_handles": {"list": []}, "direct_problem": None}
     fields.update(changes)
     return ('{"record":"_Export","fields":' + __import__("json").dumps(fields) + "}").encode()
 
@@ -106,6 +106,8 @@ def _export_tree(**changes):
     (_export_tree(socket_name="/var/run/docker.sock"), "_Export.socket_name must be None or the abstract name"),
     (_export_tree(socket_name="\0other-service"), "_Export.socket_name must be"),
     (_export_tree(targets={"list": [{"tuple": [0, -5]}]}), "_Export.targets must be"),
+    (_export_tree(direct_problem=7), "_Export.direct_problem must be None or a reason"),
+    (_export_tree(direct_problem="x" * 5000), "_Export.direct_problem must be None or a reason"),
     (_nested(wire.MAX_DEPTH + 5), "deeper than"),
     (b"[" * 100_000 + b"]" * 100_000, "not valid JSON|unexpected"),
     (b" " * (wire.MAX_MESSAGE_NBYTES + 1), "exceeds the limit"),

@@ -1,0 +1,212 @@
+"""The host side of ``depth="auto"``: posting, choosing, metadata, brackets and failures around ``_auto``.
+
+A mixin of :class:`~syncless.pp._copy_engine.CopyEngineTransport` (kept apart
+so each module stays readable). ``_auto`` is the protocol on the GPU and argues
+every ordering; this module decides, per step, what the host does around it:
+
+send(N):
+    1. validate the step (nothing enqueued on a bad one);
+    2. read, without blocking, every "posted recv(k)" the next stage sent (one
+       ``readv``; ``_meta_channel.Sender.read_posted``), checked by ``_auto.PostedLog``;
+    3. choose the path (``_auto.choose_direct``: direct only where the next stage
+       shared its persistent tensors, posted recv(N), and the step has at least
+       ``SYNCLESS_PP_AUTO_DIRECT_MIN_BYTES``);
+    4. enqueue (``_auto.AutoSender``), then watch the step and send its metadata,
+       the path bit after the step number.
+
+recv(N):
+    1. enqueue the entry write ``W = 2N-1`` on the current stream
+       (``_auto.AutoReceiver.enter``), *then* post recv(N) to the sender: the sender
+       can only choose direct after the write it will wait for is enqueued;
+    2. read the metadata (blocking, as every depth does);
+    3. check the path bit (direct only if this stage shared its tensors and posted
+       N) and enqueue the matching half on the same stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from syncless._core.errors import PeerTimeoutError, TransportFailedError
+from syncless.pp._auto import AutoReceiver, AutoSender, PostedLog
+from syncless.pp._layout import dense_spans
+from syncless.pp._watchdog import Bracket
+
+
+class AutoCalls:
+    """``depth="auto"``'s send() and recv() (a mixin; the attributes are the transport's)."""
+
+    _auto_send: AutoSender | None = None
+    _auto_recv: AutoReceiver | None = None
+    #: steps this stage sent straight into the next stage's persistent tensors (``depth="auto"`` only)
+    direct_steps_sent: int = 0
+
+    def _set_up_auto(self, auto: bool, slots: int, direct_min_nbytes: int) -> None:
+        """Build the auto sender and receiver of this stage's links (nothing with a fixed depth)."""
+        self._auto_send = None
+        self._auto_recv = None
+        self.direct_steps_sent = 0
+        if not auto:
+            return
+        parts = self._parts
+        stages = self._stages
+        if self._send_layout is not None:
+            targets = parts.next_targets if parts.next_direct_problem is None else None
+            self._auto_send = AutoSender(
+                self._hot, parts.acquire_event, slots=slots, peer_slots=self._next_slots, targets=targets,
+                peer_full=self._next_full, own_w=self._empty, relay=parts.relay_stream, sent=parts.sent,
+                min_nbytes=direct_min_nbytes,
+            )
+            self._posted_log = PostedLog(f"{stages.name()} sending to {stages.name(stages.index + 1)}")
+        if stages.prev_rank is not None:
+            self._auto_recv = AutoReceiver(
+                self._hot, slots=self._recv_slots, targets=self._recv_targets, own_full=self._full,
+                peer_w=self._prev_empty, received=parts.received,
+            )
+            self._direct_in = parts.direct_problem is None  # whether the previous stage may send direct
+            self._posting = True  # False once a post could not be sent: the sender then never sends direct
+            self._posted_step = 0  # the last recv() posted to the sender
+            self._entered_stream = 0  # the stream the current recv()'s entry write went on
+
+    # -- sending ---------------------------------------------------------------------
+
+    def _send_auto(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        rows = self._send_check.rows(tensors)
+        step = self._send_step + 1
+        auto = self._auto_send
+        spans, _ = dense_spans(self._send_row_nbytes, rows)
+        posted = self._read_posted(step)
+        direct = auto.choose(step, posted, sum(nbytes for _, nbytes in spans))
+        destinations = auto.destinations(step, direct, [offset for offset, _ in spans])
+        # Non-contiguous inputs become contiguous temporaries on the current stream; freeing them after
+        # this call is safe for the same reason as with a fixed depth: the caller's stream runs the direct
+        # copies itself, or waits for the relay's `post` before anything it queues later.
+        dense: list[torch.Tensor] = []
+        copies: list[tuple[int, int, int]] = []
+        for name, destination, (_, nbytes) in zip(self._send_names, destinations, spans):
+            if nbytes:
+                tensor = tensors[name].contiguous()
+                dense.append(tensor)
+                copies.append((destination, tensor.data_ptr(), nbytes))
+        pushed = self._binding.enter()
+        plan = None
+        try:
+            plan = auto.plan(direct, self._caller_stream())
+            auto.enqueue(plan, step, copies)
+        except BaseException as err:
+            self._fail_mid_step(f"sending step {step}", err)
+            if plan is not None and plan.enqueued:
+                self._watch_after_failure(plan.stream, plan.pre, plan.post, step, plan.caller if plan.relayed else None)
+            raise
+        finally:
+            self._binding.exit(pushed)
+        self._last_send_stream = plan.stream
+        bracket = Bracket(plan.stream, plan.pre, plan.post, self._send_what, step, waited=plan.waited, ready=plan.ready)
+        self._send_metadata(step, [int(direct), *rows], bracket)
+        if direct:
+            self.direct_steps_sent += 1
+
+    def _read_posted(self, step: int) -> int:
+        """Take every "posted" message that has arrived (never blocks); return the last step posted.
+
+        A failed read (the next stage closed its end or died) is reported like a failed metadata send, a
+        value out of order like a protocol error: either makes the transport unusable, before anything of
+        step ``step`` is enqueued.
+        """
+        try:
+            return self._posted_log.accept(self._parts.meta_out.read_posted(), step)
+        except BaseException as err:  # an interrupt too: values read but not taken would look out of order later
+            if isinstance(err, PeerTimeoutError):
+                failure: BaseException = PeerTimeoutError(
+                    f"{self._stages.name()} sending step {step}: {err}; this transport is unusable: close() or "
+                    "abort() it"
+                )
+            elif isinstance(err, TransportFailedError):
+                failure = err
+            else:
+                failure = TransportFailedError(
+                    f"{self._stages.name()} sending step {step}: interrupted while reading what the next stage "
+                    f"posted ({err!r}); this transport is unusable: close() or abort() it"
+                )
+            if self._failure is None:  # an abort() on another thread may have come first: it stays the error
+                self._failure = failure
+            if failure is err:
+                raise
+            raise failure from err
+
+    # -- receiving -------------------------------------------------------------------
+
+    def _enter_auto(self, step: int) -> None:
+        """Enqueue recv(``step``)'s entry write on the current stream, then post recv(``step``) to the sender."""
+        pushed = self._binding.enter()
+        try:
+            stream = self._caller_stream()
+            self._auto_recv.enter(step, stream)
+        except BaseException as err:
+            self._fail_mid_step(f"receiving step {step}", err)
+            raise
+        finally:
+            self._binding.exit(pushed)
+        self._entered_stream = stream
+        if not self._posting:
+            return
+        try:
+            self._posting = self._parts.meta_in.post(step)
+        except BaseException as err:  # an interrupt part-way through the message: the sender could misread it
+            if self._failure is None:
+                self._failure = TransportFailedError(
+                    f"{self._recv_what.format(step)}: interrupted while posting it to the previous stage ({err!r}); "
+                    "this transport is unusable: close() or abort() it"
+                )
+            raise
+        if self._posting:
+            self._posted_step = step
+
+    def _finish_auto(self, step: int, meta: tuple[int, ...]) -> dict[str, torch.Tensor]:
+        """Check the step's metadata, then enqueue its path's half on the stream of its entry write."""
+        layout = self._recv_layout
+        path, rows = meta[1], meta[2:]
+        valid = meta[0] == step and path in (0, 1) and all(
+            0 <= r <= spec.max_rows for r, spec in zip(rows, layout.specs.values())
+        )
+        direct = path == 1
+        if not valid or (direct and not (self._direct_in and self._posted_step == step)):
+            why = ("a direct step it may not send: this stage " + (
+                "shared no persistent tensors" if not self._direct_in else f"had not posted recv({step})"
+            )) if valid else "does not match"
+            self._failure = TransportFailedError(
+                f"{self._recv_what.format(step)}: the peer's metadata {meta} {why} (protocol error)"
+            )
+            raise self._failure
+        spans, _ = dense_spans(self._recv_row_nbytes, rows)
+        parts = self._parts
+        stream = self._entered_stream
+        pushed = self._binding.enter()
+        try:
+            pre, post = parts.acquire_event(), parts.acquire_event()
+            self._auto_recv.finish(step, direct, spans, stream, pre, post)
+        except BaseException as err:
+            self._fail_mid_step(f"receiving step {step}", err)
+            raise
+        finally:
+            self._binding.exit(pushed)
+        self._last_recv_stream = stream
+        self._watchdog.watch(Bracket(stream, pre, post, self._recv_what, step))
+        self._recv_step = step
+        persistent = self._persistent
+        return {name: persistent[name][:count] for name, count in zip(layout.specs, rows)}
+
+    # Provided by the transport.
+    _parts: Any
+    _stages: Any
+    _hot: Any
+    _binding: Any
+    _watchdog: Any
+    _persistent: dict[str, torch.Tensor]
+    _failure: BaseException | None
+
+    def _caller_stream(self) -> int:  # pragma: no cover - the transport defines it
+        raise NotImplementedError
