@@ -356,8 +356,12 @@ def test_a_blocking_read_on_the_d2h_stream_waits_for_its_offloaded_copies(shim, 
     import torch
 
     cc = shim
+    big = 8 << 20  # 32 MiB: the worker's copy takes milliseconds, much longer than the 2-element read
     for _ in range(TRIALS):
-        dev, src, new, _, host = _setup()
+        dev = torch.device("cuda", 0)
+        src, new = torch.randn(big, device=dev), torch.randn(big, device=dev)
+        host = torch.full((big,), float("nan")).pin_memory()
+        torch.cuda.synchronize()
         producer = torch.cuda.Stream(dev)
         d2h = cc.new_d2h_stream(dev)
         _slow_write(producer, src, new, 20 * cycles_per_ms)
