@@ -569,8 +569,13 @@ class CopyEngineTransport(AutoCalls, CopyEngineEnding, Transport):
             raise
         finally:
             self._binding.exit(pushed)
-        self._last_recv_stream = current
-        self._watchdog.watch(Bracket(current, pre, post, self._recv_what, step))
+        return self._recv_done(current, pre, post, step, rows)
+
+    def _recv_done(self, stream: int, pre: Any, post: Any, step: int, rows: Any) -> dict[str, torch.Tensor]:
+        """After a step's receive was enqueued on ``stream`` (bracketed by ``pre``/``post``): watch it, count it,
+        and return the views of the persistent tensors with its rows (host-only bookkeeping)."""
+        self._last_recv_stream = stream
+        self._watchdog.watch(Bracket(stream, pre, post, self._recv_what, step))
         self._recv_step = step
         persistent = self._persistent
-        return {name: persistent[name][:count] for name, count in zip(layout.specs, rows)}
+        return {name: persistent[name][:count] for name, count in zip(self._recv_layout.specs, rows)}

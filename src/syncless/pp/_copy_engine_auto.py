@@ -193,11 +193,7 @@ class AutoCalls:
             raise
         finally:
             self._binding.exit(pushed)
-        self._last_recv_stream = stream
-        self._watchdog.watch(Bracket(stream, pre, post, self._recv_what, step))
-        self._recv_step = step
-        persistent = self._persistent
-        return {name: persistent[name][:count] for name, count in zip(layout.specs, rows)}
+        return self._recv_done(stream, pre, post, step, rows)
 
     # Provided by the transport.
     _parts: Any
@@ -210,3 +206,6 @@ class AutoCalls:
 
     def _caller_stream(self) -> int:  # pragma: no cover - the transport defines it
         raise NotImplementedError
+
+    def _recv_done(self, stream: int, pre: Any, post: Any, step: int, rows: Any) -> dict[str, torch.Tensor]:
+        raise NotImplementedError  # pragma: no cover - the transport defines it
