@@ -44,8 +44,9 @@ host memory that a pending job writes waits for that job. These host waits
 happen only where torch itself would have made the GPU wait for the copy,
 and never while the worker still needs the caller's next call (a job
 depends only on work enqueued before it), so one thread cannot deadlock on
-them; the worker serves every D2H stream in issue order, so across host
-threads a wait may also cover other streams' earlier jobs (docs/cc.md,
+them. Each D2H stream has a worker of its own (:class:`_D2HStream`), so a
+wait for one stream's jobs never waits for another stream's; synchronizing
+an ordinary stream or the device waits for every stream's (docs/cc.md,
 "Limits"). What syncless cannot see stays unordered after the copy's write of
 the host memory: a kernel launched on ``D`` that reads that host memory
 itself (zero-copy access to pinned memory), or a wait through a C-made
@@ -72,7 +73,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from syncless._core import patching
@@ -86,8 +88,17 @@ _log = logging.getLogger(__name__)
 
 @dataclass
 class _D2HStream:
+    """A D2H stream and its own worker: copies offloaded from it run in its order, independently of other
+    D2H streams' (one worker for all made a copy wait behind another stream's copy that waited for a slow
+    producer, and could deadlock two host threads)."""
+
     stream: Any
-    last_job: int = 0  # number of the last copy offloaded from this stream (0: none yet)
+    last_job: int = 0  # number, on this stream's worker, of the last copy offloaded from it (0: none yet)
+    worker: OrderedWorker = field(default_factory=lambda: OrderedWorker("syncless-d2h"))
+
+
+# A job of some D2H stream's worker: (worker, number); waiting for it waits for that stream's copies up to it.
+Ticket = tuple
 
 
 _lock = threading.Lock()
@@ -95,7 +106,41 @@ _lock = threading.Lock()
 # stream number their jobs in the order their ready events sit in its queue.
 _offload_lock = threading.Lock()
 _streams_by_key: dict[tuple[int, int], _D2HStream] = {}
-WORKER = OrderedWorker("syncless-d2h")
+# Offloaded copies not yet finished, over every D2H stream: the one integer the hot paths read (a blocking copy
+# waits for nothing while it is 0). Raised at submission, lowered when the copy has run (or failed).
+_PENDING = [0]
+_pending_lock = threading.Lock()
+
+
+def pending() -> bool:
+    """Whether any offloaded copy, of any D2H stream, has not finished (one integer read, no lock)."""
+    return _PENDING[0] > 0
+
+
+def _records() -> list[_D2HStream]:
+    with _lock:
+        return list(_streams_by_key.values())
+
+
+def all_tickets() -> list[Ticket]:
+    """The last job of every D2H stream's worker now: waiting for all of them covers every copy offloaded so far."""
+    return [(record.worker, record.worker.submitted) for record in _records() if record.worker.submitted]
+
+
+def wait_for_tickets(tickets: list[Ticket], *, raise_errors: bool, timeout_s: float | None = None) -> None:
+    """Block the host until each ticket's copies have finished (at most ``timeout_s`` in all); with
+    ``raise_errors``, raise the first failure among them."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    for worker, seq in tickets:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if raise_errors:
+            worker.wait_and_raise(seq, timeout_s=left)
+        elif worker.is_pending(seq):
+            worker.wait_for(seq, timeout_s=left)
+
+
+def ticket_pending(ticket: Ticket | None) -> bool:
+    return ticket is not None and ticket[0].is_pending(ticket[1])
 
 
 def _require_cuda() -> None:
@@ -271,18 +316,38 @@ def offload(record: _D2HStream, dst: Any, src: Any, what: str) -> int:
                      "torch's own copy (blocking under CC)", src.numel() * src.element_size())
         return 0
     ready = torch.cuda.Event()
-    job = make_job(stream.device.index, ready, _version_alias(dst), snap)
+    job = _counted(make_job(stream.device.index, ready, _version_alias(dst), snap))
     del snap  # the job holds it until its copy has run
     with _offload_lock:
         if _CLOSING[0]:  # uninstall() began draining after the check above: torch's own copy, on this thread
             return 0
         # D : ...everything D was ordered after... src -> snap R#n ...
         _streams.record_event_raw(ready, stream)
-        seq = WORKER.submit(job, what)
+        with _pending_lock:
+            _PENDING[0] += 1
+        try:
+            seq = record.worker.submit(job, what)
+        except BaseException:
+            with _pending_lock:
+                _PENDING[0] -= 1
+            raise
         record.last_job = seq
     _bump_version(dst)  # as torch's copy does, at the call
-    _host_writes.note_offloaded_d2h(dst, seq)  # a staged H2D of dst waits for it
+    _host_writes.note_offloaded_d2h(dst, (record.worker, seq))  # a staged H2D of dst waits for it
     return seq
+
+
+def _counted(job: Any) -> Any:
+    """``job``, lowering the count of unfinished copies once it has run or failed (on the worker thread)."""
+
+    def run() -> None:
+        try:
+            job()
+        finally:
+            with _pending_lock:
+                _PENDING[0] -= 1
+
+    return run
 
 
 def _bump_version(dst: Any) -> None:
@@ -295,10 +360,21 @@ def _bump_version(dst: Any) -> None:
 
 def wait_for_stream(record: _D2HStream) -> None:
     """Block the host until every copy offloaded so far from ``record``'s stream has finished (errors stay queued)."""
-    if WORKER.is_pending(record.last_job):
-        WORKER.wait_for(record.last_job)
+    if record.worker.is_pending(record.last_job):
+        record.worker.wait_for(record.last_job)
 
 
-def drain() -> None:
-    """Wait for every queued D2H copy and raise the first failure among them (blocks the host)."""
-    WORKER.wait_and_raise(WORKER.submitted)
+def drain(timeout_s: float | None = None) -> None:
+    """Wait for every queued D2H copy of every D2H stream and raise the first failure among them (blocks the host).
+
+    Raises:
+        D2HCopyError: a copy failed.
+        D2HTimeoutError: ``timeout_s`` passed first.
+    """
+    wait_for_tickets(all_tickets(), raise_errors=True, timeout_s=timeout_s)
+
+
+def restart_workers() -> None:
+    """Let every D2H stream's worker accept copies again after a shutdown (re-install)."""
+    for record in _records():
+        record.worker.restart()

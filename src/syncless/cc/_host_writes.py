@@ -52,9 +52,9 @@ def _is_done(entry: tuple) -> bool:
         import torch
 
         return torch.cuda.Event.__mro__[1].query(entry[1])  # torch's own query (no D2H marks on this event)
-    from syncless.cc._d2h import WORKER
+    from syncless.cc import _d2h
 
-    return not WORKER.is_pending(entry[1])
+    return not _d2h.ticket_pending(entry[1])
 
 
 def _live() -> list[tuple[int, int, tuple]]:
@@ -83,9 +83,9 @@ def note_plain_d2h(dst: Any, stream: Any) -> None:
     _remember(dst, ("event", event))
 
 
-def note_offloaded_d2h(dst: Any, seq: int) -> None:
-    """Note offloaded D2H job ``seq`` into host ``dst`` (host-only bookkeeping)."""
-    _remember(dst, ("job", seq))
+def note_offloaded_d2h(dst: Any, ticket: Any) -> None:
+    """Note offloaded D2H job ``ticket`` (its worker and number) into host ``dst`` (host-only bookkeeping)."""
+    _remember(dst, ("job", ticket))
 
 
 def order_after_pending_writes(staging: Any, src: Any) -> None:
@@ -103,15 +103,15 @@ def order_after_pending_writes(staging: Any, src: Any) -> None:
         return
     import torch
 
-    from syncless.cc._d2h import WORKER
+    from syncless.cc import _d2h
 
     for entry in entries:
         if entry[0] == "event":
             # staging : [wait E] H2D ...      (E: after the D2H on its stream)
             torch.cuda.Event.__mro__[1].wait(entry[1], staging)
         else:
-            # host    : wait for job #seq (the copy is in host memory) ; then enqueue the H2D
-            WORKER.wait_for(entry[1])
+            # host    : wait for the job (the copy is in host memory) ; then enqueue the H2D
+            _d2h.wait_for_tickets([entry[1]], raise_errors=False)
 
 
 def clear() -> None:

@@ -22,7 +22,6 @@ from syncless._core.compiling import is_compiling
 from syncless._core.layouts import broadcasts_to
 from syncless._core.tensor_calls import maybe_non_blocking_to, parse_to, read_copy, read_cuda, reads_as_cuda_device
 from syncless.cc import _d2h, _emulation, _host_writes, _routing, _staging, _streams, _sync_patches
-from syncless.cc._d2h import WORKER
 from syncless.cc._layers import SHIM_KEY, SYNCING_ATTRS, TENSOR_ATTRS, call_for_routing
 from syncless.cc._stats import COUNTERS
 
@@ -161,7 +160,7 @@ def _wrap_to(next_to):
             return next_to(*args, **kwargs)
         rest = args[1:]
         if not maybe_non_blocking_to(rest, kwargs):  # the hot path: reads no tensor
-            if WORKER.is_pending(WORKER.submitted) and call_for_routing(args, kwargs) is not None:
+            if _d2h.pending() and call_for_routing(args, kwargs) is not None:
                 _settle_for_to(args[0], rest, kwargs)
             return next_to(*args, **kwargs)
         if call_for_routing(args, kwargs) is None:
@@ -216,7 +215,7 @@ def _wrap_cuda(next_cuda):
             return next_cuda(*args, **kwargs)  # torch refuses the call
         device, non_blocking, memory_format = read
         if non_blocking is not True or "async" in kwargs or is_compiling():
-            if (WORKER.is_pending(WORKER.submitted) and not is_compiling()
+            if (_d2h.pending() and not is_compiling()
                     and call_for_routing(args, kwargs) is not None and args[0].device.type != "cuda"):
                 _settle_for_cuda(device)
             return next_cuda(*args, **kwargs)
@@ -253,7 +252,7 @@ def _settle_d2h_stream(index: int | None) -> None:
     host memory they write, an overwrite of their source); the offloaded ones are not on the stream yet, so
     the host waits for them (:mod:`._d2h`). Costs one integer compare while no offloaded copy is pending.
     """
-    if index is None or not WORKER.is_pending(WORKER.submitted) or not _d2h.has_streams():
+    if index is None or not _d2h.pending() or not _d2h.has_streams():
         return
     import torch
 
@@ -274,7 +273,7 @@ def _touches_host(a_type: str, b_type: str) -> bool:
 
 def _settle_for_cuda(device: Any) -> None:
     """:func:`_settle_d2h_stream` for a host tensor's ``.cuda(device)`` that is not staged."""
-    if not WORKER.is_pending(WORKER.submitted) or not reads_as_cuda_device(device):
+    if not _d2h.pending() or not reads_as_cuda_device(device):
         return
     try:
         index = _streams.device_index(device)
@@ -299,7 +298,7 @@ def _settle_for_to(self: Any, args: tuple, kwargs: dict) -> None:
     A ``.to`` that stays on the GPU (a cast, another GPU) waits for nothing: an offloaded copy reads only its
     own snapshot and writes only host memory, so GPU work queued after it cannot disturb it (:mod:`._d2h`).
     """
-    if not WORKER.is_pending(WORKER.submitted):
+    if not _d2h.pending():
         return
     try:
         device = parse_to(args, kwargs)[0]
@@ -326,7 +325,7 @@ def _wrap_copy(next_copy):
         other, non_blocking = read
         if non_blocking is not True or "async" in kwargs:
             # The hot path: a blocking copy goes straight beneath, unless D2H copies are still queued.
-            pending = WORKER.is_pending(WORKER.submitted)
+            pending = _d2h.pending()
             if (pending and not is_compiling() and call_for_routing(args, kwargs) is not None
                     and isinstance(other, torch.Tensor) and _touches_host(args[0].device.type, other.device.type)):
                 _settle_d2h_stream(_cuda_index(args[0], other))
@@ -378,7 +377,7 @@ def _wrap_syncing(next_fn):
     import torch
 
     def syncing(*args, **kwargs):
-        if WORKER.is_pending(WORKER.submitted) and not is_compiling():
+        if _d2h.pending() and not is_compiling():
             tensor = args[0] if args else None
             if isinstance(tensor, torch.Tensor) and call_for_routing(args, kwargs) is not None \
                     and tensor.device.type == "cuda":
@@ -405,7 +404,7 @@ def install_shim(max_staged_bytes: int | None = None) -> bool:
         _STATE.max_staged_bytes = limit
         if _STATE.installed:
             return False
-        WORKER.restart()
+        _d2h.restart_workers()
         for name in TENSOR_ATTRS + SYNCING_ATTRS:
             patching.add_layer(torch.Tensor, name, SHIM_KEY, patching.RANK_CC_SHIM, _WRAPPERS[name])
         _sync_patches.install_sync_patches()
@@ -427,11 +426,10 @@ def uninstall_all(timeout_s: float = 60.0) -> None:
         # A thread inside a wrapper right now must not offload behind the drain below (its later synchronize
         # would be torch's own, which does not wait for the worker): from here it runs torch's own copy.
         _d2h.stop_offloading()
-        if WORKER.submitted:
-            try:
-                WORKER.wait_and_raise(WORKER.submitted, timeout_s=timeout_s)
-            except BaseException as err:  # noqa: BLE001 - re-raised below, after the originals are back
-                pending_error = err
+        try:
+            _d2h.drain(timeout_s)
+        except BaseException as err:  # noqa: BLE001 - re-raised below, after the originals are back
+            pending_error = err
         if _STATE.installed:
             for name in TENSOR_ATTRS + SYNCING_ATTRS:
                 patching.remove_layer(torch.Tensor, name, SHIM_KEY)

@@ -1,7 +1,7 @@
 """Event/stream/device ordering and synchronization that also cover offloaded D2H copies.
 
-Each offloaded copy has a job number (:data:`._d2h.WORKER`), and each D2H
-stream remembers its last one. An offloaded copy is not on any GPU stream
+Each offloaded copy has a job number on its D2H stream's own worker
+(:class:`._d2h._D2HStream`), and each D2H stream remembers its last one. An offloaded copy is not on any GPU stream
 when its call returns, so whatever torch would order after it on ``D`` is
 ordered here, on the host, before the call goes on (see :mod:`._d2h`):
 
@@ -41,7 +41,6 @@ from typing import Any
 
 from syncless._core import patching
 from syncless.cc import _d2h
-from syncless.cc._d2h import WORKER
 from syncless.cc._layers import SHIM_KEY
 
 _MARK = "_syncless_d2h_seq"
@@ -50,8 +49,8 @@ _MARK = "_syncless_d2h_seq"
 def _mark(event: Any, stream: Any, device: Any = None) -> None:
     """Stamp ``event`` with the last job of the D2H stream it is recorded on (clear the stamp elsewhere).
 
-    ``stream`` None means the current stream of ``device`` (None: of the current device), as torch's own
-    ``record`` reads it.
+    The stamp is a ticket: that stream's worker and the number of its last job. ``stream`` None means the
+    current stream of ``device`` (None: of the current device), as torch's own ``record`` reads it.
     """
     record = None
     if _d2h.has_streams():
@@ -61,29 +60,34 @@ def _mark(event: Any, stream: Any, device: Any = None) -> None:
             index = device.index if device is not None and device.type == "cuda" else None
             stream = torch.cuda.current_stream(index)
         record = _d2h.lookup(stream)
-    seq = record.last_job if record is not None else 0
+    ticket = (record.worker, record.last_job) if record is not None and record.last_job else None
     try:
-        if seq or getattr(event, _MARK, 0):
-            setattr(event, _MARK, seq)  # a re-record on an ordinary stream drops an old stamp
+        if ticket is not None or getattr(event, _MARK, None) is not None:
+            setattr(event, _MARK, ticket)  # a re-record on an ordinary stream drops an old stamp
     except AttributeError:  # a C-made torch.Event has no __dict__: not covered (documented)
         pass
 
 
 def _wait_before_gpu_wait(event: Any) -> None:
     """Before a stream waits on ``event``: the host waits for the offloaded copies it stands for."""
-    seq = getattr(event, _MARK, 0)
-    if seq and WORKER.is_pending(seq):
-        WORKER.wait_for(seq)
+    ticket = getattr(event, _MARK, None)
+    if _d2h.ticket_pending(ticket):
+        _d2h.wait_for_tickets([ticket], raise_errors=False)
 
 
 def _wait_marked(event: Any) -> None:
-    seq = getattr(event, _MARK, 0)
-    if seq:
-        WORKER.wait_and_raise(seq)
+    ticket = getattr(event, _MARK, None)
+    if ticket is not None:
+        _d2h.wait_for_tickets([ticket], raise_errors=True)
 
 
-def _cover_all() -> int:
-    return WORKER.submitted
+def _marked_pending(event: Any) -> bool:
+    return _d2h.ticket_pending(getattr(event, _MARK, None))
+
+
+def _cover_all() -> list:
+    """Tickets for every copy offloaded so far, of every D2H stream."""
+    return _d2h.all_tickets()
 
 
 # Reading a call ----------------------------------------------------------------------
@@ -159,7 +163,7 @@ def _wrap_event_query(next_query):
 
     def query(*args, **kwargs):
         event = _only_self(args, kwargs, event_class)
-        if event is not None and WORKER.is_pending(getattr(event, _MARK, 0)):
+        if event is not None and _marked_pending(event):
             return False
         return next_query(*args, **kwargs)
 
@@ -175,10 +179,12 @@ def _stream_class() -> type:
     return torch.cuda.Stream
 
 
-def _stream_jobs(stream: Any) -> int:
-    """The jobs a synchronize of ``stream`` covers: its own on a D2H stream, every one submitted elsewhere."""
+def _stream_jobs(stream: Any) -> list:
+    """The jobs a synchronize of ``stream`` covers (tickets): its own on a D2H stream, every one elsewhere."""
     record = _d2h.lookup(stream)
-    return record.last_job if record is not None else _cover_all()
+    if record is not None:
+        return [(record.worker, record.last_job)] if record.last_job else []
+    return _cover_all()
 
 
 def _wrap_stream_synchronize(next_sync):
@@ -188,9 +194,9 @@ def _wrap_stream_synchronize(next_sync):
         stream = _only_self(args, kwargs, stream_class)
         if stream is None:
             return next_sync(*args, **kwargs)  # torch refuses the call
-        seq = _stream_jobs(stream)
+        tickets = _stream_jobs(stream)
         result = next_sync(*args, **kwargs)
-        WORKER.wait_and_raise(seq)
+        _d2h.wait_for_tickets(tickets, raise_errors=True)
         return result
 
     return synchronize
@@ -201,7 +207,7 @@ def _wrap_stream_query(next_query):
 
     def query(*args, **kwargs):
         stream = _only_self(args, kwargs, stream_class)
-        if stream is not None and WORKER.is_pending(_stream_jobs(stream)):
+        if stream is not None and _d2h.pending() and any(_d2h.ticket_pending(t) for t in _stream_jobs(stream)):
             return False
         return next_query(*args, **kwargs)
 
@@ -214,9 +220,9 @@ def _wrap_stream_query(next_query):
 def _wrap_device_synchronize(next_sync):
     def synchronize(*args, **kwargs):
         # Whatever the device argument, the wait covers every job submitted before the call (conservative).
-        seq = _cover_all()
+        tickets = _cover_all()
         result = next_sync(*args, **kwargs)
-        WORKER.wait_and_raise(seq)
+        _d2h.wait_for_tickets(tickets, raise_errors=True)
         return result
 
     return synchronize
@@ -249,7 +255,7 @@ def _wrap_torch_event(base):
 
     def query(*args, **kwargs):
         event = _only_self(args, kwargs, Event)
-        if event is not None and WORKER.is_pending(getattr(event, _MARK, 0)):
+        if event is not None and _marked_pending(event):
             return False
         return base.query(*args, **kwargs)
 

@@ -1,4 +1,4 @@
-"""One ordered worker thread: runs jobs in submission order, keeps their errors.
+"""An ordered worker thread (one per D2H stream): runs its jobs in submission order, keeps their errors.
 
 Plain Python (no CUDA here): the D2H path submits closures that wait for the
 D2H stream's ready event and copy. Sequence numbers let a synchronize wait for exactly the

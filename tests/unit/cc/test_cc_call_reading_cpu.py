@@ -87,6 +87,7 @@ def test_read_cuda_reads_exactly_what_torch_accepts(deprecated_async):
 
 class _FakeRecord:
     last_job = 5
+    worker = OrderedWorker("test-reading")
 
 
 def test_event_record_stamps_only_forms_torch_reads(monkeypatch):
@@ -95,9 +96,6 @@ def test_event_record_stamps_only_forms_torch_reads(monkeypatch):
     d2h = object()
     monkeypatch.setattr(_d2h, "_streams_by_key", {(0, 1): _FakeRecord()})
     monkeypatch.setattr(_d2h, "lookup", lambda stream: _FakeRecord() if stream is d2h else None)
-    worker = OrderedWorker("test-reading")
-    worker._submitted = 7
-    monkeypatch.setattr(_sync_patches, "WORKER", worker)
     passed_on = []
     record = _sync_patches._wrap_event_record(lambda *args, **kwargs: passed_on.append((args, kwargs)))
 
@@ -110,7 +108,8 @@ def test_event_record_stamps_only_forms_torch_reads(monkeypatch):
         event = an_event()
         record(event, *args, **kwargs)
         assert passed_on[-1] == ((event, *args), kwargs)  # untouched
-        assert getattr(event, _sync_patches._MARK, 0) == (5 if (args, kwargs) in understood else 0)
+        expected = (_FakeRecord.worker, 5) if (args, kwargs) in understood else None
+        assert getattr(event, _sync_patches._MARK, None) == expected
 
 
 def test_fake_and_functional_tensors_are_never_routed():

@@ -54,7 +54,7 @@ def gpu_calls(monkeypatch):
     monkeypatch.setattr(_streams, "wait_event_raw", lambda event: note("worker waits", event.name))
     monkeypatch.setattr(_streams, "wait_stream_raw", lambda stream: note("worker drains", stream.name))
     worker = OrderedWorker("test-d2h")
-    monkeypatch.setattr(_d2h, "WORKER", worker)
+    monkeypatch.setattr(_d2h, "OrderedWorker", lambda name="syncless-d2h": worker)  # every stand-in stream's
     yield log, worker
     worker.shutdown(5.0)
 
@@ -150,16 +150,15 @@ def test_waiting_on_an_event_stamped_by_a_d2h_stream_waits_for_its_copies(gpu_ca
     record = _d2h_stream()
     monkeypatch.setattr(_d2h, "_streams_by_key", {(0, 7): record})
     monkeypatch.setattr(_d2h, "lookup", lambda stream: record if stream is record.stream else None)
-    monkeypatch.setattr(_sync_patches, "WORKER", worker)
     hold = threading.Event()
     monkeypatch.setattr(_streams, "wait_event_raw", lambda event: hold.wait(5))  # the copy's producer still runs
     seq = _d2h.offload(record, torch.empty(4), torch.randn(4), "copy")
     event = SimpleNamespace()
     _sync_patches._mark(event, record.stream)
-    assert getattr(event, _sync_patches._MARK) == seq
+    assert getattr(event, _sync_patches._MARK) == (record.worker, seq)
     plain = SimpleNamespace()
     _sync_patches._mark(plain, SimpleNamespace(name="P"))  # an ordinary stream: no stamp
-    assert getattr(plain, _sync_patches._MARK, 0) == 0
+    assert getattr(plain, _sync_patches._MARK, None) is None
     released = threading.Timer(0.2, hold.set)
     released.start()
     _sync_patches._wait_before_gpu_wait(event)  # P.wait_event(e) / P.wait_stream(D): the host waits first
@@ -238,3 +237,43 @@ def test_no_offload_slips_in_while_uninstall_drains(gpu_calls):
     finally:
         _d2h.resume_offloading()
     assert _d2h.offload(_d2h_stream(), torch.empty(4), torch.randn(4), "copy") == 1
+
+
+def test_each_d2h_stream_has_its_own_worker(monkeypatch):
+    """A copy offloaded from one D2H stream does not wait behind another stream's copy that waits for a slow
+    producer (found in review: one worker served every stream in issue order, which could deadlock two host
+    threads and delayed, say, a token readback behind a KV-cache offload)."""
+    monkeypatch.setattr(torch.cuda, "Event", _Ready)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(_streams, "worker_stream", lambda index: SimpleNamespace(name="W"))
+    monkeypatch.setattr(_streams, "record_event_raw", lambda event, stream: None)
+    monkeypatch.setattr(_streams, "wait_stream_raw", lambda stream: None)
+    slow_ready = threading.Event()
+
+    class SlowReady(_Ready):
+        """The ready event of a copy whose producer has not finished until ``slow_ready`` is set."""
+
+    def wait_event(event):
+        if isinstance(event, SlowReady):
+            slow_ready.wait(10)
+
+    monkeypatch.setattr(_streams, "wait_event_raw", wait_event)
+    slow, fast = _d2h_stream("slow"), _d2h_stream("fast")
+    assert slow.worker is not fast.worker
+    try:
+        monkeypatch.setattr(torch.cuda, "Event", SlowReady)
+        _d2h.offload(slow, torch.empty(4), torch.randn(4), "slow copy")
+        monkeypatch.setattr(torch.cuda, "Event", _Ready)
+        dst, src = torch.full((4,), float("nan")), torch.randn(4)
+        seq = _d2h.offload(fast, dst, src, "fast copy")
+        fast.worker.wait_and_raise(seq, timeout_s=5.0)  # done while the slow stream's copy still waits
+        assert torch.equal(dst, src) and slow.worker.is_pending(slow.last_job) and _d2h.pending()
+        with pytest.raises(Exception, match="unfinished"):  # a synchronize of the slow stream still waits for it
+            slow.worker.wait_for(slow.last_job, timeout_s=0.2)
+    finally:
+        slow_ready.set()
+        slow.worker.wait_and_raise(slow.last_job, timeout_s=5.0)
+        for worker in (slow.worker, fast.worker):
+            worker.shutdown(5.0)
+    assert not _d2h.pending()

@@ -15,8 +15,9 @@ def _clean():
 
 
 def _worker_with_submitted(n):
+    """A worker that has run ``n`` copies (all finished), so that an uninstall finds nothing to wait for."""
     worker = OrderedWorker("test-marks")
-    worker._submitted = n
+    worker._submitted = worker._completed = worker._settled = n
     return worker
 
 
@@ -28,35 +29,35 @@ def _a_cuda_event():
         return object.__new__(torch.cuda.Event)
 
 
-def _one_d2h_stream(monkeypatch, last_job):
-    """Make one stand-in stream a D2H stream whose last offloaded copy is ``last_job``; return it."""
+def _one_d2h_stream(monkeypatch, last_job, worker=None):
+    """Make one stand-in stream a D2H stream whose last offloaded copy is ``last_job``; return (stream, worker)."""
     from syncless.cc import _d2h
 
     d2h = object()
-    record = _d2h._D2HStream(d2h, last_job)
+    record = _d2h._D2HStream(d2h, last_job, worker or _worker_with_submitted(last_job))
     monkeypatch.setattr(_d2h, "_streams_by_key", {(0, 1): record})
     monkeypatch.setattr(_d2h, "lookup", lambda stream: record if stream is d2h else None)
-    return d2h
+    return d2h, record.worker
 
 
 def test_event_record_goes_to_the_stream_asked_for_and_only_a_d2h_stream_stamps_it(monkeypatch):
     recorded_on = []
     record = _sync_patches._wrap_event_record(lambda event, stream=None: recorded_on.append(stream))
-    monkeypatch.setattr(_sync_patches, "WORKER", _worker_with_submitted(7))  # seven copies submitted so far
-    d2h = _one_d2h_stream(monkeypatch, last_job=5)  # its last copy is #5
+    # seven copies submitted so far on D's worker, its last one from D is #5
+    d2h, worker = _one_d2h_stream(monkeypatch, last_job=5, worker=_worker_with_submitted(7))
     other = object()
     monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: other)
     stamps = []
     for stream in (d2h, other, None):
         event = _a_cuda_event()
         record(event, stream)
-        stamps.append(getattr(event, _sync_patches._MARK, 0))
-    assert stamps == [5, 0, 0]  # an ordinary stream is ordered after D's copies only through a (host) wait
+        stamps.append(getattr(event, _sync_patches._MARK, None))
+    assert stamps == [(worker, 5), None, None]  # an ordinary stream is ordered after D's copies only through a wait
     assert recorded_on == [d2h, other, None]  # nothing redirected: torch's own semantics
     event = _a_cuda_event()
     record(event, d2h)
     record(event, other)  # re-recorded on an ordinary stream: the old stamp goes
-    assert getattr(event, _sync_patches._MARK, 0) == 0
+    assert getattr(event, _sync_patches._MARK, None) is None
 
 
 def test_torch_event_subclass_records_where_asked(monkeypatch):
@@ -67,12 +68,11 @@ def test_torch_event_subclass_records_where_asked(monkeypatch):
             seen.append(stream)
 
     event_type = _sync_patches._wrap_torch_event(FakeTorchEvent)
-    monkeypatch.setattr(_sync_patches, "WORKER", _worker_with_submitted(3))
-    d2h = _one_d2h_stream(monkeypatch, last_job=3)
+    d2h, worker = _one_d2h_stream(monkeypatch, last_job=3)
     event = event_type()
     event.record(d2h)
     assert seen == [d2h]
-    assert getattr(event, _sync_patches._MARK) == 3
+    assert getattr(event, _sync_patches._MARK) == (worker, 3)
 
 
 def test_ordering_goes_through_the_event_and_stream_methods_stay_torchs():
@@ -90,13 +90,12 @@ def test_a_wait_on_a_stamped_event_waits_on_the_host_before_the_gpu_wait(monkeyp
         def is_pending(self, seq):
             return seq == 4
 
-        def wait_for(self, seq):
+        def wait_for(self, seq, timeout_s=None):
             order.append(("host waits for job", seq))
 
-    monkeypatch.setattr(_sync_patches, "WORKER", Worker())
     wait = _sync_patches._wrap_event_wait(lambda event, stream=None: order.append(("gpu wait", stream)))
     stamped, plain = _a_cuda_event(), _a_cuda_event()
-    setattr(stamped, _sync_patches._MARK, 4)
+    setattr(stamped, _sync_patches._MARK, (Worker(), 4))
     wait(stamped, "P")
     wait(plain, "P")
     assert order == [("host waits for job", 4), ("gpu wait", "P"), ("gpu wait", "P")]
