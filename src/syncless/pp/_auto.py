@@ -17,14 +17,16 @@ sender, written by the receiver. ``W`` is one monotone word for both paths::
                of step N-1, and the copy-out of every slot step <= N-1), so the
                persistent tensors are free for step N and every slot of a step
                <= N-1 is free.
-    W = 2N     after the copy-out of slot step N: its slot is free.
+    W = 2N     at the end of recv(N), whatever its path: after a slot step's
+               copy-out (its slot is free); after a direct step's data landed
+               (it used no slot, and every earlier slot was free at its entry).
 
 Step N, with D slots (slot s = (N-1) % D)::
 
     direct, sender on the caller's stream:
         (pre) wait W >= 2N-1, copy each tensor -> receiver's persistent tensors, full = N (sent) (post)
     direct, receiver on its current stream:
-        W = 2N-1 ... (reads the metadata on the host) ... (pre) wait full >= N (received) (post)
+        W = 2N-1 ... (reads the metadata on the host) ... (pre) wait full >= N, W = 2N (received) (post)
 
     slot, sender on the relay stream, fenced to the caller's stream:
         relay:   (pre) [wait W >= 2(N-D) if N > D] (waited) wait ready, copy -> slot s, full = N (sent) (post)
@@ -45,8 +47,12 @@ Why each wait is enough (every value of W and full only grows, below):
   it). A value v >= 2(N-D) is written either as 2k after the copy-out of slot step
   k >= N-D, or as 2k-1 by the entry of step k >= N-D+1; both come after the copy-out
   of every slot step <= N-D in the receiver's stream order. So when step N-D was
-  a slot step, its copy-out is done; when it was direct (it used no slot), the
-  entry of step N-D+1 (value 2(N-D)+1) is what lets step N through.
+  a slot step, its copy-out is done; when it was direct (it used no slot), the end
+  of recv(N-D) wrote 2(N-D) after its data landed, and every slot step before it
+  had been copied out before its entry. (The first version wrote 2N only after a
+  copy-out, so after a direct step N-D the slot waited for recv(N-D+1)'s entry:
+  one slot fewer in flight, and a review found a two-link exchange that then
+  deadlocked where ``depth=D`` finishes.)
 - The receiver reads slot s, or the persistent tensors (after a direct step),
   only after ``full >= N``: the sender writes ``full = N`` after the step's copies
   on the same stream (NVLink delivers the data before the flag write that follows
@@ -74,7 +80,20 @@ rule, a direct wait of sender X points to an entry write that Y's host enqueued
 before X decided; whatever that write waits for on Y's GPU was enqueued on Y's host
 earlier still (stream order, earlier events), or is a direct wait whose own entry
 write is earlier again, or a slot wait (the ``depth=D`` protocol, which makes no
-cycle). Along any chain of waits the enqueue times strictly decrease: no cycle.
+cycle). Along any chain of direct waits and stream order the enqueue times
+strictly decrease.
+
+That argument does not cover a chain that passes through a slot wait *and*
+comes back: a slot wait points at the receiver's later work. Stages whose links
+form a cycle (a return link from a later stage to an earlier one, as a first
+stage that sends micro-batches and then collects results from the last) can
+then wait for each other through a direct step where ``depth=D`` finishes
+(found in review, on a simulated pair: X sends 4 steps then receives 4; Y
+receives, computes and sends back each). So a receiver that also sends to the
+process it receives from (a link back, seen by the peer's process id on the
+metadata sockets) never posts: every step of both links goes through a slot.
+Longer cycles (a ring of three or more stages) cannot be seen from one process:
+``depth="auto"`` is for stage graphs without cycles (docs/pp-auto.md).
 """
 
 from __future__ import annotations
@@ -117,7 +136,8 @@ def choose_direct(step: int, posted: int, direct_possible: bool, nbytes: int, mi
     (``posted``, the last step it posted; see the module docstring for why), and for steps of at least
     ``min_nbytes`` bytes (``SYNCLESS_PP_AUTO_DIRECT_MIN_BYTES``).
     """
-    return direct_possible and posted >= step and nbytes >= min_nbytes
+    # A step of no bytes has no copy-out to save, only the rendezvous to pay: it goes through a slot.
+    return direct_possible and posted >= step and nbytes > 0 and nbytes >= min_nbytes
 
 
 class PostedLog:
@@ -319,6 +339,10 @@ class AutoReceiver:
             for target, (offset, nbytes) in zip(self.targets, spans):
                 if nbytes:
                     hot.memcpy(target, slot + offset, nbytes, stream)
-            hot.write(stream, self.peer_w, copied_out_value(step))
+        # W = 2N after either path: a slot step's copy-out is done; a direct step used no slot, and every
+        # slot of an earlier step was free at its entry. Without this write after a direct step, slot step
+        # N+D waited for recv(N+1)'s entry: the receiver's next call, and its stream past the readers of
+        # step N (found in review: a two-link exchange then deadlocked where depth=D works).
+        hot.write(stream, self.peer_w, copied_out_value(step))
         hot.record(self.received, stream)
         hot.record(post, stream)

@@ -21,10 +21,21 @@ recv(N):
     2. read the metadata (blocking, as every depth does);
     3. check the path bit (direct only if this stage shared its tensors and posted
        N) and enqueue the matching half on the same stream.
+
+A receiver posts only while this process has no link *to* the process it receives
+from (``_auto``'s module docstring says why: a cycle through a slot wait). The
+links of this process are kept by the peer's process id, read from the metadata
+sockets; a link back makes both links slot-only at this end, and the peer, which
+sees the same pair the other way round, stops posting too.
 """
 
 from __future__ import annotations
 
+import collections
+import logging
+import os
+import threading
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,6 +45,42 @@ from syncless._core.errors import PeerTimeoutError, TransportFailedError
 from syncless.pp._auto import AutoReceiver, AutoSender, PostedLog
 from syncless.pp._layout import dense_spans
 from syncless.pp._watchdog import Bracket
+
+_log = logging.getLogger(__name__)
+
+
+def _forget(sends_to: int | None, receives_from: int | None) -> None:
+    _drop_link(_sends_to, sends_to)
+    _drop_link(_receives_from, receives_from)
+
+
+# The auto links of this process, by the peer's process id: how many send to it, how many receive from it.
+# An RLock: close() may run again from a signal handler that interrupted it on the same thread.
+_links_lock = threading.RLock()
+_sends_to: collections.Counter = collections.Counter()
+_receives_from: collections.Counter = collections.Counter()
+
+
+def _add_link(table: collections.Counter, pid: int | None) -> None:
+    if pid is not None:
+        with _links_lock:
+            table[pid] += 1
+
+
+def _drop_link(table: collections.Counter, pid: int | None) -> None:
+    if pid is not None:
+        with _links_lock:
+            table[pid] -= 1
+            if table[pid] <= 0:
+                del table[pid]
+
+
+def links_back_to(pid: int | None) -> bool:
+    """Whether this process also sends to ``pid`` (the process one of its auto links receives from).
+
+    Stages in one process (threads) are not told apart this way: their links are not counted as links back.
+    """
+    return pid is not None and pid != os.getpid() and _sends_to.get(pid, 0) > 0
 
 
 class AutoCalls:
@@ -49,10 +96,20 @@ class AutoCalls:
         self._auto_send = None
         self._auto_recv = None
         self.direct_steps_sent = 0
+        self._receives_from_pid = None
         if not auto:
             return
         parts = self._parts
         stages = self._stages
+        sends_to = parts.meta_out.peer_pid() if parts.meta_out is not None else None
+        receives_from = parts.meta_in.peer_pid() if parts.meta_in is not None else None
+        _add_link(_sends_to, sends_to)
+        _add_link(_receives_from, receives_from)
+        self._receives_from_pid = receives_from
+        # Dropped when the transport is closed or collected (an abort() keeps them: it may run in a signal
+        # handler, and a link kept too long only makes steps go through slots).
+        self._forget_links = weakref.finalize(self, _forget, sends_to, receives_from)
+        self._forget_links.atexit = False
         if self._send_layout is not None:
             targets = parts.next_targets if parts.next_direct_problem is None else None
             self._auto_send = AutoSender(
@@ -151,7 +208,10 @@ class AutoCalls:
         finally:
             self._binding.exit(pushed)
         self._entered_stream = stream
-        if not self._posting:
+        if not self._posting or self._posted_step >= step:
+            return  # a post failed earlier; or recv(step) was posted by a call interrupted after it (no repeat)
+        if links_back_to(self._receives_from_pid):
+            self._stop_posting_for_the_link_back()
             return
         try:
             self._posting = self._parts.meta_in.post(step)
@@ -164,6 +224,17 @@ class AutoCalls:
             raise
         if self._posting:
             self._posted_step = step
+
+    def _stop_posting_for_the_link_back(self) -> None:
+        """This process also sends to the process this link receives from: post no more (every step of this
+        link goes through a slot from now on; steps already posted keep their path). Logged once."""
+        self._posting = False
+        if self.direct_unavailable_reason is None:
+            self.direct_unavailable_reason = (
+                f"steps into {self._stages.name()} go through a slot: this process also sends to the process it "
+                "receives from, and depth=\"auto\" sends direct only along stage graphs without cycles"
+            )
+        _log.info("%s", self.direct_unavailable_reason)
 
     def _finish_auto(self, step: int, meta: tuple[int, ...]) -> dict[str, torch.Tensor]:
         """Check the step's metadata, then enqueue its path's half on the stream of its entry write."""

@@ -108,6 +108,9 @@ class CopyEngineEnding:
         nothing.
         """
         self._closed = True
+        forget_links = getattr(self, "_forget_links", None)  # depth="auto": this process's links (host-only)
+        if forget_links is not None:
+            forget_links()
         if self._teardown.finished:
             return
         if self._teardown.running:  # called again from a signal handler that interrupted close() itself

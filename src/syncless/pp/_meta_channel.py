@@ -405,6 +405,17 @@ class _Endpoint:
         _untrack(self)
         self._sock.close()
 
+    def peer_pid(self) -> int | None:
+        """The process id of the other end (the kernel's ``SO_PEERCRED``), or None where it cannot say."""
+        option = getattr(socket, "SO_PEERCRED", None)
+        if option is None:
+            return None
+        try:
+            raw = self._sock.getsockopt(socket.SOL_SOCKET, option, struct.calcsize("3i"))
+        except OSError:
+            return None
+        return struct.unpack("3i", raw)[0]
+
     def shutdown(self) -> None:
         """Shut the connection both ways without closing the socket; never raises. Safe from any thread.
 

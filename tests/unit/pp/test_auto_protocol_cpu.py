@@ -431,6 +431,57 @@ def test_the_same_exchange_deadlocks_when_direct_steps_ignore_posted(seed):
         exchange(seed, "rendezvous")
 
 
+def prefill_then_collect(seed: int, policy: str) -> None:
+    """X sends 3 steps back to back, then receives 3; Y receives each, and sends it back at once.
+
+    Y's host reaches recv(1) before X sends, and X's host posts its first receive before Y sends: so X's
+    step 1 and Y's step 1 go direct under ``auto``.
+    """
+    rng = random.Random(seed)
+    sim = SimGPUs(rng)
+    out = Link(sim, 0, 1, slots=2, policy=policy, rng=random.Random(seed + 1))  # X -> Y
+    back = Link(sim, 1, 0, slots=2, policy=policy, rng=random.Random(seed + 2))  # Y -> X
+    x, y = Stage(sim, 0, random.Random(seed + 3), 1), Stage(sim, 1, random.Random(seed + 4), 1)
+    rows, steps = [2, 3], 3
+
+    def x_host():
+        stream = x.streams[0]
+        yield lambda: out.posted_here >= 1
+        for step in range(1, steps + 1):
+            data = payload(seed, 0, step, rows)
+            src = x.produce(stream, data)
+            out.send(stream, src, rows)
+            x.poison_after(stream, src, data)
+            yield None
+        for _ in range(steps):
+            entered = back.recv_enter(stream)
+            yield lambda: bool(back.meta)
+            back.recv_finish(entered, stream)
+            yield None
+
+    def y_host():
+        stream = y.streams[0]
+        for step in range(1, steps + 1):
+            entered = out.recv_enter(stream)
+            yield lambda: bool(out.meta)
+            got = out.recv_finish(entered, stream)
+            yield None
+            if step == 1:
+                yield lambda: back.posted_here >= 1
+            back.send(stream, list(out.persistent), got)
+            yield None
+
+    run(sim, [x_host(), y_host()], rng)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_direct_step_frees_its_slot_so_prefill_then_collect_finishes(seed):
+    """Found in review: a direct step N left slot step N+D waiting for recv(N+1)'s entry, one slot fewer in flight;
+    this exchange, which finishes at depth 2, then deadlocked. The end of every recv() now writes W = 2N."""
+    prefill_then_collect(seed, "auto")
+    prefill_then_collect(seed, "slot")
+
+
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("policy", POLICIES)
 def test_a_ping_pong_echoes_every_step(policy, seed):
@@ -520,6 +571,7 @@ def test_posted_values_out_of_order_are_a_protocol_error(values, sending, words)
     (3, 3, False, 100, 0, False),  # the receiver shared nothing
     (3, 3, True, 100, 101, False),  # below SYNCLESS_PP_AUTO_DIRECT_MIN_BYTES
     (3, 3, True, 101, 101, True),
+    (3, 3, True, 0, 0, False),  # a step of no bytes: no copy-out to save, only the rendezvous to pay
 ])
 def test_choose_direct_needs_the_post_shared_tensors_and_the_size(step, posted, possible, nbytes, floor, direct):
     assert choose_direct(step, posted, possible, nbytes, floor) is direct

@@ -121,3 +121,25 @@ def test_a_sender_that_dies_with_posts_unread_is_reported_as_closed():
     with pytest.raises(PeerTimeoutError, match="closed its metadata socket"):
         receiver.recv(3.0, "step 1")
     receiver.close()
+
+
+def test_a_link_back_to_the_process_a_stage_receives_from_is_seen_by_its_process_id():
+    """A receiver posts only while its process sends nothing to the process it receives from (a cycle through a
+    slot wait can deadlock under auto where depth=2 finishes; found in review). Stages in one process (threads)
+    are not told apart, so a link to this very process never counts."""
+    import os
+
+    from syncless.pp import _copy_engine_auto as auto
+
+    peer = os.getpid() + 1_000_000  # no such process needs to exist: only the number is compared
+    assert not auto.links_back_to(peer)
+    auto._add_link(auto._sends_to, peer)
+    try:
+        assert auto.links_back_to(peer)
+        assert not auto.links_back_to(None) and not auto.links_back_to(peer + 1)
+        auto._add_link(auto._sends_to, os.getpid())
+        assert not auto.links_back_to(os.getpid())
+        auto._drop_link(auto._sends_to, os.getpid())
+    finally:
+        auto._forget(peer, None)
+    assert not auto.links_back_to(peer) and peer not in auto._sends_to
