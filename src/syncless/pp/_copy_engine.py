@@ -366,17 +366,11 @@ class CopyEngineTransport(AutoCalls, CopyEngineEnding, Transport):
             destinations = [slot + offset for offset, _ in spans]
         else:
             destinations = self._parts.next_targets  # straight into the next stage's persistent tensors
-        # Non-contiguous inputs become contiguous temporaries on the current stream. `dense` holds
-        # them until every copy is enqueued; after that, freeing is safe: the caching allocator reuses
-        # a block on the current stream only behind work queued there later, which comes after the
-        # copies (depth 0: they are on that stream; depth >= 1: it waits for the relay's `post`).
-        dense: list[torch.Tensor] = []
-        copies: list[tuple[int, int, int]] = []
-        for name, destination, (_, nbytes) in zip(self._send_names, destinations, spans):
-            if nbytes:
-                tensor = tensors[name].contiguous()
-                dense.append(tensor)
-                copies.append((destination, tensor.data_ptr(), nbytes))
+        # `dense` holds the contiguous temporaries until every copy is enqueued; after that, freeing is
+        # safe: the caching allocator reuses a block on the current stream only behind work queued there
+        # later, which comes after the copies (depth 0: they are on that stream; depth >= 1: it waits for
+        # the relay's `post`).
+        dense, copies = self._step_copies(tensors, destinations, spans)
         parts, hot = self._parts, self._hot
         # Depth >= 1 runs the step on the relay stream, fenced on both sides to the caller's stream: after
         # what the caller queued before send(), before what it queues afterwards. Depth 0 runs it on the
@@ -457,6 +451,22 @@ class CopyEngineTransport(AutoCalls, CopyEngineEnding, Transport):
         self._send_step = step
         if _faults.hook is not None:
             _faults.hook("step:after_meta")
+
+    def _step_copies(self, tensors: Mapping[str, torch.Tensor], destinations: Any,
+                     spans: Any) -> tuple[list[torch.Tensor], list[tuple[int, int, int]]]:
+        """``(dense, copies)`` of one step: ``(destination, source, nbytes)`` per tensor with bytes, in layout order.
+
+        A non-contiguous input becomes a contiguous temporary (a copy kernel on the current stream), kept
+        in ``dense`` until the caller has enqueued the copies.
+        """
+        dense: list[torch.Tensor] = []
+        copies: list[tuple[int, int, int]] = []
+        for name, destination, (_, nbytes) in zip(self._send_names, destinations, spans):
+            if nbytes:
+                tensor = tensors[name].contiguous()
+                dense.append(tensor)
+                copies.append((destination, tensor.data_ptr(), nbytes))
+        return dense, copies
 
     def _watch_after_failure(self, stream: int, pre: Any, post: Any, step: int, caller: int | None) -> None:
         """Best effort after a step failed with part of it enqueued on ``stream``: watch it, fence the caller.

@@ -141,13 +141,7 @@ class AutoCalls:
         # Non-contiguous inputs become contiguous temporaries on the current stream; freeing them after
         # this call is safe for the same reason as with a fixed depth: the caller's stream runs the direct
         # copies itself, or waits for the relay's `post` before anything it queues later.
-        dense: list[torch.Tensor] = []
-        copies: list[tuple[int, int, int]] = []
-        for name, destination, (_, nbytes) in zip(self._send_names, destinations, spans):
-            if nbytes:
-                tensor = tensors[name].contiguous()
-                dense.append(tensor)
-                copies.append((destination, tensor.data_ptr(), nbytes))
+        dense, copies = self._step_copies(tensors, destinations, spans)
         pushed = self._binding.enter()
         plan = None
         try:
@@ -279,4 +273,7 @@ class AutoCalls:
         raise NotImplementedError
 
     def _recv_done(self, stream: int, pre: Any, post: Any, step: int, rows: Any) -> dict[str, torch.Tensor]:
+        raise NotImplementedError  # pragma: no cover - the transport defines it
+
+    def _step_copies(self, tensors: Mapping[str, torch.Tensor], destinations: Any, spans: Any) -> tuple:
         raise NotImplementedError  # pragma: no cover - the transport defines it
