@@ -229,6 +229,9 @@ class _Chain:
         else:
             delattr(self.owner, self.name)
         if self.retarget is not None:
+            # A reference to the entry taken while installed (an alias, a functools.partial, a table built
+            # then) passes straight through to the base from now on, never through a layer that has left.
+            self.retarget(self.base)
             _unlist(self.entry, self.base)
 
 
@@ -255,9 +258,11 @@ def add_layer(owner: Any, name: str, key: str, rank: int, wrap: Wrapper) -> None
             own = not isinstance(owner, type) or name in owner.__dict__
             base = getattr(owner, name)
             retired = _retired.get(id(base))
+            taken_back = None  # our old pass-through, if that is what the attribute holds
             if retired is not None and retired[0] is base:
                 # Our own pass-through, put back by a library that patched over us: start from what it passes to.
                 del _retired[id(base)]
+                taken_back = base
                 base, own = retired[1], retired[2]
             chain = _Chain(owner, name, base, own)
             if not _chains:
@@ -266,6 +271,8 @@ def add_layer(owner: Any, name: str, key: str, rank: int, wrap: Wrapper) -> None
                 chain.entry, chain.retarget = _make_entry(base)
                 _list_beside(base, chain.entry)
                 setattr(owner, name, chain.entry)
+                if taken_back is not None:
+                    _unlist(taken_back, base)  # the old pass-through is replaced: torch's tables drop it
             _chains[chain_key] = chain
         if key in chain.layers:
             return

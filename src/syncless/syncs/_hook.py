@@ -119,15 +119,19 @@ def _step_out(message, category, filename, lineno, file=None, line=None) -> None
     with _lock:
         if warnings.showwarning is showwarning and not _installed:
             warnings.showwarning = target
+            forget_filters()  # a catch_warnings block that put the hook back put our filter back too
     target(message, category, filename, lineno, file, line)
 
 
 def reassert() -> None:
     """Put the hook and the "always" filter back in front if something removed them.
 
-    Cheap when nothing changed: two identity checks.
+    Cheap when nothing changed: two identity checks. Does nothing once the hook was released (a
+    ``disable()`` that came between a region's gate check and its arming must not bring it back).
     """
     global _previous, _previous_filters, _filter_entry
+    if not _installed:
+        return
     if warnings.showwarning is not showwarning:
         with _lock:
             current = warnings.showwarning

@@ -165,6 +165,9 @@ def enter_checked() -> RegionToken | None:
         return None
     token = RegionToken(*_enter(checked_depth, _checked_owner))
     _debugmode.armer.arm()
+    if not settings.enabled:  # disable() ran between the check above and the arming: no region after all
+        exit_checked(token)
+        return None
     reassert_warnings()
     return token
 
