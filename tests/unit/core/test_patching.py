@@ -360,3 +360,13 @@ def test_torch_overrides_tables_name_the_entry_as_a_tensor_method_and_forget_it_
     assert overrides.is_tensor_method_or_property(base)
     assert overrides.resolve_name(base) == "torch.Tensor.copy_"
     assert entry not in overrides._get_tensor_methods()
+
+
+def test_a_reference_taken_while_layered_runs_no_layer_after_removal(target):
+    """An alias, a ``functools.partial`` or a table built while a layer was in place holds the entry; once the
+    layer left, the entry passes straight to the base (found in review: it still ran the departed layer)."""
+    patching.add_layer(target, "greet", "a", 1, tagging("a"))
+    held = target.greet  # the entry, as a module-level alias would hold it
+    assert held(target(), "x") == "a(hello x)"
+    patching.remove_layer(target, "greet", "a")
+    assert held(target(), "x") == "hello x"

@@ -120,3 +120,34 @@ def test_a_showwarning_installed_after_enable_stays_and_ours_never_comes_back(re
         syncs.disable()
         fake.__exit__(None, None, None)
         warnings.showwarning = outer
+
+
+def test_a_disable_between_a_regions_gate_and_its_arming_leaves_nothing_behind(monkeypatch):
+    """Found in review: ``disable()`` on another thread after ``checking()`` passed its gate and before it armed
+    released the hook, and the region then put the hook and our warnings filter back for good."""
+    import re
+    import threading
+    import warnings
+
+    from syncless import syncs
+    from syncless.syncs import _debugmode, _hook, _state
+
+    with _debugmode.fake():
+        syncs.set_mode("record")
+        assert syncs.enable()
+        entering = _state._enter
+
+        def enter_while_another_thread_disables(depth, owner):
+            other = threading.Thread(target=syncs.disable)
+            other.start()
+            other.join()
+            return entering(depth, owner)
+
+        monkeypatch.setattr(_state, "_enter", enter_while_another_thread_disables)
+        with syncs.checking():
+            monkeypatch.setattr(_state, "_enter", entering)
+            assert warnings.showwarning is not _hook.showwarning
+        assert _debugmode.armer.count == 0
+        ours = re.escape(_hook.TORCH_SYNC_TEXT)
+        assert not any(getattr(f[1], "pattern", None) == ours for f in warnings.filters)
+        assert warnings.showwarning is not _hook.showwarning
