@@ -290,6 +290,10 @@ def _version_alias(dst: Any) -> Any:
     """
     import torch
 
+    if dst.is_conj() or dst.is_neg():
+        # An alias made with set_ has neither bit, so the worker would write the values unconjugated (or
+        # unnegated); such a destination is written through itself (its version is then bumped once more).
+        return dst
     alias = torch.empty(0, dtype=dst.dtype)
     return alias.set_(dst.untyped_storage(), dst.storage_offset(), dst.size(), dst.stride())
 

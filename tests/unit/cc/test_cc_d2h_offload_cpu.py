@@ -277,3 +277,15 @@ def test_each_d2h_stream_has_its_own_worker(monkeypatch):
         for worker in (slow.worker, fast.worker):
             worker.shutdown(5.0)
     assert not _d2h.pending()
+
+
+def test_a_conjugate_view_destination_gets_torchs_values(gpu_calls):
+    """``h.conj().copy_(x)`` writes conj(x) into h's memory, so the view reads x; a plain alias of the storage
+    would lose the conjugate bit and leave the view reading conj(x)."""
+    log, worker = gpu_calls
+    host = torch.zeros(8, dtype=torch.complex64)
+    view = host.conj()
+    src = torch.randn(8, dtype=torch.complex64)
+    seq = _d2h.offload(_d2h_stream(), view, src, "copy")
+    worker.wait_and_raise(seq, timeout_s=5.0)
+    assert torch.equal(view, src) and torch.equal(host, src.conj())
