@@ -35,9 +35,11 @@ from syncless.cc import _streams
 
 _lock = threading.Lock()
 # Byte ranges of host storages a noted D2H may still be writing: [start, end, entry], where entry is
-# ("event", ev) or ("job", seq). Finished ones are dropped whenever the list is read under the lock, so it
-# holds about as many entries as there are D2H copies into pinned memory in flight.
+# ("event", ev) or ("job", ticket). A staged H2D asks only the entries its source overlaps whether they are done
+# (and drops those that are); the whole list is trimmed once it reaches _TRIM_AT, so a stream of plain D2H copies
+# into pinned memory costs a query per copy only then.
 _pending: list[tuple[int, int, tuple]] = []
+_TRIM_AT = 64
 
 
 def _range(t: Any) -> tuple[int, int]:
@@ -57,16 +59,12 @@ def _is_done(entry: tuple) -> bool:
     return not _d2h.ticket_pending(entry[1])
 
 
-def _live() -> list[tuple[int, int, tuple]]:
-    """The entries not yet finished (the caller holds ``_lock``); the list is trimmed to them."""
-    _pending[:] = [item for item in _pending if not _is_done(item[2])]
-    return _pending
-
-
 def _remember(t: Any, entry: tuple) -> None:
     start, end = _range(t)
     with _lock:
-        _live().append((start, end, entry))
+        if len(_pending) >= _TRIM_AT:
+            _pending[:] = [item for item in _pending if not _is_done(item[2])]
+        _pending.append((start, end, entry))
 
 
 def note_plain_d2h(dst: Any, stream: Any) -> None:
@@ -98,7 +96,12 @@ def order_after_pending_writes(staging: Any, src: Any) -> None:
         return
     start, end = _range(src)
     with _lock:
-        entries = [entry for lo, hi, entry in _live() if lo < end and start < hi]
+        entries = []
+        for item in [item for item in _pending if item[0] < end and start < item[1]]:
+            if _is_done(item[2]):
+                _pending.remove(item)
+            else:
+                entries.append(item[2])
     if not entries:
         return
     import torch
