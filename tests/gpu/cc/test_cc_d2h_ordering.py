@@ -54,6 +54,18 @@ def _slow_write(stream, dst, value, cycles):
         dst.copy_(value)
 
 
+def _d2h_behind_a_slow_producer(cc, dev, cycles):
+    """A new D2H stream ordered after a producer stream that sleeps ``cycles`` first (so the worker waits)."""
+    import torch
+
+    producer = torch.cuda.Stream(dev)
+    d2h = cc.new_d2h_stream(dev)
+    with torch.cuda.stream(producer):
+        torch.cuda._sleep(cycles)
+    d2h.wait_stream(producer)
+    return d2h
+
+
 def _assert_bits(host, expected):
     import torch
 
@@ -131,11 +143,7 @@ def test_later_work_on_the_d2h_stream_waits_for_the_copy(shim, cycles_per_ms):
     cc = shim
     for _ in range(TRIALS):
         dev, src, new, old, host = _setup()
-        producer = torch.cuda.Stream(dev)
-        d2h = cc.new_d2h_stream(dev)
-        with torch.cuda.stream(producer):
-            torch.cuda._sleep(10 * cycles_per_ms)  # the copy's producer is slow ...
-        d2h.wait_stream(producer)
+        d2h = _d2h_behind_a_slow_producer(cc, dev, 10 * cycles_per_ms)  # the copy's producer is slow ...
         with torch.cuda.stream(d2h):
             host.copy_(src, non_blocking=True)
             src.copy_(new)  # ... and this overwrite is queued on the D2H stream after the copy
@@ -175,11 +183,7 @@ def test_a_kernel_on_the_d2h_stream_after_the_copy_does_not_reach_it(shim, cycle
     cc = shim
     for _ in range(TRIALS):
         dev, src, new, old, host = _setup()
-        producer = torch.cuda.Stream(dev)
-        d2h = cc.new_d2h_stream(dev)
-        with torch.cuda.stream(producer):
-            torch.cuda._sleep(10 * cycles_per_ms)  # the copy's producer is slow, so the worker waits for it
-        d2h.wait_stream(producer)
+        d2h = _d2h_behind_a_slow_producer(cc, dev, 10 * cycles_per_ms)  # so the worker waits for it
         with torch.cuda.stream(d2h):
             source = src * 1 if overwrite == "reuse" else src  # `src * 1` runs on D
             if form == "copy_":
@@ -235,12 +239,8 @@ def test_streams_ordered_after_the_d2h_stream_wait_for_the_copy(shim, cycles_per
     cc = shim
     for trial in range(TRIALS):
         dev, src, new, old, host = _setup()
-        producer = torch.cuda.Stream(dev)
         consumer = torch.cuda.Stream(dev)
-        d2h = cc.new_d2h_stream(dev)
-        with torch.cuda.stream(producer):
-            torch.cuda._sleep(10 * cycles_per_ms)
-        d2h.wait_stream(producer)
+        d2h = _d2h_behind_a_slow_producer(cc, dev, 10 * cycles_per_ms)
         with torch.cuda.stream(d2h):
             host.copy_(src, non_blocking=True)
         if trial % 2 == 0:
