@@ -108,6 +108,35 @@ def reads_as_cuda_device(device: Any) -> bool:
     return isinstance(device, torch.device) and device.type == "cuda"
 
 
+class _TorchChecks:
+    """torch's C entry points the checks below call on every routed copy, looked up once (None: this torch lacks it).
+
+    Each check is then one call, not a chain of attribute lookups: these run on the host path of every
+    ``non_blocking`` copy, where a microsecond shows (docs/cc.md, "The shim's own cost").
+    """
+
+    __slots__ = ("tensor", "has_torch_function", "dispatch_stack_len", "functorch_peek", "functorch_wrapped")
+
+    def __init__(self) -> None:
+        import torch
+
+        functorch = getattr(torch._C, "_functorch", None)
+        self.tensor = torch.Tensor
+        self.has_torch_function = torch._C._has_torch_function
+        self.dispatch_stack_len = getattr(torch._C, "_len_torch_dispatch_stack", None)
+        self.functorch_peek = getattr(functorch, "peek_interpreter_stack", None)
+        self.functorch_wrapped = getattr(functorch, "is_functorch_wrapped_tensor", None)
+
+
+_checks: list[_TorchChecks] = []
+
+
+def _torch_checks() -> _TorchChecks:
+    if not _checks:
+        _checks.append(_TorchChecks())
+    return _checks[0]
+
+
 def has_override(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
     """Whether torch would hand this call to a ``__torch_function__`` override (a tensor subclass's, or a mode).
 
@@ -116,17 +145,13 @@ def has_override(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
     then calls the override, which calls the wrapper again with overrides
     disabled, and that call is read and routed as usual.
     """
-    import torch
-
-    check = torch._C._has_torch_function
+    check = _torch_checks().has_torch_function
     return check(args) or (bool(kwargs) and check(tuple(kwargs.values())))
 
 
 def dispatch_modes() -> int:
     """How many ``TorchDispatchMode``s are active (0 where torch cannot say)."""
-    import torch
-
-    count = getattr(torch._C, "_len_torch_dispatch_stack", None)
+    count = _torch_checks().dispatch_stack_len
     return count() if count is not None else 0
 
 
@@ -136,13 +161,15 @@ def functorch_active(tensors: Sequence[Any]) -> bool:
     Such wrappers have no batching rule for most of what a wrapper would do to read or reroute a copy
     (``is_pinned``, ``record_stream``), so both syncs and cc pass the call on unread.
     """
-    import torch
-
-    functorch = getattr(torch._C, "_functorch", None)
-    if functorch is None:
-        return False
-    peek = getattr(functorch, "peek_interpreter_stack", None)
+    checks = _torch_checks()
+    peek = checks.functorch_peek
     if peek is not None and peek() is not None:
         return True
-    wrapped = getattr(functorch, "is_functorch_wrapped_tensor", None)
-    return wrapped is not None and any(wrapped(t) for t in tensors if isinstance(t, torch.Tensor))
+    wrapped = checks.functorch_wrapped
+    if wrapped is None:
+        return False
+    tensor = checks.tensor
+    for t in tensors:
+        if isinstance(t, tensor) and wrapped(t):
+            return True
+    return False

@@ -8,8 +8,10 @@ host<->device ``Tensor.to``/``Tensor.cuda``/``Tensor.copy_`` (also when
 spelled with torch's deprecated ``async=True``) it blocks the host until the
 stream the copy ran on (the current stream of the CUDA side's device) drains.
 
-It sits beneath the shim (rank ``RANK_CC_EMULATION``), so it applies to the
-shim's own copies as it would to the driver's. Its waits use the driver's
+It sits beneath the shim (rank ``RANK_CC_EMULATION``). The shim's own
+staged copies call torch's method and then :func:`wait_after_copy_on` for
+the stream they used: the same wait, without this layer reading the call
+a second time. Its waits use the driver's
 ``cuStreamSynchronize`` (see :mod:`._streams`): they stand for the driver,
 not for the user's code, so torch's sync debug mode (and with it the
 hidden-sync detector) never reports them.
@@ -36,13 +38,24 @@ def _emulate_wait(cuda_device: Any) -> None:
 
     Skipped if that stream, or the current stream of the current device, is capturing.
     """
-    import torch
-
     index = _streams.device_index(cuda_device)
     if _streams.any_current_capture(index):  # covers the current stream of ``index`` too
         return
-    _streams.wait_stream_raw(torch.cuda.current_stream(index))
+    _streams.wait_stream_raw(_streams.current_stream(index))
     COUNTERS.add("emulated_waits")
+
+
+def wait_after_copy_on(stream: Any) -> None:
+    """If CC is emulated: block the host until ``stream`` drains, as the driver does after a copy on it.
+
+    For the shim's own host<->device copies, which it issues with torch's own
+    method on a stream it knows (the staging stream) and never while a graph
+    is captured: the wait the emulation layer would make, without reading the
+    call again. Does nothing when CC is not emulated.
+    """
+    if _installed:
+        _streams.wait_stream_raw(stream)
+        COUNTERS.add("emulated_waits")
 
 
 def _wrap_to(next_to):

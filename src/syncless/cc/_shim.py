@@ -49,11 +49,9 @@ def _strided(*tensors: Any) -> bool:
 
 
 def _d2h_record(src: Any):
-    import torch
-
     if not _d2h.has_streams():
         return None
-    return _d2h.lookup(torch.cuda.current_stream(src.device.index))
+    return _d2h.lookup(_streams.current_stream(src.device.index))
 
 
 def _refuses_inplace(dst: Any) -> bool:
@@ -124,12 +122,10 @@ def _note_plain_d2h(dst: Any, src: Any) -> None:
 
     Skipped while a graph is captured (the copy is then a graph node, not work on the stream).
     """
-    import torch
-
     index = src.device.index
     if dst is src or _streams.any_current_capture(index):
         return
-    _host_writes.note_plain_d2h(dst, torch.cuda.current_stream(index))
+    _host_writes.note_plain_d2h(dst, _streams.current_stream(index))
 
 
 def _describe(verb: str, t: Any) -> str:
@@ -240,7 +236,7 @@ def _wrap_cuda(next_cuda):
         COUNTERS.add("staged")
         if memory_format is not None and memory_format is not torch.preserve_format:
             return _staging.land_converted(self, index, None, memory_format)
-        return _staging.land(self, index, next_fn=next_cuda, device=index, non_blocking=True)
+        return _staging.land(self, index, how="cuda")
 
     return cuda
 
@@ -254,9 +250,7 @@ def _settle_d2h_stream(index: int | None) -> None:
     """
     if index is None or not _d2h.pending() or not _d2h.has_streams():
         return
-    import torch
-
-    record = _d2h.lookup(torch.cuda.current_stream(index))
+    record = _d2h.lookup(_streams.current_stream(index))
     if record is not None:
         _d2h.wait_for_stream(record)
 
@@ -341,7 +335,7 @@ def _wrap_copy(next_copy):
                                   dtype_changes=self.dtype != src.dtype, autograd=False, dst=self)
             if route == _routing.IN_PLACE:
                 COUNTERS.add("in_place")
-                return _staging.copy_in_place(self, src, next_copy)
+                return _staging.copy_in_place(self, src)
             if route == _routing.STAGE_INTO:
                 COUNTERS.add("staged")
                 return _staging.stage_into(self, src, next_copy)

@@ -20,8 +20,7 @@ from typing import Any
 
 from syncless._core import patching
 from syncless._core.layouts import broadcasts_to, same_dense_layout
-from syncless.cc import _host_writes, _streams
-from syncless.cc._layers import SHIM_KEY
+from syncless.cc import _emulation, _host_writes, _streams
 
 # Registered targets by (device index, storage address). The values are weak: an entry lapses when its
 # tensor dies, and the old tensor's death never removes the entry of a newer tensor at the same address
@@ -70,7 +69,7 @@ def register_inplace_h2d_target(t: Any) -> None:
         index = t.device.index
         # staging : [wait E] uploads into t ...
         # current : zero-fill t  E
-        _streams.order_after(_streams.staging_stream(index), torch.cuda.current_stream(index))
+        _streams.order_after(_streams.staging_stream(index), _streams.current_stream(index))
 
 
 def is_registered_target(t: Any) -> bool:
@@ -94,18 +93,28 @@ def is_registered_target(t: Any) -> bool:
     return True
 
 
-def _beneath(name: str):
+def _torch_own(name: str):
+    """torch's own ``Tensor.<name>``, beneath every syncless layer (the CC emulator's too).
+
+    The shim's own copies call it directly: a device-to-device copy or a
+    ``meta`` layout query has nothing to emulate, and after a host<->device
+    copy the shim asks for the emulated wait itself
+    (:func:`._emulation.wait_after_copy_on`), for the stream it used, instead
+    of having the emulation layer read the call again.
+    """
     import torch
 
-    return patching.beneath(torch.Tensor, name, SHIM_KEY)
+    return patching.original(torch.Tensor, name)
 
 
-def land(src: Any, index: int, next_fn=None, **kwargs: Any) -> Any:
+def land(src: Any, index: int, how: str = "to") -> Any:
     """Copy host ``src`` to a new tensor on GPU ``index``, on the staging stream; hand it to the current stream.
 
     Enqueues the copy on the staging stream and a wait for it on the current
-    stream; the host waits at most for the transfer itself (under CC).
-    The result is allocated on the staging stream (so the allocator cannot
+    stream; the host waits at most for the transfer itself (under CC, and
+    when CC is emulated). ``how`` is the tensor method that makes the copy,
+    ``"to"`` or ``"cuda"`` (the one the caller called, so its result is
+    torch's own). The result is allocated on the staging stream (so the allocator cannot
     hand out memory the current stream may still be using) and then marked
     as used by the current stream (``record_stream``), so its memory is not
     recycled before the current stream is done with it.
@@ -114,16 +123,15 @@ def land(src: Any, index: int, next_fn=None, **kwargs: Any) -> Any:
     destination is new), only the D2H copies still writing the host source
     (:mod:`._host_writes`); the current stream's later work waits for the copy.
     """
-    import torch
-
-    current = torch.cuda.current_stream(index)
+    current = _streams.current_stream(index)
     staging = _streams.staging_stream(index)
     _host_writes.order_after_pending_writes(staging, src)
     with _streams.OnStream(staging, current):
-        if next_fn is None:
-            landed = _beneath("to")(src, device=torch.device("cuda", index), non_blocking=True)
+        if how == "cuda":
+            landed = _torch_own("cuda")(src, index, non_blocking=True)
         else:
-            landed = next_fn(src, **kwargs)
+            landed = _torch_own("to")(src, device=staging.device, non_blocking=True)
+    _emulation.wait_after_copy_on(staging)
     _streams.order_after(current, staging)
     landed.record_stream(current)
     return landed
@@ -149,15 +157,14 @@ def land_converted(src: Any, index: int, dtype: Any, memory_format: Any) -> Any:
     target_dtype = src.dtype if dtype is None else dtype
     if target_dtype == src.dtype and fmt is torch.preserve_format:
         return land(src, index)
-    to_beneath = _beneath("to")
-    shape = to_beneath(src, device="meta", dtype=target_dtype, memory_format=fmt)  # torch's layout for the result
+    shape = _torch_own("to")(src, device="meta", dtype=target_dtype, memory_format=fmt)  # torch's layout for the result
     if src.is_contiguous() or (target_dtype == src.dtype and same_dense_layout(shape.shape, shape.stride(),
                                                                                src.shape, src.stride())):
         landed = land(src, index)  # torch moves this block as it lies, in stream order
     else:
         landed = land(src.clone(memory_format=torch.contiguous_format), index)  # torch reads it now
     result = torch.empty_strided(shape.shape, shape.stride(), dtype=target_dtype, device=landed.device)
-    _beneath("copy_")(result, landed)  # on the current stream, which waits for the staging copy (land)
+    _torch_own("copy_")(result, landed)  # on the current stream, which waits for the staging copy (land)
     return result
 
 
@@ -201,7 +208,7 @@ def stage_into(dst: Any, src: Any, next_copy) -> Any:
     else:  # one dense block: move it as it lies, then view it with the source's strides
         block = src.as_strided((src.numel(),), (1,), src.storage_offset())
         tmp = land(block, index).as_strided(tuple(src.shape), tuple(src.stride()), 0)
-    next_copy(dst, tmp, non_blocking=True)
+    _torch_own("copy_")(dst, tmp, non_blocking=True)  # a D2D on the current stream: nothing to emulate
     return dst
 
 
@@ -228,7 +235,7 @@ def _torch_reads_source_now(dst: Any, src: Any) -> bool:
     return not expanded.is_contiguous()
 
 
-def copy_in_place(dst: Any, src: Any, next_copy) -> Any:
+def copy_in_place(dst: Any, src: Any) -> Any:
     """Copy host ``src`` straight into registered target ``dst`` on the staging stream.
 
     staging : copy host -> dst  E
@@ -239,14 +246,13 @@ def copy_in_place(dst: Any, src: Any, next_copy) -> Any:
     marked as used by the staging stream so its memory is not recycled before
     the copy has run. Does not block the host beyond the transfer (under CC).
     """
-    import torch
-
     index = dst.device.index
-    current = torch.cuda.current_stream(index)
+    current = _streams.current_stream(index)
     staging = _streams.staging_stream(index)
     _host_writes.order_after_pending_writes(staging, src)
     with _streams.OnStream(staging, current):
-        next_copy(dst, src, non_blocking=True)
+        _torch_own("copy_")(dst, src, non_blocking=True)
+    _emulation.wait_after_copy_on(staging)
     dst.record_stream(staging)
     _streams.order_after(current, staging)
     return dst

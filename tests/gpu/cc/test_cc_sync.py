@@ -298,7 +298,7 @@ def test_staged_copies_leave_the_current_stream_and_device_as_they_were(emulated
             out = form()
             assert torch.cuda.current_stream(dev) == mine
             assert torch.equal(out.cpu(), host)
-        monkeypatch.setattr(_staging, "_beneath", lambda name: lambda *a, **k: (_ for _ in ()).throw(
+        monkeypatch.setattr(_staging, "_torch_own", lambda name: lambda *a, **k: (_ for _ in ()).throw(
             RuntimeError("raised beneath the shim")))
         with pytest.raises(RuntimeError, match="raised beneath the shim"):
             host.to(dev, non_blocking=True)
