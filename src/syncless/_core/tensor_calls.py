@@ -115,7 +115,8 @@ class _TorchChecks:
     ``non_blocking`` copy, where a microsecond shows (docs/cc.md, "The shim's own cost").
     """
 
-    __slots__ = ("tensor", "has_torch_function", "dispatch_stack_len", "functorch_peek", "functorch_wrapped")
+    __slots__ = ("tensor", "has_torch_function", "has_torch_function_unary", "dispatch_stack_len", "functorch_peek",
+                 "functorch_wrapped")
 
     def __init__(self) -> None:
         import torch
@@ -123,6 +124,7 @@ class _TorchChecks:
         functorch = getattr(torch._C, "_functorch", None)
         self.tensor = torch.Tensor
         self.has_torch_function = torch._C._has_torch_function
+        self.has_torch_function_unary = torch._C._has_torch_function_unary
         self.dispatch_stack_len = getattr(torch._C, "_len_torch_dispatch_stack", None)
         self.functorch_peek = getattr(functorch, "peek_interpreter_stack", None)
         self.functorch_wrapped = getattr(functorch, "is_functorch_wrapped_tensor", None)
@@ -145,8 +147,20 @@ def has_override(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
     then calls the override, which calls the wrapper again with overrides
     disabled, and that call is read and routed as usual.
     """
-    check = _torch_checks().has_torch_function
-    return check(args) or (bool(kwargs) and check(tuple(kwargs.values())))
+    checks = _torch_checks()
+    check, tensor = checks.has_torch_function_unary, checks.tensor
+    if not args or not isinstance(args[0], tensor):
+        whole = checks.has_torch_function
+        return whole(args) or (bool(kwargs) and whole(tuple(kwargs.values())))
+    # Tensor methods: torch looks for overrides among the tensors of a call (and the active modes) only, so
+    # a tensor-by-tensor check says the same, without torch's slower look-up on every non-tensor argument.
+    if check(args[0]):
+        return True
+    for values in (args[1:], kwargs.values()):
+        for value in values:
+            if isinstance(value, tensor) and check(value):
+                return True
+    return False
 
 
 def dispatch_modes() -> int:

@@ -45,7 +45,11 @@ def _nbytes(t: Any) -> int:
 def _strided(*tensors: Any) -> bool:
     import torch
 
-    return all(t.layout == torch.strided and not t.is_nested for t in tensors)
+    strided = torch.strided
+    for t in tensors:  # a loop, not all(<generator>): this runs on every routed copy
+        if t.layout != strided or t.is_nested:
+            return False
+    return True
 
 
 def _d2h_record(src: Any):
@@ -71,12 +75,15 @@ def _drops_imaginary(src: Any, dst: Any, dst_dtype: Any) -> bool:
 
 
 def _decide(src: Any, dst_type: str, index: int | None, *, into_existing: bool, registered: bool,
-            dtype_changes: bool, autograd: bool, dst: Any = None, dst_dtype: Any = None) -> tuple[str, str, Any]:
+            dtype_changes: bool, autograd: bool, dst: Any = None, dst_dtype: Any = None,
+            src_type: str | None = None) -> tuple[str, str, Any]:
     """Gather the facts of one ``non_blocking`` copy and route it; count left-alone copies.
 
-    ``dst``: the destination of a ``copy_``; ``dst_dtype``: the dtype asked of a ``.to`` (None: unchanged).
+    ``dst``: the destination of a ``copy_``; ``dst_dtype``: the dtype asked of a ``.to`` (None: unchanged);
+    ``src_type``: ``src.device.type`` where the caller has it already.
     """
-    src_type = src.device.type
+    if src_type is None:
+        src_type = src.device.type
     record = None
     capturing = False
     if (src_type == "cuda") != (dst_type == "cuda"):
@@ -169,18 +176,20 @@ def _wrap_to(next_to):
         if device is None or not non_blocking:
             _settle_for_to(self, rest, kwargs)
             return next_to(*args, **kwargs)
+        src_device = self.device
+        src_type, dst_type = src_device.type, device.type
         index = None
-        if device.type == "cuda":
+        if dst_type == "cuda":
             index = _present_cuda_index(device)
             if index is None:
                 return next_to(*args, **kwargs)  # torch raises its own error
-        elif self.device.type == "cuda":
-            index = self.device.index
+        elif src_type == "cuda":
+            index = src_device.index
         autograd = self.requires_grad and torch.is_grad_enabled()
-        route, _, record = _decide(self, device.type, index, into_existing=False, registered=False,
+        route, _, record = _decide(self, dst_type, index, into_existing=False, registered=False,
                                    dtype_changes=dtype is not None and dtype != self.dtype, autograd=autograd,
-                                   dst_dtype=dtype)
-        if route != _routing.OFFLOAD and _touches_host(self.device.type, device.type):
+                                   dst_dtype=dtype, src_type=src_type)
+        if route != _routing.OFFLOAD and _touches_host(src_type, dst_type):
             _settle_d2h_stream(index)
         if route == _routing.STAGE_FRESH:
             COUNTERS.add("staged")
@@ -193,7 +202,7 @@ def _wrap_to(next_to):
             _settle_d2h_stream(index)  # no room for the snapshot: torch's own copy, after the queued ones
             route = _routing.ORIGINAL
         result = next_to(*args, **kwargs)
-        if route == _routing.ORIGINAL and device.type == "cpu" and self.device.type == "cuda":
+        if route == _routing.ORIGINAL and dst_type == "cpu" and src_type == "cuda":
             _note_plain_d2h(result, self)
         return result
 

@@ -66,3 +66,45 @@ def test_cc_emulation_takes_a_positional_copy_like_torch(monkeypatch):
     finally:
         cc.uninstall()
     assert got is not x and torch.equal(got, expected)
+
+
+class _Traced(torch.Tensor):
+    """A tensor subclass with a ``__torch_function__`` override of its own."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class _NotATensor:
+    """An object with ``__torch_function__`` that is not a tensor (torch's parser never treats it as overloaded)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        raise AssertionError("not called")
+
+
+def test_has_override_answers_like_torchs_own_check_for_tensor_methods():
+    """The tensor-by-tensor check (a hot path) agrees with torch's whole-call check wherever a tensor leads."""
+    from torch.overrides import TorchFunctionMode
+
+    from syncless._core.tensor_calls import has_override
+
+    plain, sub = torch.zeros(2), torch.zeros(2).as_subclass(_Traced)
+    calls = [
+        ((plain, "cpu"), {"non_blocking": True}, False),
+        ((plain, plain), {}, False),
+        ((plain,), {"other": plain, "non_blocking": True}, False),
+        ((sub, "cpu"), {}, True),
+        ((plain, sub), {}, True),
+        ((plain,), {"other": sub}, True),
+        ((plain, torch.float16, True), {}, False),
+    ]
+    for args, kwargs, expected in calls:
+        whole = torch._C._has_torch_function(args) or torch._C._has_torch_function(tuple(kwargs.values()))
+        assert has_override(args, kwargs) is expected == whole, (args, kwargs)
+    with TorchFunctionMode():
+        assert has_override((plain, "cpu"), {})
+    # A non-tensor first argument: torch's own check of the whole call.
+    assert has_override((_NotATensor(), plain), {})
+    assert not has_override((1, plain), {})
