@@ -12,11 +12,12 @@ few ms of GPU work (embedding, a stack of matmuls, an argmax) and reads the
 sampled tokens back on a D2H stream; the host consumes a step's tokens one
 step later (async scheduling). A second measurement times how long a 1 MiB
 ``non_blocking`` H2D takes to return to the host with 20 ms of GPU work queued,
-in every setup of the same run, rounds interleaved, and the transfer alone
-(emulated CC, nothing queued). One goal compares emulated CC with the shim to
-plain no-CC (at most 1.5x); under CC the host must wait for the transfer
-itself, so a second compares it to the transfer alone: the shim's own cost
-(staging stream, events, Python). ``tests/gpu/cc/probe_h2d_cost.py`` and
+in every setup of the same run, rounds interleaved, and on an idle GPU the
+transfer alone (emulated CC, no shim) and the shim's path (emulated CC with
+the shim). One goal compares emulated CC with the shim to plain no-CC (at
+most 1.5x); under CC the host must wait for the transfer itself, so a second
+compares the shim's path to the transfer alone, both on an idle GPU: the
+shim's own cost (staging stream, events, Python). ``tests/gpu/cc/probe_h2d_cost.py`` and
 ``probe_h2d_breakdown.py`` break that cost down.
 """
 
@@ -32,8 +33,16 @@ from syncless.bench._report import BenchOutput, Goal
 SETUPS = ("plain", "shim", "emulated", "emulated+shim")
 H2D_GOAL_VS_PLAIN = 1.5  # emulated CC with the shim, vs no CC at all: host time for the 1 MiB H2D to return
 H2D_GOAL_VS_TRANSFER = 1.5  # emulated CC with the shim, vs the transfer alone (the shim's own cost)
-H2D_ROUNDS = 3
-TRANSFER_ALONE = "emulated, nothing queued (the transfer alone)"
+H2D_ROUNDS = 7
+TRANSFER_ALONE = "nothing queued, no syncless: the copy, then a stream synchronize (the transfer alone)"
+SHIM_IDLE = "emulated+shim, nothing queued"
+# The H2D rows: (row, setup, ms of GPU work queued first, the host then waits for the stream). Each setup behind
+# 20 ms of work, then two on an idle GPU: the transfer alone (torch's copy and a stream synchronize, the host
+# wait CC's driver makes, with no syncless code at all), and the shim's path (the shim's own cost, like for like).
+H2D_CASES = tuple((setup, setup, 20.0, False) for setup in SETUPS) + (
+    (TRANSFER_ALONE, "plain", 0.0, True),
+    (SHIM_IDLE, "emulated+shim", 0.0, False),
+)
 BATCH = 64
 HIDDEN = 4096
 VOCAB = 32000
@@ -116,8 +125,12 @@ def _decode_loop(torch, dev, model: _Model, d2h, steps: int, warmup: int) -> flo
     return BATCH * steps / (time.perf_counter() - start_s)
 
 
-def _h2d_return_us(torch, dev, cycles_per_ms: int, repeats: int, queued_ms: float = 20.0) -> list[float]:
-    """Host times (us) for a 1 MiB non_blocking H2D issued behind ``queued_ms`` of queued work (0: GPU idle)."""
+def _h2d_return_us(torch, dev, cycles_per_ms: int, repeats: int, queued_ms: float = 20.0,
+                   then_wait: bool = False) -> list[float]:
+    """Host times (us) for a 1 MiB non_blocking H2D issued behind ``queued_ms`` of queued work (0: GPU idle).
+
+    ``then_wait``: the time includes a synchronize of the current stream after the copy call.
+    """
     host = torch.randn(1 << 18).pin_memory()
     times = []
     for _ in range(repeats):
@@ -126,6 +139,8 @@ def _h2d_return_us(torch, dev, cycles_per_ms: int, repeats: int, queued_ms: floa
             torch.cuda._sleep(int(cycles_per_ms * queued_ms))
         t0 = time.perf_counter()
         out = host.to(dev, non_blocking=True)
+        if then_wait:
+            torch.cuda.current_stream(dev).synchronize()
         times.append((time.perf_counter() - t0) * 1e6)
         torch.cuda.synchronize(dev)
         del out
@@ -133,20 +148,23 @@ def _h2d_return_us(torch, dev, cycles_per_ms: int, repeats: int, queued_ms: floa
 
 
 def _h2d_table(torch, dev, cycles_per_ms: int, repeats: int, progress) -> dict[str, float]:
-    """Median host time (us) of the 1 MiB H2D in every setup, and of the transfer alone; rounds interleaved.
+    """Median host time (us) of the 1 MiB H2D in every row of :data:`H2D_CASES`; rounds interleaved.
 
-    The transfer alone is emulated CC with nothing queued: the host waits for
-    the copy itself and nothing else, the least that any design which issues
-    the copy on the calling thread can cost under CC.
+    The transfer alone is torch's copy and a stream synchronize on an idle
+    GPU, without syncless: the host waits for the copy itself and nothing
+    else, the least that any design which issues the copy on the calling
+    thread can cost under CC. Host timings on a
+    shared machine drift by several times within a minute
+    (``tests/gpu/cc/probe_h2d_host_state.py``), so each round takes a few
+    samples of every row in turn and the medians come from all rounds.
     """
-    samples: dict[str, list[float]] = {s: [] for s in (*SETUPS, TRANSFER_ALONE)}
+    samples: dict[str, list[float]] = {row[0]: [] for row in H2D_CASES}
     per_round = max(1, repeats // H2D_ROUNDS)
-    for _ in range(H2D_ROUNDS):  # interleaved, so drift hits every setup alike
-        for setup in SETUPS:
+    for _ in range(H2D_ROUNDS):  # interleaved, so drift hits every row alike
+        for row, setup, queued_ms, then_wait in H2D_CASES:
             _enter(setup)
-            samples[setup] += _h2d_return_us(torch, dev, cycles_per_ms, per_round)
-        _enter("emulated")
-        samples[TRANSFER_ALONE] += _h2d_return_us(torch, dev, cycles_per_ms, per_round, queued_ms=0)
+            samples[row] += _h2d_return_us(torch, dev, cycles_per_ms, per_round, queued_ms=queued_ms,
+                                           then_wait=then_wait)
     medians = {name: statistics.median(values) for name, values in samples.items()}
     for name, us in medians.items():
         progress(f"1 MiB H2D, {name}: {us:,.0f} us to return")
@@ -189,7 +207,7 @@ def run(args: Any, progress) -> BenchOutput:
                 tokens_per_s[setup].append(rate)
                 stats[setup] = cc.stats().__dict__ | {"left_alone": dict(cc.stats().left_alone)}
                 progress(f"round {round_index + 1}/{rounds} {setup}: {rate:,.0f} tokens/s")
-        h2d_us = _h2d_table(torch, dev, cycles, 6 if quick else 21, progress)
+        h2d_us = _h2d_table(torch, dev, cycles, H2D_ROUNDS if quick else 6 * H2D_ROUNDS, progress)
     finally:
         cc.uninstall()
 
@@ -205,8 +223,8 @@ def run(args: Any, progress) -> BenchOutput:
              h2d_us["emulated+shim"] / h2d_us["emulated"], 0.02, "x", False),
         Goal("1 MiB H2D behind 20 ms: host return, emulated CC with the shim / no CC (same run)",
              h2d_us["emulated+shim"] / h2d_us["plain"], H2D_GOAL_VS_PLAIN, "x", False),
-        Goal("1 MiB H2D behind 20 ms: host return, emulated CC with the shim / the transfer alone (same run)",
-             h2d_us["emulated+shim"] / h2d_us[TRANSFER_ALONE], H2D_GOAL_VS_TRANSFER, "x", False),
+        Goal("1 MiB H2D on an idle GPU: host return, emulated CC with the shim / the transfer alone (same run)",
+             h2d_us[SHIM_IDLE] / h2d_us[TRANSFER_ALONE], H2D_GOAL_VS_TRANSFER, "x", False),
     ]
 
     def plot(path):
@@ -222,10 +240,10 @@ def run(args: Any, progress) -> BenchOutput:
         left.tick_params(axis="x", labelrotation=15)
         names = list(h2d_us)
         right.bar([n.split(" (")[0] for n in names], [h2d_us[n] for n in names],
-                  color=["#555", "#888", "#c44", "#4a4", "#aaa"])
+                  color=["#555", "#888", "#c44", "#4a4", "#aaa", "#8c8"])
         right.set_yscale("log")
         right.set_ylabel("host time to return (us, log)")
-        right.set_title("1 MiB non_blocking H2D behind 20 ms of GPU work")
+        right.set_title("1 MiB non_blocking H2D (behind 20 ms of GPU work unless marked)")
         right.tick_params(axis="x", labelrotation=15)
         fig.tight_layout()
         fig.savefig(path, dpi=120)
@@ -238,7 +256,8 @@ def run(args: Any, progress) -> BenchOutput:
               "gpu_ms_per_step": target_ms, "spin_cycles_per_ms": cycles, "batch": BATCH, "hidden": HIDDEN, "steps": steps, "rounds": rounds, "stats": stats},
         tables=[
             ("Decode loop throughput", ["setup", "tokens/s (median)", "vs plain", "min", "max"], rows),
-            ("1 MiB non_blocking H2D behind 20 ms of queued GPU work (median host time)",
+            ("1 MiB non_blocking H2D behind 20 ms of queued GPU work, and on an idle GPU where marked "
+             "(median host time)",
              ["setup", "us to return", "vs plain (no CC)", "vs emulated", "vs the transfer alone"], h2d_rows),
         ],
         goals=goals,
@@ -249,8 +268,10 @@ def run(args: Any, progress) -> BenchOutput:
             "Tokens are read back on a stream from syncless.cc.new_d2h_stream(); the host consumes them one step late.",
             f"Each step: embedding of the uploaded ids and positions, {target_ms:g} ms of GPU work (one calibrated "
             "spin kernel standing for a CUDA-graphed forward pass), a 4096 x 32000 sampling head and argmax.",
-            "The transfer alone: emulated CC with nothing queued, so the host waits for the 1 MiB copy itself and "
-            "nothing else. Under CC the copy call returns only after its transfer; a design that issues it on the "
-            "calling thread cannot return sooner, so that row, not plain, bounds what the shim can reach.",
+            "The transfer alone: torch's copy and a stream synchronize on an idle GPU, no syncless code, so the host "
+            "waits for the 1 MiB copy itself and nothing else (what CC's driver makes it wait for). Under CC the copy call returns only after its transfer; a design that issues it on the "
+            "calling thread cannot return sooner, so that row, not plain, bounds what the shim can reach; the "
+            "shim's own cost is the idle-GPU row with the shim against it.",
+            f"H2D rows: {H2D_ROUNDS} rounds, each timing every row in turn; medians over all rounds.",
         ],
     )
