@@ -105,6 +105,22 @@ def test_has_override_answers_like_torchs_own_check_for_tensor_methods():
         assert has_override(args, kwargs) is expected == whole, (args, kwargs)
     with TorchFunctionMode():
         assert has_override((plain, "cpu"), {})
+    # Inside an override's own call back into torch (subclass overrides off) and with every override off:
+    # the same answers as torch's check, modes included.
+    for switched_off in (torch._C.DisableTorchFunctionSubclass, torch._C.DisableTorchFunction):
+        for mode_on in (False, True):
+            with switched_off():
+                mode = TorchFunctionMode() if mode_on else None
+                if mode is not None:
+                    mode.__enter__()
+                try:
+                    for args, kwargs, _ in calls:
+                        whole = torch._C._has_torch_function(args) or torch._C._has_torch_function(
+                            tuple(kwargs.values()))
+                        assert has_override(args, kwargs) == whole, (switched_off, mode_on, args, kwargs)
+                finally:
+                    if mode is not None:
+                        mode.__exit__(None, None, None)
     # A non-tensor first argument: torch's own check of the whole call.
     assert has_override((_NotATensor(), plain), {})
     assert not has_override((1, plain), {})
