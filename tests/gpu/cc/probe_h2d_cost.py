@@ -27,8 +27,9 @@ mean of 200), with the same queued work.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
+
+from probe_timing import median_host_us  # beside this script
 
 
 def main() -> None:
@@ -99,18 +100,11 @@ def main() -> None:
         ("emulated CC, no shim", "emulate-only", plain),
     ]
 
+    def queue_work():
+        torch.cuda._sleep(int(cycles_per_ms * args.queued_ms))
+
     def sample(fn, queued: bool) -> float:
-        times = []
-        for _ in range(args.repeats):
-            torch.cuda.synchronize(dev)
-            if queued:
-                torch.cuda._sleep(int(cycles_per_ms * args.queued_ms))
-            t0 = time.perf_counter()
-            out = fn()
-            times.append((time.perf_counter() - t0) * 1e6)
-            torch.cuda.synchronize(dev)
-            del out
-        return statistics.median(times)
+        return median_host_us(torch, dev, fn, args.repeats, before=queue_work if queued else None)
 
     results = []
     try:

@@ -26,8 +26,9 @@ Medians of ``--repeats`` samples, in microseconds.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
+
+from probe_timing import median_host_us  # beside this script
 
 
 def _busy(seconds: float) -> None:
@@ -77,18 +78,6 @@ def main() -> None:
         "10 x call_for_routing (Python)": ("none", read_call),
     }
 
-    def sample(setup_state, fn) -> float:
-        times = []
-        for _ in range(args.repeats):
-            torch.cuda.synchronize(dev)
-            setup_state()
-            t0 = time.perf_counter()
-            out = fn()
-            times.append((time.perf_counter() - t0) * 1e6)
-            torch.cuda.synchronize(dev)
-            del out
-        return statistics.median(times)
-
     table = {}
     try:
         for name, (setup, fn) in workloads.items():
@@ -102,7 +91,7 @@ def main() -> None:
             for state, setup_state in states.items():
                 if setup == "emulate-only" and state.endswith("queued"):
                     continue  # emulated CC alone waits for the queued work: 20 ms, nothing to learn
-                table[(name, state)] = sample(setup_state, fn)
+                table[(name, state)] = median_host_us(torch, dev, fn, args.repeats, before=setup_state)
     finally:
         cc.uninstall()
     print(f"median us of {args.repeats}; 1 MiB pinned non_blocking H2D (host time to return)")
