@@ -115,14 +115,16 @@ class _TorchChecks:
     ``non_blocking`` copy, where a microsecond shows (docs/cc.md, "The shim's own cost").
     """
 
-    __slots__ = ("tensor", "has_torch_function", "has_torch_function_unary", "dispatch_stack_len", "functorch_peek",
-                 "functorch_wrapped")
+    __slots__ = ("tensor", "plain_types", "has_torch_function", "has_torch_function_unary", "dispatch_stack_len",
+                 "functorch_peek", "functorch_wrapped")
 
     def __init__(self) -> None:
         import torch
 
         functorch = getattr(torch._C, "_functorch", None)
         self.tensor = torch.Tensor
+        # Values that never carry an override of their own: torch's check skips them (or finds nothing).
+        self.plain_types = (str, int, float, bool, type(None), torch.device, torch.dtype, torch.memory_format)
         self.has_torch_function = torch._C._has_torch_function
         self.has_torch_function_unary = torch._C._has_torch_function_unary
         self.dispatch_stack_len = getattr(torch._C, "_len_torch_dispatch_stack", None)
@@ -148,17 +150,18 @@ def has_override(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
     disabled, and that call is read and routed as usual.
     """
     checks = _torch_checks()
-    check, tensor = checks.has_torch_function_unary, checks.tensor
+    check, tensor, plain = checks.has_torch_function_unary, checks.tensor, checks.plain_types
     if not args or not isinstance(args[0], tensor):
         whole = checks.has_torch_function
         return whole(args) or (bool(kwargs) and whole(tuple(kwargs.values())))
-    # Tensor methods: torch looks for overrides among the tensors of a call (and the active modes) only, so
-    # a tensor-by-tensor check says the same, without torch's slower look-up on every non-tensor argument.
+    # Argument by argument, the answer of torch's check of the whole call (the active modes, or any argument
+    # with an override of its own: a tensor subclass, or a tensor-like object torch's parser takes in a tensor's
+    # place), without its slow look-up on the plain values a copy call carries (a device, a dtype, a bool).
     if check(args[0]):
         return True
     for values in (args[1:], kwargs.values()):
         for value in values:
-            if isinstance(value, tensor) and check(value):
+            if not isinstance(value, plain) and check(value):
                 return True
     return False
 

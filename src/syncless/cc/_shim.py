@@ -6,9 +6,11 @@ common case, goes to the function beneath its own layer (``next_fn``) at
 once. For a ``non_blocking`` one it gathers the facts
 (:class:`._routing.CopyFacts`), asks :func:`._routing.route_copy` what to
 do, and either performs the copy through :mod:`._staging`/:mod:`._d2h` or
-calls ``next_fn`` unchanged. The shim's own copies also go
-through the functions beneath its layer, so the CC emulator (beneath)
-applies to them and the hidden-sync detector (above) never sees them.
+calls ``next_fn`` unchanged. The shim's own copies never pass through the
+hidden-sync detector (above); a staged H2D calls torch's own method and asks
+the CC emulator for the wait the driver would make
+(:func:`._emulation.wait_after_copy_on`), the D2H worker's copy goes through
+the functions beneath the shim's layer, the emulator's included.
 """
 
 from __future__ import annotations

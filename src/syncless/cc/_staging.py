@@ -123,6 +123,8 @@ def land(src: Any, index: int, how: str = "to") -> Any:
     destination is new), only the D2H copies still writing the host source
     (:mod:`._host_writes`); the current stream's later work waits for the copy.
     """
+    if how not in ("to", "cuda"):
+        raise ValueError(f"land copies with Tensor.to or Tensor.cuda, got how={how!r}")
     current = _streams.current_stream(index)
     staging = _streams.staging_stream(index)
     _host_writes.order_after_pending_writes(staging, src)

@@ -76,8 +76,8 @@ _STREAM_OBJECTS_MAX = 1024
 def current_stream(index: int) -> Any:
     """``torch.cuda.current_stream(index)``, from a cache of stream objects; host only, enqueues nothing.
 
-    torch builds a new ``torch.cuda.Stream`` on every call, inside a device
-    switch: 1.8-3.5 us on an H200 host, and about five times that on a host
+    torch checks its lazy initialization and builds a new ``torch.cuda.Stream``
+    on every call: 1.8-3.5 us on an H200 host, and about five times that on a host
     that has just waited (``tests/gpu/cc/probe_h2d_breakdown.py``); a staged
     copy asked up to three times. Here one call asks torch's C layer for the
     stream's id and reuses the object made for that id the first time, so

@@ -71,3 +71,9 @@ def test_the_emulated_wait_is_counted(steps, monkeypatch):
     _emulation.wait_after_copy_on(types.SimpleNamespace(name="staging"))
     assert COUNTERS.snapshot().emulated_waits == before + 1
     assert steps == [("host waits for", "staging")]
+
+
+def test_land_refuses_a_method_it_does_not_know(steps):
+    with pytest.raises(ValueError, match="how='copy_'"):
+        _staging.land(object(), 0, how="copy_")
+    assert steps == []

@@ -76,12 +76,12 @@ class _Traced(torch.Tensor):
         return super().__torch_function__(func, types, args, kwargs or {})
 
 
-class _NotATensor:
-    """An object with ``__torch_function__`` that is not a tensor (torch's parser never treats it as overloaded)."""
+class _TensorLike:
+    """An object with ``__torch_function__`` that is not a tensor: torch's parser takes it in a tensor's place."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        raise AssertionError("not called")
+        return "override-result"
 
 
 def test_has_override_answers_like_torchs_own_check_for_tensor_methods():
@@ -99,6 +99,10 @@ def test_has_override_answers_like_torchs_own_check_for_tensor_methods():
         ((plain, sub), {}, True),
         ((plain,), {"other": sub}, True),
         ((plain, torch.float16, True), {}, False),
+        ((plain, torch.device("cpu"), torch.float16), {"memory_format": torch.channels_last}, False),
+        ((plain, _TensorLike()), {"non_blocking": True}, True),  # found in review: a tensor-only check missed it
+        ((plain,), {"other": _TensorLike(), "non_blocking": True}, True),
+        ((plain, [1, 2]), {}, False),
     ]
     for args, kwargs, expected in calls:
         whole = torch._C._has_torch_function(args) or torch._C._has_torch_function(tuple(kwargs.values()))
@@ -122,5 +126,7 @@ def test_has_override_answers_like_torchs_own_check_for_tensor_methods():
                     if mode is not None:
                         mode.__exit__(None, None, None)
     # A non-tensor first argument: torch's own check of the whole call.
-    assert has_override((_NotATensor(), plain), {})
+    assert has_override((_TensorLike(), plain), {})
     assert not has_override((1, plain), {})
+    # torch hands such a call to the tensor-like's override, as it does without syncless.
+    assert plain.to(_TensorLike(), non_blocking=True) == "override-result"
