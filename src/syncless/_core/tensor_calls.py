@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -132,13 +133,9 @@ class _TorchChecks:
         self.functorch_wrapped = getattr(functorch, "is_functorch_wrapped_tensor", None)
 
 
-_checks: list[_TorchChecks] = []
-
-
+@functools.cache
 def _torch_checks() -> _TorchChecks:
-    if not _checks:
-        _checks.append(_TorchChecks())
-    return _checks[0]
+    return _TorchChecks()
 
 
 def has_override(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
