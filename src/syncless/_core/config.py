@@ -130,6 +130,7 @@ def parse_nbytes(text: str) -> int:
 
 
 _SETTINGS: dict[str, Setting] = {}
+_PREFIX = "SYNCLESS_"
 
 
 def _declare(name: str, parse: Callable[[str], Any], default: str, allowed: str, doc: str) -> None:
@@ -321,9 +322,13 @@ def effective(environ: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
 
 def closest_name(name: str) -> str | None:
     """Return the declared variable ``name`` was most likely meant to be, or None if none is close."""
-    matches = difflib.get_close_matches(name, list(_SETTINGS), n=1, cutoff=0.6)
+    # Compare what follows SYNCLESS_: the shared prefix alone made every name look close to every other
+    # (SYNCLESS_FOO got "did you mean SYNCLESS_CC?").
+    stem = name.removeprefix(_PREFIX)
+    by_stem = {known.removeprefix(_PREFIX): known for known in _SETTINGS}
+    matches = difflib.get_close_matches(stem, list(by_stem), n=1, cutoff=0.7)
     if matches:
-        return matches[0]
+        return by_stem[matches[0]]
     # A longer name that starts like a declared one: SYNCLESS_CC_MODE for SYNCLESS_CC.
     prefixed = [known for known in _SETTINGS if name.startswith(known + "_")]
     return max(prefixed, key=len) if prefixed else None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import platform
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -44,10 +45,12 @@ def probe_software(missing: Missing) -> dict[str, Any]:
     }
     if torch.version.cuda is None:
         missing.append({"what": "a CUDA build of torch", "fix": "install torch from a CUDA wheel index (this one is CPU-only)"})
+    # The same words as the error that importing either one gives (cuda.import_optional), so that
+    # _note_missing sees the same piece again below and lists it once.
     if info["cuda_bindings"] is None:
-        missing.append({"what": "cuda-bindings", "fix": "pip install 'syncless[cuda]'"})
+        missing.append({"what": "cuda-bindings", "fix": cuda.CUDA_EXTRA_HINT})
     if info["nvidia_ml_py"] is None:
-        missing.append({"what": "nvidia-ml-py", "fix": "pip install 'syncless[cuda]'"})
+        missing.append({"what": "nvidia-ml-py", "fix": cuda.CUDA_EXTRA_HINT})
     if torch.cuda.is_available() and torch.distributed.is_available() and torch.distributed.is_nccl_available():
         version = torch.cuda.nccl.version()
         info["nccl"] = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
@@ -67,9 +70,10 @@ def probe_software(missing: Missing) -> dict[str, Any]:
 
 def _note_missing(missing: Missing, err: MissingDependencyError) -> None:
     text = str(err)
-    # "the NVML library (libnvidia-ml) was not found: install the NVIDIA driver, ..." -> what, fix
+    # "the NVML library (libnvidia-ml) was not found: install the NVIDIA driver, ..." -> what, fix;
+    # "nvidia-ml-py is not installed (pynvml.x is missing): install it ..." -> "nvidia-ml-py", fix
     what, _, fix = text.partition(": ")
-    what = what.removesuffix(" was not found")
+    what = re.sub(r" (?:was not found|is not installed)(?: \(.*\))?$", "", what)
     if all(entry["what"] != what for entry in missing):
         missing.append({"what": what, "fix": fix or text})
 

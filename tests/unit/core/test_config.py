@@ -141,3 +141,16 @@ def test_invalid_values_lists_every_bad_value_and_never_raises():
     assert len(problems) == 2
     assert problems[0].startswith("SYNCLESS_CC='bogus' is not valid")
     assert config.invalid_values({}) == []
+
+
+@pytest.mark.parametrize("name", ["SYNCLESS_FOO", "SYNCLESS_X", "SYNCLESS_PP", "SYNCLESS_BAR_BAZ"])
+def test_a_name_close_to_no_setting_gets_no_suggestion(name):
+    # Every name shares SYNCLESS_: that prefix alone made SYNCLESS_FOO "close" to SYNCLESS_CC (issue #28).
+    assert config.closest_name(name) is None
+    assert "did you mean" not in config.describe_unknown(name, config.closest_name(name))
+
+
+@pytest.mark.parametrize("typo, meant", [("SYNCLESS_DEBUGG", "SYNCLESS_DEBUG"), ("SYNCLESS_CCC", "SYNCLESS_CC"),
+                                         ("SYNCLESS_TIMEOUT_S", "SYNCLESS_PP_TIMEOUT_S")])
+def test_a_close_name_is_still_suggested(typo, meant):
+    assert config.closest_name(typo) == meant

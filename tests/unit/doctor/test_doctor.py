@@ -111,3 +111,32 @@ def test_missing_pieces_with_the_same_fix_are_listed_once():
     merged = merge_missing([{"what": "libnvidia-ml", "fix": fix}, {"what": "cuda-bindings", "fix": "pip"},
                             {"what": "libcuda", "fix": fix}, {"what": "libcuda", "fix": fix}])
     assert merged == [{"what": "libnvidia-ml; libcuda", "fix": fix}, {"what": "cuda-bindings", "fix": "pip"}]
+
+
+def test_a_machine_without_the_cuda_extra_lists_each_missing_package_once(monkeypatch):
+    """A wheel install without [cuda]: neither package imports; each is named once under Missing (issue #28)."""
+    import sys
+
+    from syncless._core import cuda
+    from syncless.doctor import _probe
+
+    for module in ("pynvml", "cuda", "cuda.bindings", "cuda.bindings.driver"):
+        monkeypatch.setitem(sys.modules, module, None)  # `import` of it raises ImportError
+    monkeypatch.setattr(_probe, "_package_version", lambda name: None)
+    monkeypatch.setattr(cuda, "_nvml_ready", False)
+    cuda.nvml_module.cache_clear()
+    cuda.driver_module.cache_clear()
+    missing = []
+    try:
+        _probe.probe_software(missing)
+        missing = _probe.merge_missing(missing)
+    finally:
+        cuda.nvml_module.cache_clear()
+        cuda.driver_module.cache_clear()
+    named = [what for entry in missing for what in entry["what"].split("; ")]
+    assert named.count("cuda-bindings") == 1 and named.count("nvidia-ml-py") == 1
+    assert not [what for what in named if "not installed" in what]
+    text = render({**_fake_two_h200_report(), "missing": missing})
+    section = text.split("\nMissing\n")[1].splitlines()
+    assert [line for line in section if "nvidia-ml-py" in line] == [
+        "  cuda-bindings; nvidia-ml-py: install it with `pip install 'syncless[cuda]'` (cuda-bindings and nvidia-ml-py)"]
