@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -371,11 +372,10 @@ def warn_unknown_names(environ: Mapping[str, str] | None = None) -> list[str]:
     stay quiet: their parent has already warned about the same environment.
     """
     import logging
-    import multiprocessing
 
     from syncless._core.logs import log_once
 
-    if multiprocessing.parent_process() is not None:
+    if started_by_multiprocessing():
         return []
     logger = logging.getLogger("syncless")
     lines = []
@@ -384,3 +384,16 @@ def warn_unknown_names(environ: Mapping[str, str] | None = None) -> list[str]:
         if log_once(logger, logging.WARNING, f"unknown-setting:{name}", "syncless: warning: %s", line):
             lines.append(line)
     return lines
+
+
+def started_by_multiprocessing() -> bool:
+    """Whether this process is a child that :mod:`multiprocessing` started (spawn, forkserver or fork).
+
+    A spawned child imports syncless while it unpickles its target, before
+    ``multiprocessing.parent_process()`` is set (that happens when the target
+    starts to run); its interpreter's command line (``sys.orig_argv``: the
+    child's ``sys.argv`` is replaced by the parent's) ends in ``--multiprocessing-fork``.
+    """
+    import multiprocessing
+
+    return multiprocessing.parent_process() is not None or "--multiprocessing-fork" in sys.orig_argv

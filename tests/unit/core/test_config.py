@@ -154,3 +154,20 @@ def test_a_name_close_to_no_setting_gets_no_suggestion(name):
                                          ("SYNCLESS_TIMEOUT_S", "SYNCLESS_PP_TIMEOUT_S")])
 def test_a_close_name_is_still_suggested(typo, meant):
     assert config.closest_name(typo) == meant
+
+
+def test_a_misspelt_name_is_warned_about_once_however_many_ranks_start():
+    """The ranks run_ranks spawns import syncless before parent_process() is set: they must stay quiet (#28)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = str(Path(__file__).resolve().parents[3] / "src")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SYNCLESS_")}
+    env.update(PYTHONPATH=src, SYNCLESS_PP_TIMEOUT="5")
+    code = "import operator\nfrom syncless._core.launch import run_ranks\nprint(run_ranks(operator.add, 3, timeout_s=60))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert result.stdout.strip() == "[3, 4, 5]", result.stderr
+    warnings = [line for line in result.stderr.splitlines() if "SYNCLESS_PP_TIMEOUT is not a syncless setting" in line]
+    assert len(warnings) == 1, result.stderr
