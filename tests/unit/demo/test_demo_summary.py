@@ -84,3 +84,14 @@ def test_pending_receive_interference_is_reported_against_the_kernel_alone():
             "copy_engine 1.00x") in text
     skipped = format_summary(OPTIONS, stages(pending={"skipped": "no NVRTC"}), wall_s=1.0)
     assert "full-SM kernel while a receive is pending: not measured (no NVRTC)" in skipped
+
+
+def test_two_runs_over_the_same_transport_give_no_ratio_and_say_why():
+    """On a CPU both runs use torch_distributed: a ratio of a transport against itself is noise (#28 item 5)."""
+    results = stages(ours={"elapsed_s": 0.5})
+    for stage in results:
+        stage.runs[0] = dataclasses.replace(stage.runs[0], transport="torch_distributed")
+    text = format_summary(OPTIONS, results, wall_s=3.0)
+    assert "x the tokens/s" not in text
+    assert ("  syncless / torch.distributed: no ratio: both runs used torch_distributed here, so their tokens/s "
+            "differ by noise only; the transports differ on GPUs with copy engines") in text
