@@ -19,6 +19,7 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING
 
+from syncless._core import config
 from syncless._core.hardware import cuda_device_count
 from syncless._core.launch import RanksTimedOut, run_ranks
 from syncless.cli import UsageError
@@ -118,11 +119,19 @@ def plan(args: argparse.Namespace, gpus: int) -> DemoOptions:
     if stages > model.layers:
         raise UsageError(f"--stages {stages} is more than the {model_name} model's {model.layers} layers; "
                          f"use --stages {model.layers} or fewer, or a larger --model")
-    if not on_gpu and args.cc in ("on", "emulate"):
-        raise UsageError(f"--cc {args.cc} needs a GPU: a CPU run has no host<->device copies; "
-                         "drop --cc" + (" or --cpu" if args.cpu else ""))
-    if not on_gpu and args.transport == "copy_engine":
-        raise UsageError("--transport copy_engine needs CUDA GPUs; drop it" + (" or --cpu" if args.cpu else ""))
+    if not on_gpu:
+        # One check for a flag and its variable: the stages would read the variable and fail (transport)
+        # or ignore it (CC) only after they started.
+        or_cpu = " or --cpu" if args.cpu else ""
+        cc_mode, cc_from = _flag_or_setting(args.cc, "--cc", "SYNCLESS_CC")
+        if cc_mode in ("on", "emulate"):
+            raise UsageError(f"{cc_from} needs a GPU: a CPU run has no host<->device copies; "
+                             + ("drop --cc" if cc_from.startswith("--") else "unset SYNCLESS_CC") + or_cpu)
+        transport, transport_from = _flag_or_setting(args.transport, "--transport", "SYNCLESS_PP_TRANSPORT")
+        if transport == "copy_engine":
+            raise UsageError(f"{transport_from} needs CUDA GPUs; "
+                             + ("drop it" if transport_from.startswith("--") else "unset SYNCLESS_PP_TRANSPORT")
+                             + or_cpu)
     steps = args.steps if args.steps is not None else (DEFAULT_GPU_STEPS if on_gpu else DEFAULT_CPU_STEPS)
     batch = args.batch if args.batch is not None else (DEFAULT_GPU_BATCH if on_gpu else DEFAULT_CPU_BATCH)
     micro = args.micro_batches if args.micro_batches is not None else stages
@@ -136,6 +145,14 @@ def plan(args: argparse.Namespace, gpus: int) -> DemoOptions:
                        transport=None if args.transport in (None, "auto") else args.transport, cc_mode=args.cc,
                        warmup_steps=warmup, progress_every=max(1, steps // 2), plant_sync=args.plant_sync,
                        measure_pending=on_gpu and stages == 2 and devices[0] != devices[1])
+
+
+def _flag_or_setting(flag_value: str | None, flag: str, name: str) -> tuple[str, str]:
+    """The value a stage will use, and where it comes from as the user wrote it (``--cc on``, ``SYNCLESS_CC=on``)."""
+    if flag_value is not None:
+        return flag_value, f"{flag} {flag_value}"
+    value = config.read(name)
+    return value, f"{name}={value}"
 
 
 def run(args: argparse.Namespace) -> int:

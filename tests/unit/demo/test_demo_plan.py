@@ -67,6 +67,26 @@ def test_options_that_cannot_run_together_are_usage_errors(argv, gpus, message):
         plan(_args(*argv), gpus=gpus)
 
 
+@pytest.mark.parametrize("name, value, argv, message", [
+    ("SYNCLESS_PP_TRANSPORT", "copy_engine", (), "SYNCLESS_PP_TRANSPORT=copy_engine needs CUDA GPUs; unset SYNCLESS_PP_TRANSPORT$"),
+    ("SYNCLESS_CC", "on", (), "SYNCLESS_CC=on needs a GPU: a CPU run has no host<->device copies; unset SYNCLESS_CC"),
+    ("SYNCLESS_CC", "emulate", ("--cpu",), "SYNCLESS_CC=emulate needs a GPU: .*; unset SYNCLESS_CC or --cpu"),
+])
+def test_a_variable_is_refused_where_its_flag_is(monkeypatch, name, value, argv, message):
+    """The flag and its variable get one check before any stage starts (#28 item 7)."""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(UsageError, match=message):
+        plan(_args(*argv), gpus=0)
+
+
+def test_a_flag_beats_its_variable_in_the_check(monkeypatch):
+    monkeypatch.setenv("SYNCLESS_PP_TRANSPORT", "copy_engine")
+    monkeypatch.setenv("SYNCLESS_CC", "on")
+    options = plan(_args("--transport", "torch_distributed", "--cc", "off"), gpus=0)
+    assert (options.transport, options.cc_mode) == ("torch_distributed", "off")
+    assert plan(_args(), gpus=2).transport is None  # on GPUs the stages read the variable themselves
+
+
 def test_split_layers_covers_every_layer_once():
     for layers in range(1, 10):
         for stages in range(1, layers + 1):
