@@ -83,6 +83,36 @@ def test_a_failed_stage_is_reported_in_one_line_per_stage(monkeypatch, capsys):
     assert err[0] == "syncless doctor: error: stage 1: ValueError: bad shape"
     assert err[1] == "syncless doctor: stages [0] were stopped after that"
     assert not any("Traceback" in line for line in err)
+    assert err[2:] == ["syncless doctor: run with --debug (or SYNCLESS_DEBUG=1) for the traceback"]
+
+
+@pytest.mark.parametrize("error, story", [
+    ("syncless", None),  # a message written for the user: no traceback says more
+    ("killed", "exited with code -9 without a result"),
+])
+def test_no_debug_hint_after_an_error_that_has_no_traceback_worth_reading(monkeypatch, capsys, error, story):
+    """#28 item 8: `bench cc` on a CPU said "needs a CUDA GPU", then "run with --debug ... for the traceback"."""
+    from syncless import doctor
+    from syncless._core.errors import MissingDependencyError
+    from syncless._core.launch import RankFailed
+
+    def failing(args):
+        if story is None:
+            raise MissingDependencyError("syncless bench cc needs a CUDA GPU")
+        raise RankFailed("run_stage: a rank failed", {1: story}, [0])
+
+    monkeypatch.setattr(doctor, "run", failing)
+    assert cli.main(["doctor"]) == 1
+    err = capsys.readouterr().err
+    assert "--debug" not in err and err.startswith("syncless doctor: error: ")
+
+
+def test_an_unknown_benchmark_is_named_as_the_user_sees_it(capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["bench", "foo"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument BENCHMARK: invalid choice: 'foo'" in err and "which" not in err
 
 
 @pytest.mark.parametrize("command, defaults", [
