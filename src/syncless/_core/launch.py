@@ -280,6 +280,22 @@ def run_ranks(
     return [outcomes[r][1] if outcomes[r][0] == "ok" else None for r in range(world_size)]
 
 
+def describe_exit(exitcode: int) -> str:
+    """Say how a rank that left no result ended: its exit code, or the signal that killed it.
+
+    A negative ``exitcode`` is a signal (multiprocessing's convention). SIGKILL with no one asking for it
+    is most often the kernel's out-of-memory killer, and a killed process leaves no traceback to look for.
+    """
+    if exitcode >= 0:
+        return f"exited with code {exitcode} without a result"
+    try:
+        name = signal.Signals(-exitcode).name
+    except ValueError:
+        name = "an unknown signal"
+    hint = ": out of memory?" if -exitcode == signal.SIGKILL else ""
+    return f"killed by signal {-exitcode} ({name}{hint}) without a result; a killed process leaves no traceback"
+
+
 def _collect(processes: list[Any], results: Any, outcomes: dict[int, tuple[str, Any]], allowed_deaths: set[int],
              deadline: float) -> None:
     """Fill ``outcomes`` until every rank reported, one failed, or the deadline passed."""
@@ -307,7 +323,7 @@ def _collect(processes: list[Any], results: Any, outcomes: dict[int, tuple[str, 
                 if r in allowed_deaths:
                     outcomes[r] = ("died", None)
                 else:
-                    outcomes[r] = ("error", f"exited with code {processes[r].exitcode} without a result")
+                    outcomes[r] = ("error", describe_exit(processes[r].exitcode))
             if any(status == "error" for status, _ in outcomes.values()):
                 return
         if time.monotonic() > deadline:

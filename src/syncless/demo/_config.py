@@ -58,3 +58,19 @@ def split_layers(layers: int, stages: int) -> list[range]:
         ranges.append(range(start, start + count))
         start += count
     return ranges
+
+
+def stage_nbytes(cfg: ModelConfig, layers: int, *, first: bool, last: bool, rows: int, element_nbytes: int) -> int:
+    """Bytes of one stage's weights and KV caches (what ``_model.Stage`` allocates; activations are small beside it).
+
+    Per layer: attention's qkv and proj and the MLP's up and down (12 hidden^2 weights), and a K and a V
+    cache of ``rows`` x ``max_tokens`` x hidden. The first stage adds the token and position embeddings,
+    the last the output head.
+    """
+    per_layer = 12 * cfg.hidden * cfg.hidden + 2 * rows * cfg.max_tokens * cfg.hidden
+    total = layers * per_layer
+    if first:
+        total += (cfg.vocab + cfg.max_tokens) * cfg.hidden
+    if last:
+        total += cfg.vocab * cfg.hidden
+    return total * element_nbytes

@@ -209,3 +209,23 @@ def test_debug_works_after_the_subcommand_too(monkeypatch):
     monkeypatch.setattr(doctor, "run", broken)
     with pytest.raises(RuntimeError, match="probe exploded"):
         cli.main(["doctor", "--debug"])
+
+
+def _kill_rank_one(rank, world_size):
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # what the kernel's out-of-memory killer does
+    time.sleep(30 if rank == 0 else 0)
+    return rank
+
+
+def test_a_killed_stage_is_said_to_be_killed_by_a_signal_without_a_traceback_to_look_for(monkeypatch, capsys):
+    """#28 item 6: "exited with code -9 without a result", then advice to read a traceback that does not exist."""
+    from syncless import doctor
+    from syncless._core.launch import run_ranks
+
+    monkeypatch.setattr(doctor, "run", lambda args: run_ranks(_kill_rank_one, 2, timeout_s=60, load_by_file=True))
+    assert cli.main(["doctor"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == ("syncless doctor: error: stage 1: killed by signal 9 (SIGKILL: out of memory?) without a "
+                      "result; a killed process leaves no traceback")
+    assert not any("--debug" in line for line in err)

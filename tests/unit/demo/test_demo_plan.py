@@ -184,3 +184,34 @@ def test_stages_sharing_a_gpu_run_without_the_nccl_baseline():
     assert plan(_args("--stages", "2"), gpus=1).runs == ["syncless"]
     assert plan(_args("--stages", "3"), gpus=2).runs == ["syncless"]
     assert plan(_args("--stages", "2"), gpus=2).runs == ["syncless", "torch.distributed"]
+
+
+def test_a_cpu_run_that_would_not_fit_in_memory_is_refused_before_start():
+    """#28 item 6: --model large on a 24 GiB machine: the kernel killed a stage; check the memory up front."""
+    from syncless.demo import check_cpu_memory, cpu_memory_nbytes
+
+    options = plan(_args("--model", "large"), gpus=0)
+    needed = cpu_memory_nbytes(options)
+    # 8 layers of 12 * 8192^2 float32 weights alone are 24 GiB
+    assert needed > 8 * 12 * 8192 * 8192 * 4
+    with pytest.raises(UsageError, match=r"the large model needs about 3\d\.\d GiB .* has 24\.0 GiB available; "
+                                         r"use --model medium"):
+        check_cpu_memory(options, 24 << 30)
+    check_cpu_memory(options, needed)  # fits exactly: no error
+    check_cpu_memory(options, None)  # unknown: no check
+    tiny = plan(_args(), gpus=0)
+    with pytest.raises(UsageError, match="the tiny model needs .*; free some memory"):
+        check_cpu_memory(tiny, 1 << 20)
+
+
+def test_the_memory_estimate_matches_what_a_stage_allocates():
+    from syncless.demo._config import stage_nbytes
+
+    cfg = PRESETS["tiny"]
+    for first, last in [(True, False), (False, True), (True, True)]:
+        stage = Stage(cfg, range(0, 2), first=first, last=last, batch=6, device=torch.device("cpu"),
+                      dtype=torch.float32)
+        held = sum(t.numel() * t.element_size() for t in [*stage.parameters(), *stage.buffers()]
+                   if t.dtype == torch.float32)
+        estimate = stage_nbytes(cfg, 2, first=first, last=last, rows=6, element_nbytes=4)
+        assert 0.97 * held <= estimate <= held  # the norms' few weights are left out
