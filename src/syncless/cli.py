@@ -10,7 +10,8 @@ How a command ends (the same for every subcommand):
   stderr naming the thing, the value and the fix; exit status 2;
 * any other error: one line on stderr; exit status 1;
 * Ctrl-C or SIGTERM: one line, every process the command started is
-  stopped; exit status 130 or 143.
+  stopped; exit status 130 or 143 (``trace`` prints the report gathered
+  until then first, marked as interrupted).
 
 ``--debug`` (or ``SYNCLESS_DEBUG=1``) prints the full traceback instead.
 """
@@ -41,6 +42,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 #: Subcommands that run with an invalid SYNCLESS_* value (and report it) instead of refusing to start.
 REPORTS_BAD_CONFIG = {"doctor"}
+
+#: What the line after Ctrl-C or SIGTERM adds, for the subcommands that start processes.
+_STOPPED = {"demo": "; every process it started was stopped", "bench": "; every process it started was stopped"}
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -155,12 +159,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         if debug:
             raise
-        print(f"\nsyncless {command}: interrupted; every process it started was stopped", file=sys.stderr)
+        print(f"\nsyncless {command}: interrupted{_STOPPED.get(command, '')}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Terminated:
         if debug:
             raise
-        print(f"syncless {command}: terminated; every process it started was stopped", file=sys.stderr)
+        print(f"syncless {command}: terminated{_STOPPED.get(command, '')}", file=sys.stderr)
         return EXIT_TERMINATED
     except BrokenPipeError:
         # The reader went away (`syncless doctor | head -1`): stop quietly, as other command-line tools do.
