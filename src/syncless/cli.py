@@ -1,4 +1,4 @@
-"""The ``syncless`` command line: doctor, demo, bench and trace.
+"""The ``syncless`` command line: doctor, demo, bench, trace and docs.
 
 Each subcommand lives in its own module, which provides
 ``add_arguments(parser)`` and ``run(args) -> int``; this file only wires
@@ -38,6 +38,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("syncless.demo", "run a pipelined decode twice, with syncless's transport and with torch.distributed"),
     "bench": ("syncless.bench._cli", "measure syncless against the plain path and write reports"),
     "trace": ("syncless.syncs._trace", "run a script with chosen functions checked for hidden GPU syncs (record mode)"),
+    "docs": ("syncless.doctor._pages", "list the documentation installed with syncless, or print one page"),
 }
 
 #: Subcommands that run with an invalid SYNCLESS_* value (and report it) instead of refusing to start.

@@ -178,7 +178,15 @@ def collect() -> dict[str, Any]:
     report["config"] = probe_config()
     report["unknown_settings"] = probe_unknown_settings()
     report["missing"] = merge_missing(missing)
+    report["docs"] = _docs_location()
     return report
+
+
+def _docs_location() -> str:
+    from syncless.doctor._pages import docs_dir
+
+    folder = docs_dir()
+    return str(folder) if folder is not None else "not found next to this installation"
 
 
 def config_problems(report: dict[str, Any]) -> int:

@@ -89,6 +89,8 @@ def render(report: dict[str, Any]) -> str:
     problems = sum(1 for row in report["config"] if row["error"]) + len(report.get("unknown_settings", []))
     if problems:
         lines.append(f"  {problems} setting(s) to fix above (docs/configuration.md lists every one)")
+    if "docs" in report:
+        lines += ["", f"Documentation: {report['docs']} (`syncless docs` lists the pages, `syncless docs PAGE` prints one)"]
     if report["missing"]:
         lines += ["", "Missing"]
         lines += [f"  {entry['what']}: {entry['fix']}" for entry in report["missing"]]

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import syncless
 from syncless._core import config, errors
 
@@ -116,3 +118,69 @@ def test_every_link_between_the_pages_reaches_a_file_and_heading_that_exist():
             elif anchor and path.suffix == ".md" and anchor not in anchors.get(path, set()):
                 broken.append(f"{page.name}: {target}#{anchor}")
     assert not broken, broken
+
+
+# -- what a pip user gets (#28 items 3 and 14): the sdist carries what the README links to; the wheel built
+# from it carries the pages (for `syncless docs`) and py.typed.
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """An sdist of this tree, and a wheel built from that sdist (as pip builds one), unpacked."""
+    import tarfile
+    import zipfile
+
+    import shutil
+
+    out = tmp_path_factory.mktemp("dist")
+    # A clean copy, as a fresh clone is: a stale *.egg-info/SOURCES.txt left by an earlier build would add its
+    # files to the sdist whatever MANIFEST.in says.
+    clean = out / "tree"
+    shutil.copytree(REPO, clean, ignore=shutil.ignore_patterns("*.egg-info", "__pycache__", "build", "dist", ".git",
+                                                              ".venv", ".pytest_cache", "bench-out"))
+    build = ("import sys\nfrom setuptools import build_meta as b\n"
+             "print(getattr(b, sys.argv[1])(sys.argv[2]))")
+    sdist = subprocess.run([sys.executable, "-c", build, "build_sdist", str(out)], cwd=clean, capture_output=True,
+                           text=True, timeout=300)
+    assert sdist.returncode == 0, sdist.stderr
+    with tarfile.open(out / sdist.stdout.strip().splitlines()[-1]) as archive:
+        archive.extractall(out / "sdist", filter="data")
+    root = next((out / "sdist").iterdir())
+    wheel = subprocess.run([sys.executable, "-c", build, "build_wheel", str(out)], cwd=root, capture_output=True,
+                           text=True, timeout=300)
+    assert wheel.returncode == 0, wheel.stderr
+    with zipfile.ZipFile(out / wheel.stdout.strip().splitlines()[-1]) as archive:
+        archive.extractall(out / "wheel")
+    return root, out / "wheel"
+
+
+def test_every_file_the_readme_links_to_is_in_the_sdist(built):
+    root, _ = built
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)\s]+)?\)", (REPO / "README.md").read_text())
+    local = [link for link in links if not link.startswith(("http://", "https://"))]
+    assert "docs/syncs.md" in local
+    missing = [link for link in local if not (root / link).exists()]
+    assert not missing, f"dead in the sdist: {missing}"
+    assert sorted(p.name for p in (root / "docs").glob("*.md")) == sorted(p.name for p in DOCS.glob("*.md"))
+
+
+def test_the_wheel_carries_every_page_and_py_typed_and_syncless_docs_finds_them(built):
+    _, wheel = built
+    assert (wheel / "syncless" / "py.typed").is_file()
+    shipped = wheel / "syncless" / "_docs"
+    assert sorted(p.name for p in shipped.glob("*.md")) == sorted(p.name for p in DOCS.glob("*.md"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SYNCLESS_")}
+    env["PYTHONPATH"] = str(wheel)  # the installed package, not this tree's src/
+    found = subprocess.run([sys.executable, "-m", "syncless", "docs", "--path"], capture_output=True, text=True,
+                           env=env, timeout=120, cwd=wheel)
+    assert found.returncode == 0, found.stderr
+    assert Path(found.stdout.strip()) == shipped
+    page = subprocess.run([sys.executable, "-m", "syncless", "docs", "trace"], capture_output=True, text=True,
+                          env=env, timeout=120, cwd=wheel)
+    assert page.stdout == (DOCS / "trace.md").read_text()
+
+
+def test_the_package_index_page_links_to_nothing_that_a_pip_user_cannot_reach():
+    text = (DOCS / "package-description.md").read_text()
+    assert not re.findall(r"\]\((?!https?://)[^)]+\)", text), "a relative link is dead on a package index"
+    assert "syncless docs" in text

@@ -140,3 +140,19 @@ def test_a_machine_without_the_cuda_extra_lists_each_missing_package_once(monkey
     section = text.split("\nMissing\n")[1].splitlines()
     assert [line for line in section if "nvidia-ml-py" in line] == [
         "  cuda-bindings; nvidia-ml-py: install it with `pip install 'syncless[cuda]'` (cuda-bindings and nvidia-ml-py)"]
+
+
+def test_doctor_says_where_the_documentation_is_and_syncless_docs_lists_and_prints_it(capsys):
+    from pathlib import Path
+
+    assert cli.main(["doctor"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("Documentation: "))
+    folder = Path(line.split()[1])
+    assert (folder / "syncs.md").is_file()
+    assert cli.main(["docs"]) == 0
+    listing = capsys.readouterr().out
+    assert "  syncs " in listing and "`syncless.syncs`: finding hidden GPU<->CPU syncs" in listing
+    assert cli.main(["docs", "configuration.md"]) == 0
+    assert capsys.readouterr().out == (folder / "configuration.md").read_text()
+    assert cli.main(["docs", "nope"]) == 2
+    assert "no page 'nope'; the pages are: README, cc," in capsys.readouterr().err
