@@ -184,3 +184,21 @@ def test_the_package_index_page_links_to_nothing_that_a_pip_user_cannot_reach():
     text = (DOCS / "package-description.md").read_text()
     assert not re.findall(r"\]\((?!https?://)[^)]+\)", text), "a relative link is dead on a package index"
     assert "syncless docs" in text
+
+
+def test_the_declared_torch_floor_is_the_one_the_docs_give_and_the_tested_one():
+    """#28 item 12: the metadata said torch>=2.6 while only 2.11 to 2.13 were ever tested."""
+    floor = re.search(r'"torch>=([\d.]+)"', (REPO / "pyproject.toml").read_text()).group(1)
+    assert floor == "2.11"
+    for page in (REPO / "README.md", DOCS / "package-description.md"):
+        assert f"torch >= {floor}" in page.read_text(), page.name
+
+
+def test_the_quick_start_says_how_to_get_the_cpu_build_of_torch_on_an_ordinary_machine():
+    """#28 item 13: "CPU build, from local disk" was true only where CI runs."""
+    readme = (REPO / "README.md").read_text()
+    quick = readme[readme.index("## Quick start"):readme.index("## Measured")]
+    assert "--index-url https://download.pytorch.org/whl/cpu" in quick
+    assert "from local disk" not in quick.split("```")[1]  # not in the commands a user copies
+    ci = (REPO / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert ci in quick  # CI's command is still in the README, as written
