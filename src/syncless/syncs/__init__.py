@@ -286,12 +286,21 @@ def allowed(first_only: bool = False) -> Any:
     Raises:
         TypeError: ``first_only`` is not a bool.
     """
+    return _allowed_for(first_only, 2)
+
+
+def _allowed_for(first_only: bool, depth: int) -> Any:
+    """:func:`allowed` for the caller ``depth`` frames above this one (1: the caller), whose line is the site.
+
+    For adapters that wrap :func:`allowed` (``syncless.compat.vllm``): the
+    first-only site must be their caller's line, not theirs.
+    """
     if first_only is not True and first_only is not False:
         raise TypeError(f"allowed(first_only=...) expects a bool, got {type(first_only).__name__} {first_only!r}")
     # The order and the reasons are checking()'s; the call site (a frame read) comes after is_compiling().
     if settings.mode == "off" or is_compiling():
         return _NOOP
-    return _Allowing(_state.caller_site(1) if first_only else None)
+    return _Allowing(_state.caller_site(depth) if first_only else None)
 
 
 def report() -> SyncReport:
