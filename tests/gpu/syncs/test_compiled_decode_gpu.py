@@ -104,7 +104,8 @@ def test_compiled_decode_loop_reduce_overhead(mode, compiled_first, cuda_device,
         run = syncs.checked(generate)
         graphs_before = dynamo.utils.counters["stats"]["unique_graphs"]
         if compiled_first:
-            assert run(step, prompt, NEW_TOKENS, mark_steps=True).tolist() == baseline_tokens  # warm-up, before the gate
+            # warm-up, before the gate
+            assert run(step, prompt, NEW_TOKENS, mark_steps=True).tolist() == baseline_tokens
             assert captures() > 0, "no CUDA graph was captured: CUDA graph trees skipped the step (see the log)"
         captured_at_enable = captures()
         assert syncs.enable() is (mode != "off")
@@ -145,7 +146,7 @@ def test_compiled_decode_loop_reduce_overhead(mode, compiled_first, cuda_device,
 def test_a_sync_under_a_cuda_graph_replay_is_reported(mode, cuda_device, baseline_tokens, captures):
     config = pytest.importorskip("torch._inductor.config")
     if not hasattr(config.triton, "force_cudagraph_sync"):
-        pytest.fail(f"torch {torch.__version__} has no inductor config triton.force_cudagraph_sync to plant the sync with")
+        pytest.fail(f"torch {torch.__version__} has no inductor config triton.force_cudagraph_sync to plant a sync")
     prompt = torch.tensor(PROMPT, device=cuda_device)
     with detector_put_back():
         dynamo.reset()

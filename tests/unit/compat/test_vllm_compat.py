@@ -53,7 +53,8 @@ def _fresh_import(env_value):
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     code = ("import sys, syncless.compat.vllm as v; print(repr(v._SYNC_CHECK_MODE)); "
             "print(sorted(v.__all__)); print('torch' in sys.modules)")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, check=True)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
+                          check=True)
     return done.stdout.splitlines(), done.stderr
 
 

@@ -34,7 +34,7 @@ def _torch_function(relative_path: str, name: str):
 
 
 def _chain(*links):
-    """``call(seen)``: a call through the given (file, function) links, outermost first, the innermost calling ``seen()``.
+    """``bind(seen)``: a call through the (file, function) links, outermost first, the innermost calling ``seen()``.
 
     Bound with functools.partial, which pushes no frame of its own: the only
     frames between the test and ``seen`` are the torch-named ones.
@@ -52,8 +52,8 @@ def _chain(*links):
 
 TREES = "_inductor/cudagraph_trees.py"
 # What a reduce-overhead call looks like from the caller down: compile_fx's runtime wrapper, then graph trees.
-OUTSIDE = [("_inductor/output_code.py", "__call__"), ("_inductor/compile_fx.py", "run"), (TREES, "deferred_cudagraphify"),
-           (TREES, "run"), (TREES, "_run")]
+OUTSIDE = [("_inductor/output_code.py", "__call__"), ("_inductor/compile_fx.py", "run"),
+           (TREES, "deferred_cudagraphify"), (TREES, "run"), (TREES, "_run")]
 REPLAY = _chain(*OUTSIDE, (TREES, "execute_node"), (TREES, "run"))  # CUDAGraphNode.run: replay, then a sync
 RECORDING = _chain(*OUTSIDE, (TREES, "record_function"))
 WARM_UP = _chain(*OUTSIDE, (TREES, "run_eager"), (TREES, "run"), (TREES, "_use_cuda_memory_pool_manager"))
