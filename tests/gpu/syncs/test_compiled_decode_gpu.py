@@ -51,8 +51,9 @@ PLANT_LINE = inspect.getsourcelines(plant_item)[1] + next(
     n for n, text in enumerate(inspect.getsourcelines(plant_item)[0]) if "PLANTED" in text)
 
 
-def _compile(model):
-    return torch.compile(model.step, fullgraph=True, mode="reduce-overhead")
+def _compile(model, checked=False):
+    step = syncs.checked(model.step) if checked else model.step  # checked decides in the mode set now
+    return torch.compile(step, fullgraph=True, mode="reduce-overhead")
 
 
 @pytest.fixture
@@ -100,8 +101,8 @@ def test_compiled_decode_loop_reduce_overhead(mode, compiled_first, cuda_device,
         dynamo.reset()
         syncs.set_mode(mode)
         syncs.reset()
-        step = _compile(TinyDecoder(cuda_device, seed=SEED))
-        run = syncs.checked(generate)
+        step = _compile(TinyDecoder(cuda_device, seed=SEED), checked=True)  # @checked inside the compiled code
+        run = syncs.checked(generate)  # and around it
         graphs_before = dynamo.utils.counters["stats"]["unique_graphs"]
         if compiled_first:
             # warm-up, before the gate

@@ -1,8 +1,9 @@
 """A compiled decode loop under the detector: a small transformer with a static KV cache, on inductor's CPU backend.
 
 The decode step (:meth:`support.tiny_decoder.TinyDecoder.step`) holds
-``allowed()``, ``allowed(first_only=True)`` and ``checking()`` and is
-compiled with ``fullgraph=True``; the eager loop around it
+``allowed()``, ``allowed(first_only=True)`` and ``checking()``, is
+decorated with ``@checked`` and compiled with ``fullgraph=True``; the eager
+loop around it
 (:func:`support.tiny_decoder.generate`) is ``@checked`` and calls the step
 inside ``allowed(first_only=True)``. In every mode, compiled before or after
 ``enable()``:
@@ -83,8 +84,10 @@ def test_compiled_decode_loop(mode, compiled_first, baseline_tokens, restored_gl
         syncs.reset()
         model = TinyDecoder("cpu", seed=SEED)
         counter = CompileCounterWithBackend("inductor")
-        step = torch.compile(model.step, fullgraph=True, backend=counter)
-        run = syncs.checked(generate)  # decorated in this mode (checked decides when it decorates)
+        # @checked inside the compiled code (the step) and around it (the loop), decorated in this mode: checked
+        # decides when it decorates.
+        step = torch.compile(syncs.checked(model.step), fullgraph=True, backend=counter)
+        run = syncs.checked(generate)
         if compiled_first:
             assert run(step, prompt, NEW_TOKENS).tolist() == baseline_tokens  # warm-up, before the gate
         assert syncs.enable() is (mode != "off")
