@@ -244,7 +244,7 @@ def _user_frame(start: FrameType | None) -> tuple[FrameType | None, bool]:
         last = frame
         if torch_dir is not None and filename.startswith(torch_dir):
             if not replaying and filename.endswith(_COMPILE_TIME_SUFFIXES):
-                if not is_graph_replay(frame):
+                if not (filename.endswith(_GRAPH_TREES_SUFFIX) and is_graph_replay(frame)):
                     return frame, True
                 replaying = True
         elif not (is_plumbing_file(filename) or filename in _STDLIB_SKIP or filename.startswith("<frozen")
@@ -263,8 +263,9 @@ def is_under_compile(start: FrameType | None, limit: int = 96) -> bool:
     """
     frame = start
     while frame is not None and limit:
-        if frame.f_code.co_filename.endswith(_COMPILE_TIME_SUFFIXES):
-            return not is_graph_replay(frame)
+        filename = frame.f_code.co_filename
+        if filename.endswith(_COMPILE_TIME_SUFFIXES):
+            return not (filename.endswith(_GRAPH_TREES_SUFFIX) and is_graph_replay(frame))
         frame = frame.f_back
         limit -= 1
     return False

@@ -61,6 +61,8 @@ FIRST_CALL = _chain(("_inductor/output_code.py", "__call__"), ("_inductor/compil
                     (TREES, "deferred_cudagraphify"), (TREES, "cudagraphify"), (TREES, "add_function"), (TREES, "run"),
                     (TREES, "_run"), (TREES, "run_eager"))
 
+COMPILING = _chain(("_dynamo/convert_frame.py", "_compile"), ("_inductor/compile_fx.py", "compile_fx"))
+
 
 def _locate_here():
     """What the wait wrapper does for ``torch.cuda.synchronize()`` called by the frame above this one."""
@@ -80,8 +82,9 @@ def _under_compile_here():
     return _report.is_under_compile(sys._getframe(1))
 
 
-@pytest.mark.parametrize("chain, reported", [(REPLAY, True), (RECORDING, False), (WARM_UP, False), (FIRST_CALL, False)],
-                         ids=["replay", "recording", "warm-up", "first-call"])
+@pytest.mark.parametrize("chain, reported", [(REPLAY, True), (RECORDING, False), (WARM_UP, False), (FIRST_CALL, False),
+                                             (COMPILING, False)],
+                         ids=["replay", "recording", "warm-up", "first-call", "compiling"])
 def test_only_a_replay_is_the_users_sync(chain, reported):
     violation = chain(_locate_here)(); line = sys._getframe().f_lineno  # noqa: E702
     under_compile = chain(_under_compile_here)()
