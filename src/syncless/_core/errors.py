@@ -45,8 +45,13 @@ class CudaError(SynclessError):
         super().__init__(message)
 
 
-class SyncViolation(SynclessError):
-    """Raised in ``error`` mode when code marked hot synchronizes with the GPU."""
+class SyncViolation(SynclessError, RuntimeError):
+    """Raised in ``error`` mode when code marked hot synchronizes with the GPU.
+
+    A ``RuntimeError`` too, as vLLM's sync check raises: code ported from it
+    that says ``except RuntimeError`` (or ``pytest.raises(RuntimeError)``)
+    still catches it.
+    """
 
 
 class TransportError(SynclessError):

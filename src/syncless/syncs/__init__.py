@@ -15,7 +15,16 @@ The mode comes from ``SYNCLESS_SYNC_CHECK`` (``off``, ``warn``, ``error``,
 ``record``), read once at import; a bad value warns once and leaves it ``off``
 (:func:`env_error` says why). With ``off`` everything is free:
 :func:`checked` returns the function itself and :func:`allowed` returns one
-shared no-op context manager.
+shared no-op context manager (a ``contextlib.nullcontext``).
+
+Inside ``torch.compile`` (``fullgraph=True``, ``mode="reduce-overhead"``)
+every construct compiles, in every mode, whether the function was compiled
+before or after :func:`enable`: while dynamo traces, :func:`allowed` and
+:func:`checking` return a ``nullcontext`` and a :func:`checked` function
+calls straight through, reading no ContextVar, frame or event loop and
+nothing that :func:`enable`/:func:`disable` flip, so flipping them causes no
+recompile (the compiled graph runs no Python to check). Eager code around
+a compiled step is checked as before.
 
 A sync is a violation only on the thread (asyncio task) that is inside a
 checked region and outside every allow region. Explicit syncs (``.item()``,
@@ -32,6 +41,7 @@ the host by itself.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -79,19 +89,10 @@ _log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-class _NoOp:
-    """The shared context manager handed out when the mode is off."""
-
-    __slots__ = ()
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc_info: object) -> None:
-        return None
-
-
-_NOOP = _NoOp()
+# The context manager handed out when the mode is off, and the one torch.compile traces: a plain
+# nullcontext, which dynamo accepts (fullgraph=True refuses an unknown context manager). Stateless, so one
+# instance serves every ``with``.
+_NOOP = contextlib.nullcontext()
 
 
 def mode() -> str:
@@ -176,7 +177,8 @@ def checked(fn: F) -> F:
     checked across their awaits (the region belongs to the task); an event
     loop that ``fn`` runs itself (``asyncio.run``) runs its tasks unchecked.
     A call that ``torch.compile`` traces is not a region (the graph it
-    compiles runs no Python to check).
+    compiles runs no Python to check); tracing it reads nothing that
+    :func:`enable`/:func:`disable` change, so they cause no recompile.
     """
     if not callable(fn):
         raise TypeError(f"checked decorates a function; got {type(fn).__name__}")
@@ -203,9 +205,11 @@ def checked(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if settings.enabled and is_compiling():
+        if is_compiling():
             # torch.compile traces this call: the compiled graph runs no Python to check, and the region's
             # bookkeeping (ContextVars, the running event loop) is not traceable (fullgraph=True would fail).
+            # Asked first, before settings.enabled: dynamo would guard on the flag, and the step compiled at
+            # warm-up would recompile at its first call after enable().
             return fn(*args, **kwargs)
         token = _state.enter_checked()
         _layers.entered(token)
@@ -225,8 +229,8 @@ class _Checking:
         self._token: _state.RegionToken | None = None
 
     def __enter__(self) -> None:
-        if settings.enabled and is_compiling():
-            return  # traced by torch.compile: not a region (see checked)
+        if is_compiling():
+            return  # traced by torch.compile: not a region (see checked); no guard on settings.enabled
         self._token = _state.enter_checked()
         _layers.entered(self._token)
 
@@ -242,8 +246,12 @@ def checking() -> Any:
     """Return a context manager whose block is a checked region on this thread/task.
 
     Regions nest. Use a fresh one per ``with`` (each call returns one).
+    While ``torch.compile`` traces, returns a ``nullcontext`` (see the module docstring).
     """
-    if settings.mode == "off":
+    # The mode first: it keeps "off" free in eager code, and it flips only by set_mode(), never by
+    # enable()/disable(), so the guard dynamo puts on it costs no recompile. Then is_compiling(), before
+    # anything a region reads (ContextVars, the event loop), none of which dynamo can trace.
+    if settings.mode == "off" or is_compiling():
         return _NOOP
     return _Checking()
 
@@ -272,10 +280,27 @@ def allowed(first_only: bool = False) -> Any:
             still caught.
 
     An allow region covers everything inside it, nested checked regions too.
+    While ``torch.compile`` traces, returns a ``nullcontext`` (see the module
+    docstring): the call site is not read there.
+
+    Raises:
+        TypeError: ``first_only`` is not a bool.
     """
-    if settings.mode == "off":
+    return _allowed_for(first_only, 2)
+
+
+def _allowed_for(first_only: bool, depth: int) -> Any:
+    """:func:`allowed` for the caller ``depth`` frames above this one (1: the caller), whose line is the site.
+
+    For adapters that wrap :func:`allowed` (``syncless.compat.vllm``): the
+    first-only site must be their caller's line, not theirs.
+    """
+    if first_only is not True and first_only is not False:
+        raise TypeError(f"allowed(first_only=...) expects a bool, got {type(first_only).__name__} {first_only!r}")
+    # The order and the reasons are checking()'s; the call site (a frame read) comes after is_compiling().
+    if settings.mode == "off" or is_compiling():
         return _NOOP
-    return _Allowing(_state.caller_site(1) if first_only else None)
+    return _Allowing(_state.caller_site(depth) if first_only else None)
 
 
 def report() -> SyncReport:

@@ -102,8 +102,10 @@ def skip_frames_under(directory: str) -> None:
         _extra_skip_dirs = (*_extra_skip_dirs, directory)
 
 # Frames of torch code that synchronizes by design at compile time (dynamo
-# tracing, inductor lowering and autotuning, CUDA graph trees recording):
-# a sync under one of them is not the user's hot loop.
+# tracing, inductor lowering and autotuning, CUDA graph trees recording and
+# warm-up): a sync under one of them is not the user's hot loop. CUDA graph
+# trees are also on the stack of every replay, the steady state of a
+# ``mode="reduce-overhead"`` loop: see :func:`is_graph_replay`.
 _COMPILE_TIME_FILES = (
     "_dynamo/convert_frame.py",
     "_inductor/compile_fx.py",
@@ -116,6 +118,35 @@ _COMPILE_TIME_FILES = (
     "_inductor/async_compile.py",
 )
 _COMPILE_TIME_SUFFIXES = tuple(part.replace("/", os.sep) for part in _COMPILE_TIME_FILES)
+
+_GRAPH_TREES_SUFFIX = os.path.join("_inductor", "cudagraph_trees.py")
+# In cudagraph_trees.py, CUDAGraphTreeManager.execute_node replays a recorded graph; record_function records
+# one and run_eager warms one up (both synchronize by design). Neither runs under the other, and both keep
+# these names from torch 2.1 to 2.13.
+_GRAPH_REPLAY_FUNCTIONS = frozenset({"execute_node"})
+_GRAPH_RECORDING_FUNCTIONS = frozenset({"record_function", "run_eager"})
+
+
+def is_graph_replay(frame: FrameType | None, limit: int = 32) -> bool:
+    """Whether a CUDA graph trees frame belongs to a graph's replay rather than its recording or warm-up.
+
+    Walks outwards from ``frame`` over frames of cudagraph_trees.py until one
+    says which. A sync there is the hot loop's own (``config.triton.
+    force_cudagraph_sync``, or one in a function the replay calls), so it is
+    reported; so are the replay's runtime wrappers around it (compile_fx's
+    ``run``), which are not compile-time work then. Undecided counts as
+    recording, as before.
+    """
+    while frame is not None and limit:
+        if frame.f_code.co_filename.endswith(_GRAPH_TREES_SUFFIX):
+            name = frame.f_code.co_name
+            if name in _GRAPH_REPLAY_FUNCTIONS:
+                return True
+            if name in _GRAPH_RECORDING_FUNCTIONS:
+                return False
+        frame = frame.f_back
+        limit -= 1
+    return False
 
 
 def _torch_dir() -> str | None:
@@ -207,12 +238,15 @@ def _user_frame(start: FrameType | None) -> tuple[FrameType | None, bool]:
     torch_dir = _torch_dir()
     frame = start
     last = None
+    replaying = False  # under a CUDA graph's replay: the compile-time files further out are its runtime wrappers
     while frame is not None:
         filename = os.path.abspath(frame.f_code.co_filename) if not frame.f_code.co_filename.startswith("<") else frame.f_code.co_filename
         last = frame
         if torch_dir is not None and filename.startswith(torch_dir):
-            if filename.endswith(_COMPILE_TIME_SUFFIXES):
-                return frame, True
+            if not replaying and filename.endswith(_COMPILE_TIME_SUFFIXES):
+                if not (filename.endswith(_GRAPH_TREES_SUFFIX) and is_graph_replay(frame)):
+                    return frame, True
+                replaying = True
         elif not (is_plumbing_file(filename) or filename in _STDLIB_SKIP or filename.startswith("<frozen")
                   or (_extra_skip_dirs and filename.startswith(_extra_skip_dirs))):
             return frame, False
@@ -221,7 +255,7 @@ def _user_frame(start: FrameType | None) -> tuple[FrameType | None, bool]:
 
 
 def is_under_compile(start: FrameType | None, limit: int = 96) -> bool:
-    """Whether compile-time torch code (inductor, dynamo, CUDA graph trees) is anywhere on the stack.
+    """Whether compile-time torch code (inductor, dynamo, CUDA graph trees but not a replay) is on the stack.
 
     The CUPTI layer also sees syncs made by libraries that torch.compile
     drives (triton's benchmarking and loading): their frames are not torch's,
@@ -229,8 +263,9 @@ def is_under_compile(start: FrameType | None, limit: int = 96) -> bool:
     """
     frame = start
     while frame is not None and limit:
-        if frame.f_code.co_filename.endswith(_COMPILE_TIME_SUFFIXES):
-            return True
+        filename = frame.f_code.co_filename
+        if filename.endswith(_COMPILE_TIME_SUFFIXES):
+            return not (filename.endswith(_GRAPH_TREES_SUFFIX) and is_graph_replay(frame))
         frame = frame.f_back
         limit -= 1
     return False
