@@ -156,8 +156,11 @@ class _Backend:
             if self.subscriber is None and self.wants_cupti():
                 self._subscribe()
             subscribed = self.subscriber is not None
-        if subscribed and _state.checked_depth.get() == 1:
-            _report.region_events.set(_merge.RegionEvents())
+        if subscribed and token.outermost:
+            # The outermost region of this thread/task, also when it sits in a context copied from a region
+            # (a task or thread started inside one): its depth restarted at 1, and its exit closes these events.
+            token.events = _merge.RegionEvents()
+            token.events_token = _report.region_events.set(token.events)
 
     def exited(self, token, failing: bool) -> None:
         """A checked region was left; the outermost one records what CUPTI held back (and raises in error mode).
@@ -167,11 +170,12 @@ class _Backend:
         """
         if token is None:
             return
-        events = _report.region_events.get()
-        if events is not None and _state.checked_depth.get() == 0:
-            _report.region_events.set(None)
-        else:
-            events = None
+        events, token.events = token.events, None
+        if events is not None:
+            try:
+                _report.region_events.reset(token.events_token)
+            except ValueError:  # left in another context (a generator resumed on another thread): nothing to undo
+                pass
         with self.lock:
             self.regions = max(self.regions - 1, 0)  # the subscription stays until disable() (module docstring)
         if events is not None:
