@@ -17,6 +17,7 @@ row says which layers saw it, and CUPTI adds the host time blocked.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import linecache
 import os
 import sys
@@ -325,6 +326,11 @@ class SyncSite:
             self.blocked_total_ns += violation.blocked_ns
             self.blocked_max_ns = max(self.blocked_max_ns, violation.blocked_ns)
 
+    def snapshot(self) -> "SyncSite":
+        """A copy that later syncs at this site leave as it is."""
+        first = dataclasses.replace(self.first, apis=dict(self.first.apis), reasons=dict(self.first.reasons))
+        return dataclasses.replace(self, first=first, api_calls=dict(self.api_calls), reasons=dict(self.reasons))
+
     def add_calls(self, apis: dict[str, int], reasons: dict[str, str]) -> None:
         for api, calls in apis.items():
             self.api_calls[api] = self.api_calls.get(api, 0) + calls
@@ -444,7 +450,8 @@ class _Recorder:
         for flush in list(self.before_report):
             flush()
         with self._lock:
-            sites = sorted(self._sites.values(), key=lambda s: (-s.count, s.site))
+            # Copies, taken under the lock: the record keeps changing on other threads, a report does not.
+            sites = sorted((site.snapshot() for site in self._sites.values()), key=lambda s: (-s.count, s.site))
         return SyncReport(sites, self.not_checked, self.backend)
 
     def reset(self) -> None:
