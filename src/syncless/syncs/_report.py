@@ -145,6 +145,8 @@ class Violation:
         blocked_ns: host time spent inside those calls, entry to exit (0 when not timed).
         timed: whether CUPTI timed it.
         call_key: identifies the Python call (frame, code, instruction) for merging layers.
+        repeats: how many syncs this stands for: more than one for CUPTI-only syncs of one call site held
+            back together (their CUDA calls and blocked time summed, ``blocked_max_ns`` the longest one).
     """
 
     kind: str
@@ -161,6 +163,8 @@ class Violation:
     blocked_ns: int = 0
     timed: bool = False
     call_key: tuple | None = field(default=None, repr=False, compare=False)
+    repeats: int = field(default=1, repr=False, compare=False)
+    blocked_max_ns: int = field(default=0, repr=False, compare=False)
 
     def absorb(self, other: "Violation") -> None:
         """Fold another layer's view of the same sync into this one (no second count)."""
@@ -322,9 +326,9 @@ class SyncSite:
         self.layers = _ordered_layers((*self.layers, *violation.layers))
         self.add_calls(violation.apis, violation.reasons)
         if violation.timed:
-            self.timed_count += 1
+            self.timed_count += violation.repeats
             self.blocked_total_ns += violation.blocked_ns
-            self.blocked_max_ns = max(self.blocked_max_ns, violation.blocked_ns)
+            self.blocked_max_ns = max(self.blocked_max_ns, violation.blocked_max_ns or violation.blocked_ns)
 
     def snapshot(self) -> "SyncSite":
         """A copy that later syncs at this site leave as it is."""
@@ -423,9 +427,9 @@ class _Recorder:
         with self._lock:
             site = self._sites.get(key)
             if site is None:
-                site = self._sites[key] = SyncSite(violation)
+                site = self._sites[key] = SyncSite(violation, count=violation.repeats)
             else:
-                site.count += 1
+                site.count += violation.repeats
                 if not site.first.stack and violation.stack:
                     # The site was recorded from a repeat without its stack (a reset() came between
                     # locate() and add() on another thread): keep this one's instead.

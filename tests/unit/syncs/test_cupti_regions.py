@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import tracemalloc
+import warnings
 
 import pytest
 
@@ -77,3 +78,63 @@ def test_a_checked_call_from_an_except_block_raises_its_violation(cupti_env):
             retry()
         with pytest.raises(SyncViolation, match="cuStreamSynchronize"):
             asyncio.run(retry_async())
+
+
+def _held_back():
+    """The CUPTI events held back in this thread's outermost region now."""
+    from syncless.syncs import _report
+
+    return _report.region_events.get()
+
+
+def test_a_long_region_holds_one_entry_and_one_stack_per_call_site(cupti_env):
+    # CUPTI-only syncs are held back until something else happens on the thread; a server's checked loop
+    # held 10,000 of them, each with its own formatted stack, and recorded none until the region ended.
+    enabled(cupti_env)
+    with syncs.checking():
+        for _ in range(2000):
+            line = cupti_only_sync()
+        events = _held_back()
+        assert len(events.pending) == 1 and events.pending[0].repeats == 2000
+        assert sum(bool(v.stack) for v in events.pending) == 1
+        during = syncs.report()  # a report taken during the region counts them all
+        assert [(s.first.lineno, s.count) for s in during.sites] == [(line, 2000)]
+        for _ in range(500):
+            cupti_only_sync()
+    (site,) = syncs.report().sites
+    assert (site.first.lineno, site.count, site.api_calls, site.timed_count) == (
+        line, 2500, {"cuStreamSynchronize": 2500}, 2500)
+    assert site.blocked_max_ns <= site.blocked_total_ns
+
+
+def test_calls_held_for_a_wrapper_stay_one_entry(cupti_env):
+    enabled(cupti_env)
+    with syncs.checking():
+        for _ in range(300):
+            with syncs.allowed():
+                fake.call("cuStreamSynchronize", [0])  # allowed, and no wrapper's report claims it
+        assert len(_held_back().joins) == 1
+    assert not syncs.report()
+
+
+def test_an_error_filter_on_sync_warnings_loses_no_cupti_sync(cupti_env):
+    # filterwarnings=error: the flush's first warning raised inside the CUPTI callback, and the rest of the
+    # batch was dropped (1 of 4 syncs recorded).
+    syncs.set_mode("warn")
+    enabled(cupti_env)
+    lines = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", syncs.SyncWarning)
+        with pytest.raises(syncs.SyncWarning, match="cuStreamSynchronize"):  # raised where it may be: the exit
+            with syncs.checking():
+                lines.append(here())
+                fake.call("cuStreamSynchronize", [0])
+                lines.append(here())
+                fake.call("cuEventSynchronize", [0])
+                lines.append(here())
+                fake.call("cuCtxSynchronize")
+                lines.append(here())
+                fake.call("cuMemFreeHost", [fake.PINNED_ADDR])
+                reached = True
+    assert reached  # no CUDA call raised
+    assert sorted(s.first.lineno for s in syncs.report().sites) == lines
