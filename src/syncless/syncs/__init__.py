@@ -128,6 +128,10 @@ def enable() -> bool:
         True if the detector is active. False when the mode is ``off``, or
         when this torch build has no CUDA sync debug mode or no GPU (said
         once in the log); everything then stays a no-op.
+
+    Raises:
+        MissingDependencyError: the backend ``cupti`` was chosen and
+            cupti-python is not installed (on any machine).
     """
     with settings.lock:
         if settings.enabled:
@@ -135,6 +139,7 @@ def enable() -> bool:
         if settings.mode == "off":
             recorder.not_checked = "the detector is off (SYNCLESS_SYNC_CHECK=off, or syncs.set_mode('off'))"
             return False
+        _layers.require()
         reason = _debugmode.backend().unavailable_reason()
         if reason is not None:
             recorder.not_checked = reason

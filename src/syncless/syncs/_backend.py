@@ -97,6 +97,23 @@ class _Backend:
         return BackendChoice(self.requested, "cupti", "CUPTI will be subscribed from the first checked region "
                                                       "until syncs.disable()")
 
+    def require(self) -> None:
+        """Fail now if ``cupti`` is requested and cupti-python is missing (``enable()`` asks first, before it
+        looks for a GPU: a missing package is an error on any machine, not "nothing to check").
+
+        Raises:
+            MissingDependencyError: ``cupti`` was requested and cupti-python is not installed.
+        """
+        from syncless.syncs import _cupti
+
+        with self.lock:
+            if self.requested != "cupti" or self.api is not None:
+                return
+            try:
+                self.api = _cupti.load_module()
+            except _cupti.CuptiUnavailable as err:
+                raise MissingDependencyError(f"syncs backend 'cupti': {err.reason}") from err
+
     def activate(self) -> BackendChoice:
         """Prepare the requested backend (from ``enable()``); return the choice.
 
