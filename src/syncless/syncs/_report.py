@@ -335,6 +335,24 @@ class SyncSite:
         first = dataclasses.replace(self.first, apis=dict(self.first.apis), reasons=dict(self.first.reasons))
         return dataclasses.replace(self, first=first, api_calls=dict(self.api_calls), reasons=dict(self.reasons))
 
+    def to_plain(self) -> dict:
+        """This site as plain values (for another process: pytest-xdist hands a worker's record over so)."""
+        first = self.first
+        return {"kind": first.kind, "operation": first.operation, "filename": first.filename, "lineno": first.lineno,
+                "function": first.function, "fix": first.fix, "stack": first.stack, "thread": first.thread,
+                "layers": list(self.layers), "count": self.count, "api_calls": dict(self.api_calls),
+                "reasons": dict(self.reasons), "blocked_total_ns": self.blocked_total_ns,
+                "blocked_max_ns": self.blocked_max_ns, "timed_count": self.timed_count}
+
+    @classmethod
+    def from_plain(cls, plain: dict, where: str = "") -> "SyncSite":
+        """The site :meth:`to_plain` gave; ``where`` (a worker's name) goes in front of the thread's name."""
+        thread = f"{where}:{plain['thread']}" if where else plain["thread"]
+        first = Violation(plain["kind"], plain["operation"], plain["filename"], int(plain["lineno"]), plain["function"],
+                          plain["fix"], plain["stack"], thread, tuple(plain["layers"]))
+        return cls(first, int(plain["count"]), tuple(plain["layers"]), dict(plain["api_calls"]), dict(plain["reasons"]),
+                   int(plain["blocked_total_ns"]), int(plain["blocked_max_ns"]), int(plain["timed_count"]))
+
     def add_calls(self, apis: dict[str, int], reasons: dict[str, str]) -> None:
         for api, calls in apis.items():
             self.api_calls[api] = self.api_calls.get(api, 0) + calls
@@ -435,6 +453,21 @@ class _Recorder:
                     # locate() and add() on another thread): keep this one's instead.
                     site.first = violation
             site.take(violation)
+
+    def add_site(self, other: SyncSite) -> None:
+        """Fold a whole site recorded elsewhere (another process) into the record."""
+        key = self.key(other.first)
+        with self._lock:
+            site = self._sites.get(key)
+            if site is None:
+                self._sites[key] = other.snapshot()
+                return
+            site.count += other.count
+            site.layers = _ordered_layers((*site.layers, *other.layers))
+            site.add_calls(other.api_calls, other.reasons)
+            site.timed_count += other.timed_count
+            site.blocked_total_ns += other.blocked_total_ns
+            site.blocked_max_ns = max(site.blocked_max_ns, other.blocked_max_ns)
 
     def annotate(self, key: tuple[str, int, str], api: str, reason: str, blocked_ns: int, event_total_ns: int,
                  first_timing: bool) -> None:
