@@ -119,6 +119,29 @@ _COMPILE_TIME_FILES = (
 _COMPILE_TIME_SUFFIXES = tuple(part.replace("/", os.sep) for part in _COMPILE_TIME_FILES)
 
 
+# Code that torch.compile generates and runs: inductor's wrappers (files in its cache directory,
+# /tmp/torchinductor_<user>/ by default) and fx's graph modules (<eval_with_key>.N). A sync in it belongs
+# to the user's call of the compiled function, not to a file that changes with every recompile.
+_GENERATED_PREFIXES = ("<eval_with_key>", "<fx")
+# Bytecode that dynamo made of the user's function: it calls the compiled graph (a global named
+# __compiled_fn_N) or resumes after a graph break; its line is not where the user's call happened.
+_DYNAMO_NAME_PREFIXES = ("__compiled_fn", "__resume_at_", "torch_dynamo_resume_in_")
+
+
+def _is_generated(filename: str) -> bool:
+    if filename.startswith(_GENERATED_PREFIXES):
+        return True
+    if "torchinductor_" in filename:
+        return True  # the default cache directory: <tmp>/torchinductor_<user>/
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    return bool(cache) and filename.startswith(os.path.abspath(cache) + os.sep)
+
+
+def _is_dynamo_bytecode(code) -> bool:
+    return code.co_name.startswith(_DYNAMO_NAME_PREFIXES) or any(
+        name.startswith(_DYNAMO_NAME_PREFIXES) for name in code.co_names)
+
+
 def _torch_dir() -> str | None:
     torch = sys.modules.get("torch")
     if torch is None or getattr(torch, "__file__", None) is None:
@@ -212,12 +235,17 @@ def _user_frame(start: FrameType | None) -> tuple[FrameType | None, bool]:
     torch_dir = _torch_dir()
     frame = start
     last = None
+    compiled = False  # a frame of generated code was passed: the user's frame is the caller of the compiled function
     while frame is not None:
         filename = os.path.abspath(frame.f_code.co_filename) if not frame.f_code.co_filename.startswith("<") else frame.f_code.co_filename
         last = frame
         if torch_dir is not None and filename.startswith(torch_dir):
             if filename.endswith(_COMPILE_TIME_SUFFIXES):
                 return frame, True
+        elif _is_generated(filename):
+            compiled = True
+        elif compiled and _is_dynamo_bytecode(frame.f_code):
+            pass  # the user's function as dynamo rewrote it, calling the graph: its caller is the user's line
         elif not (is_plumbing_file(filename) or filename in _STDLIB_SKIP or filename.startswith("<frozen")
                   or (_extra_skip_dirs and filename.startswith(_extra_skip_dirs))):
             return frame, False
