@@ -128,13 +128,17 @@ _GENERATED_PREFIXES = ("<eval_with_key>", "<fx")
 _DYNAMO_NAME_PREFIXES = ("__compiled_fn", "__resume_at_", "torch_dynamo_resume_in_")
 
 
-def _is_generated(filename: str) -> bool:
+def _is_generated(filename: str, cache_dir: str | None) -> bool:
     if filename.startswith(_GENERATED_PREFIXES):
         return True
     if "torchinductor_" in filename:
         return True  # the default cache directory: <tmp>/torchinductor_<user>/
+    return cache_dir is not None and filename.startswith(cache_dir)
+
+
+def _inductor_cache_dir() -> str | None:
     cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    return bool(cache) and filename.startswith(os.path.abspath(cache) + os.sep)
+    return os.path.abspath(cache) + os.sep if cache else None
 
 
 def _is_dynamo_bytecode(code) -> bool:
@@ -233,6 +237,7 @@ def _user_frame(start: FrameType | None) -> tuple[FrameType | None, bool]:
         torch frame lies between the sync and the user's code.
     """
     torch_dir = _torch_dir()
+    cache_dir = _inductor_cache_dir()
     frame = start
     last = None
     compiled = False  # a frame of generated code was passed: the user's frame is the caller of the compiled function
@@ -242,7 +247,7 @@ def _user_frame(start: FrameType | None) -> tuple[FrameType | None, bool]:
         if torch_dir is not None and filename.startswith(torch_dir):
             if filename.endswith(_COMPILE_TIME_SUFFIXES):
                 return frame, True
-        elif _is_generated(filename):
+        elif _is_generated(filename, cache_dir):
             compiled = True
         elif compiled and _is_dynamo_bytecode(frame.f_code):
             pass  # the user's function as dynamo rewrote it, calling the graph: its caller is the user's line
