@@ -125,3 +125,13 @@ def test_warn_mode_warning_reaches_a_recording_block(fake_mode):
             torch_sync_warning()
     (ours,) = seen
     assert ours.category is syncs.SyncWarning and ours.lineno == line and Path(ours.filename).name == HERE
+
+
+def test_a_users_error_level_raises_under_an_ignore_filter_as_torchs_own_would(fake_mode):
+    fake_mode.level = _debugmode.LEVEL_ERROR  # the user's torch.cuda.set_sync_debug_mode("error")
+    with syncs.checking(), syncs.allowed():  # allowed: not ours to report, the user's level decides
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with pytest.raises(RuntimeError, match="called a synchronizing CUDA operation"):
+                torch_sync_warning()
+    assert fake_mode.level == _debugmode.LEVEL_ERROR and not syncs.report()
