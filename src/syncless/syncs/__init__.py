@@ -129,6 +129,10 @@ def enable() -> bool:
         True if the detector is active. False when the mode is ``off``, or
         when this torch build has no CUDA sync debug mode or no GPU (said
         once in the log); everything then stays a no-op.
+
+    Raises:
+        MissingDependencyError: the backend ``cupti`` was chosen and
+            cupti-python is not installed (on any machine).
     """
     with settings.lock:
         if settings.enabled:
@@ -136,6 +140,7 @@ def enable() -> bool:
         if settings.mode == "off":
             recorder.not_checked = "the detector is off (SYNCLESS_SYNC_CHECK=off, or syncs.set_mode('off'))"
             return False
+        _layers.require()
         reason = _debugmode.backend().unavailable_reason()
         if reason is not None:
             recorder.not_checked = reason
@@ -195,11 +200,14 @@ def checked(fn: F) -> F:
         async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
             token = _state.enter_checked()
             _layers.entered(token)
+            failing = True  # not sys.exc_info(): inside an `except` block of the caller it names the caller's error
             try:
-                return await fn(*args, **kwargs)
+                result = await fn(*args, **kwargs)
+                failing = False
+                return result
             finally:
                 _state.exit_checked(token)
-                _layers.exited(token, failing=sys.exc_info()[1] is not None)
+                _layers.exited(token, failing=failing)
 
         return async_wrapper  # type: ignore[return-value]
 
@@ -213,29 +221,34 @@ def checked(fn: F) -> F:
             return fn(*args, **kwargs)
         token = _state.enter_checked()
         _layers.entered(token)
+        failing = True  # see async_wrapper
         try:
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
+            failing = False
+            return result
         finally:
             _state.exit_checked(token)
-            _layers.exited(token, failing=sys.exc_info()[1] is not None)
+            _layers.exited(token, failing=failing)
 
     return wrapper  # type: ignore[return-value]
 
 
 class _Checking:
-    __slots__ = ("_token",)
+    __slots__ = ("_tokens",)
 
     def __init__(self) -> None:
-        self._token: _state.RegionToken | None = None
+        self._tokens = _state.TokenStack()  # one per entry: the object may be entered again before it is left
 
     def __enter__(self) -> None:
         if is_compiling():
+            self._tokens.push(None)
             return  # traced by torch.compile: not a region (see checked); no guard on settings.enabled
-        self._token = _state.enter_checked()
-        _layers.entered(self._token)
+        token = _state.enter_checked()
+        self._tokens.push(token)
+        _layers.entered(token)
 
     def __exit__(self, *exc_info: object) -> None:
-        token, self._token = self._token, None
+        token = self._tokens.pop()
         if token is None:
             return
         _state.exit_checked(token)
@@ -257,18 +270,18 @@ def checking() -> Any:
 
 
 class _Allowing:
-    __slots__ = ("_site", "_token")
+    __slots__ = ("_site", "_tokens")
 
     def __init__(self, site: tuple[str, int] | None) -> None:
         self._site = site
-        self._token = None
+        self._tokens = _state.TokenStack()  # see _Checking
 
     def __enter__(self) -> None:
-        self._token = _state.enter_allowed(self._site)
+        # The frame of the `with`: a generator's allow region covers only what runs while it runs.
+        self._tokens.push(_state.enter_allowed(self._site, sys._getframe(1)))
 
     def __exit__(self, *exc_info: object) -> None:
-        token, self._token = self._token, None
-        _state.exit_allowed(token)
+        _state.exit_allowed(self._tokens.pop())
 
 
 def allowed(first_only: bool = False) -> Any:

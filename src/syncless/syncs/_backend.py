@@ -97,6 +97,23 @@ class _Backend:
         return BackendChoice(self.requested, "cupti", "CUPTI will be subscribed from the first checked region "
                                                       "until syncs.disable()")
 
+    def require(self) -> None:
+        """Fail now if ``cupti`` is requested and cupti-python is missing (``enable()`` asks first, before it
+        looks for a GPU: a missing package is an error on any machine, not "nothing to check").
+
+        Raises:
+            MissingDependencyError: ``cupti`` was requested and cupti-python is not installed.
+        """
+        from syncless.syncs import _cupti
+
+        with self.lock:
+            if self.requested != "cupti" or self.api is not None:
+                return
+            try:
+                self.api = _cupti.load_module()
+            except _cupti.CuptiUnavailable as err:
+                raise MissingDependencyError(f"syncs backend 'cupti': {err.reason}") from err
+
     def activate(self) -> BackendChoice:
         """Prepare the requested backend (from ``enable()``); return the choice.
 
@@ -156,8 +173,11 @@ class _Backend:
             if self.subscriber is None and self.wants_cupti():
                 self._subscribe()
             subscribed = self.subscriber is not None
-        if subscribed and _state.checked_depth.get() == 1:
-            _report.region_events.set(_merge.RegionEvents())
+        if subscribed and token.outermost:
+            # The outermost region of this thread/task, also when it sits in a context copied from a region
+            # (a task or thread started inside one): its depth restarted at 1, and its exit closes these events.
+            token.events = _merge.RegionEvents()
+            token.events_token = _report.region_events.set(token.events)
 
     def exited(self, token, failing: bool) -> None:
         """A checked region was left; the outermost one records what CUPTI held back (and raises in error mode).
@@ -167,11 +187,12 @@ class _Backend:
         """
         if token is None:
             return
-        events = _report.region_events.get()
-        if events is not None and _state.checked_depth.get() == 0:
-            _report.region_events.set(None)
-        else:
-            events = None
+        events, token.events = token.events, None
+        if events is not None:
+            try:
+                _report.region_events.reset(token.events_token)
+            except ValueError:  # left in another context (a generator resumed on another thread): nothing to undo
+                pass
         with self.lock:
             self.regions = max(self.regions - 1, 0)  # the subscription stays until disable() (module docstring)
         if events is not None:

@@ -19,6 +19,7 @@ detector's logic runs on the CPU (it fakes the hardware, never the logic).
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 import warnings
 from collections.abc import Iterator
@@ -26,6 +27,10 @@ from collections.abc import Iterator
 LEVEL_OFF = 0
 LEVEL_WARN = 1
 LEVEL_ERROR = 2
+
+
+# A warnings filter entry (action, message, category, module, lineno) for torch's notice when the mode is set.
+_QUIET_PROTOTYPE = ("ignore", re.compile("Synchronization debug mode is a prototype feature", re.I), Warning, None, 0)
 
 
 class TorchDebugMode:
@@ -59,12 +64,21 @@ class TorchDebugMode:
     def set(self, level: int) -> None:
         if self._set is None:
             self._bind()
-        # torch warns "Synchronization debug mode is a prototype feature ..." each time the mode is set; the
+        # torch warns "Synchronization debug mode is a prototype feature ..." when the mode is set; the
         # detector sets it, not the user, so the user's code must not see that warning (it changed what a
-        # call warns with and without syncless, seen on an H200 by the signature test).
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype feature")
+        # call warns with and without syncless, seen on an H200 by the signature test). Not catch_warnings:
+        # its exit resets every warning registry (a once-per-line warning of the user's hot loop then
+        # repeats every step) and puts back the whole filter list (undoing another thread's filters). One
+        # entry in front, taken out again, is seen by this call only: an "ignore" entry writes no registry.
+        filters = warnings.filters
+        filters.insert(0, _QUIET_PROTOTYPE)
+        try:
             self._set(level)
+        finally:
+            try:
+                filters.remove(_QUIET_PROTOTYPE)
+            except ValueError:  # another thread's filter change took it out already
+                pass
 
 
 class FakeDebugMode:

@@ -12,6 +12,16 @@ Two things undo the hook from outside, and both are re-asserted on every
 checked call (:func:`reassert`): ``warnings.catch_warnings`` (pytest wraps
 each test in one) restores ``showwarning`` and the filter list, and the
 default filter action would show a repeated warning from one line only once.
+
+A ``catch_warnings`` block inside a region must not change what the
+detector sees either (libraries hush their own warnings with one): while
+installed, the "always" filter stays in front of filters added later
+(``simplefilter``/``filterwarnings``, through the warnings module's
+``_add_filter``), and torch's sync warnings are taken where the warnings
+machinery hands a warning on (``warnings._showwarnmsg``, which
+``catch_warnings(record=True)`` and ``pytest.warns`` leave in place), so
+they never land in a user's list. The ``SyncWarning`` of ``warn`` mode goes
+through the filters like any warning (``-W error::...SyncWarning``).
 """
 
 from __future__ import annotations
@@ -37,6 +47,10 @@ _installed_over = None  # the showwarning in place when install() ran
 _installed = False  # between install() and the hook's release
 _leave_when_disarmed = False  # disable() came while a region was open: release when the last one closes
 _local = threading.local()
+# The warnings module's functions we wrap while installed (see the module docstring), and the originals.
+_filter_globals = warnings.simplefilter.__globals__  # warnings.py's (3.14: _py_warnings.py's) globals
+_original_add_filter = None
+_original_showwarnmsg = None
 
 
 def is_torch_sync_warning(message: object, category: type) -> bool:
@@ -90,9 +104,15 @@ def showwarning(message, category, filename, lineno, file=None, line=None) -> No
         if not str(message).startswith(TORCH_PROTOTYPE_TEXT):
             _forward(message, category, filename, lineno, file, line)
         return
-    violation = decide(message, category, sys._getframe(1))
+    _take_sync_warning(message, category, filename, lineno, file, line, _forward, sys._getframe(1))
+
+
+def _take_sync_warning(message, category, filename, lineno, file, line, forward, start) -> None:
+    """Decide what torch's sync warning is here; ``forward`` delivers it where the user wants torch's own."""
+    violation = decide(message, category, start)
     if violation is not None:
-        _report.handle(violation, forward_warning=_forward)
+        # Through warnings.warn_explicit in warn mode: the user's filters for SyncWarning apply.
+        _report.handle(violation)
         return
     if is_violation_context():
         return
@@ -103,7 +123,65 @@ def showwarning(message, category, filename, lineno, file=None, line=None) -> No
         raise RuntimeError(TORCH_SYNC_TEXT)
     if user_level != _debugmode.LEVEL_OFF:
         # The user had torch's debug mode on before we armed it: keep their warnings.
-        _forward(message, category, filename, lineno, file, line)
+        forward(message, category, filename, lineno, file, line)
+
+
+def _showwarnmsg(msg) -> None:
+    """Stands in for ``warnings._showwarnmsg`` while installed: torch's sync warnings come here, whatever
+    ``showwarning`` is (a ``catch_warnings(record=True)`` list, ``pytest.warns``); every other warning goes on."""
+    original = _original_showwarnmsg
+    if original is None or original is _showwarnmsg:
+        original = _showwarnmsg_fallback
+    if _installed and msg.category is not None and is_torch_sync_warning(msg.message, msg.category):
+        _take_sync_warning(msg.message, msg.category, msg.filename, msg.lineno, msg.file, msg.line,
+                           lambda *_: original(msg), sys._getframe(1))
+        return
+    if _installed and str(msg.message).startswith(TORCH_PROTOTYPE_TEXT):
+        return  # we set torch's debug mode, not the user
+    original(msg)
+
+
+def _showwarnmsg_fallback(msg) -> None:
+    warnings._showwarnmsg_impl(msg)  # type: ignore[attr-defined]
+
+
+def _add_filter(*item, append):
+    """Stands in for the warnings module's ``_add_filter`` while installed: our filter stays in front."""
+    original = _original_add_filter
+    original(*item, append=append)
+    if not _installed or append:
+        return
+    with _lock:
+        filters = warnings.filters
+        entry = _filter_entry
+        if entry is not None and filters and filters[0] is not entry and entry in filters:
+            filters.remove(entry)
+            filters.insert(0, entry)
+            mutated = getattr(warnings, "_filters_mutated", None)
+            if callable(mutated):
+                mutated()
+
+
+def _wrap_warnings_module() -> None:
+    """Put our ``_showwarnmsg`` and ``_add_filter`` in the warnings module (under ``_lock``; idempotent)."""
+    global _original_add_filter, _original_showwarnmsg
+    current = _filter_globals.get("_add_filter")
+    if current is not None and current is not _add_filter:
+        _original_add_filter = current
+        _filter_globals["_add_filter"] = _add_filter
+    current = getattr(warnings, "_showwarnmsg", None)
+    if current is not None and current is not _showwarnmsg:
+        _original_showwarnmsg = current
+        warnings._showwarnmsg = _showwarnmsg  # type: ignore[attr-defined]
+
+
+def _unwrap_warnings_module() -> None:
+    """Put the warnings module's functions back (under ``_lock``); a wrapper someone put over ours stays."""
+    global _original_add_filter, _original_showwarnmsg
+    if _original_add_filter is not None and _filter_globals.get("_add_filter") is _add_filter:
+        _filter_globals["_add_filter"] = _original_add_filter
+    if _original_showwarnmsg is not None and getattr(warnings, "_showwarnmsg", None) is _showwarnmsg:
+        warnings._showwarnmsg = _original_showwarnmsg  # type: ignore[attr-defined]
 
 
 def _step_out(message, category, filename, lineno, file=None, line=None) -> None:
@@ -157,6 +235,7 @@ def install() -> None:
         _installed = True
         _leave_when_disarmed = False
         _debugmode.armer.on_disarmed = _leave_if_asked
+        _wrap_warnings_module()
     reassert()
 
 
@@ -211,6 +290,7 @@ def _leave() -> None:
             restore = _installed_over
         warnings.showwarning = restore if restore is not None else warnings._showwarning_orig  # type: ignore[attr-defined]
     _previous = _previous_filters = None
+    _unwrap_warnings_module()
     # Every time: a catch_warnings block that closed since the last release may have put a copy back.
     forget_filters()
     _filter_entry = None

@@ -46,6 +46,11 @@ class RegionEvents:
         open_key, open_site: the wrapper's event that CUDA calls of its Python call join.
         open_blocked_ns: host time those calls took so far.
         to_raise: in ``error`` mode, the first CUPTI-only sync, raised when the region exits.
+        warning_error: a ``SyncWarning`` that a warnings filter turned into an error while the events were
+            recorded where nothing may raise (inside a CUPTI callback, or a report); raised when the region exits.
+
+    Bounded however long the region runs: CUPTI-only syncs of one Python call site held back together are one
+    entry with a count (``Violation.repeats``) and one stack, and so are the calls held for a wrapper.
     """
 
     def __init__(self) -> None:
@@ -55,6 +60,7 @@ class RegionEvents:
         self.open_site: tuple[str, int, str] | None = None
         self.open_blocked_ns = 0
         self.to_raise: Violation | None = None
+        self.warning_error: Warning | None = None
         _live_events.add(self)
 
 
@@ -62,16 +68,31 @@ _events_lock = threading.RLock()
 _live_events: "weakref.WeakSet[RegionEvents]" = weakref.WeakSet()
 
 
-def _flush(events: RegionEvents) -> None:
-    """Record the CUPTI events that no torch-level report claimed (under ``_events_lock``)."""
+def _flush(events: RegionEvents, may_raise: bool = False) -> None:
+    """Record the CUPTI events that no torch-level report claimed (under ``_events_lock``).
+
+    All are recorded before any is warned about: a warnings filter that turns
+    ``SyncWarning`` into an error raises at the first warning. That error is
+    raised here only when ``may_raise``; otherwise (inside a CUPTI callback,
+    where raising would go through the driver call) it is kept for the region's exit.
+    """
     pending, events.pending = events.pending, []
     for violation in pending:
         recorder.add(violation)
-        mode = settings.mode
+    mode = settings.mode
+    for violation in pending:
         if mode == "warn":
-            warnings.warn_explicit(violation.message(), SyncWarning, violation.filename, violation.lineno, registry=None)
+            try:
+                warnings.warn_explicit(violation.message(), SyncWarning, violation.filename, violation.lineno,
+                                       registry=None)
+            except SyncWarning as err:  # a filter made it an error
+                if events.warning_error is None:
+                    events.warning_error = err
         elif mode == "error" and events.to_raise is None:
             events.to_raise = violation
+    if may_raise and events.warning_error is not None:
+        err, events.warning_error = events.warning_error, None
+        raise err
 
 
 def flush_all() -> None:
@@ -89,7 +110,10 @@ def cupti_event(violation: Violation) -> None:
     events = _report.region_events.get()
     if events is None:
         # A region entered without the backend's bookkeeping: record it now (never raise inside a callback).
-        _report.record_and_act(violation, None, may_raise=False)
+        try:
+            _report.record_and_act(violation, None, may_raise=False)
+        except SyncWarning:  # a filter made the warning an error; recorded, but nothing may raise here
+            pass
         return
     with _events_lock:
         if events.open_key is not None and events.open_key == violation.call_key:
@@ -98,7 +122,20 @@ def cupti_event(violation: Violation) -> None:
         events.open_key = None
         if events.pending and events.pending[-1].call_key != violation.call_key:
             _flush(events)
+        for held in events.pending:
+            if held.kind == violation.kind and held.operation == violation.operation:
+                # The same call site again (the next step of a loop, or another blocking call of one Python call):
+                # one entry with a count, one stack, whatever the number of steps.
+                _repeat(held, violation)
+                return
         events.pending.append(violation)
+
+
+def _repeat(held: Violation, again: Violation) -> None:
+    """Fold one more CUPTI-only sync of ``held``'s call site into it (counted, unlike ``Violation.absorb``)."""
+    held.blocked_max_ns = max(held.blocked_max_ns or held.blocked_ns, again.blocked_ns)
+    held.absorb(again)
+    held.repeats += 1
 
 
 def cupti_join(start: FrameType | None, api: str, reason: str, blocked_ns: int) -> None:
@@ -119,7 +156,10 @@ def cupti_join(start: FrameType | None, api: str, reason: str, blocked_ns: int) 
         elif key is not None:
             # The wrapper reports after its wait returns: hold the call for that report (dropped if none comes).
             events.joins = [j for j in events.joins if j[0] == key]
-            events.joins.append((key, joined))
+            if events.joins:
+                events.joins[-1][1].absorb(joined)  # one entry per call, however often it repeats unclaimed
+            else:
+                events.joins.append((key, joined))
 
 
 def _join_open(events: RegionEvents, violation: Violation) -> None:
@@ -141,9 +181,12 @@ def close_region(events: RegionEvents | None, failing: bool) -> None:
     if events is None:
         return
     with _events_lock:
+        _live_events.discard(events)
         _flush(events)
         violation, events.to_raise = events.to_raise, None
-        _live_events.discard(events)
+        warning_error, events.warning_error = events.warning_error, None
+    if warning_error is not None and not failing:
+        raise warning_error
     if violation is not None and not failing and settings.mode == "error":
         err = SyncViolation(violation.message())
         err.violation = violation

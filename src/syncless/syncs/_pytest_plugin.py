@@ -12,6 +12,13 @@ Registered through the ``pytest11`` entry point ``syncless``. Without
   the detector could not start, one line saying that nothing was checked
   and why).
 
+Under pytest-xdist each worker checks its own tests and hands its record to
+the controller when it finishes (``workeroutput``); the controller's
+summary is the sum of the workers' (a worker that died without handing it
+over is named). An ``async def`` test (pytest-asyncio) is checked inside
+the task that runs it: the region belongs to that task, not to the thread
+that started the loop.
+
 A bad ``SYNCLESS_SYNC_CHECK`` fails only a run with ``--sync-check`` (a usage
 error naming the variable, the value and the allowed values); every other
 run gets the one warning issued when :mod:`syncless.syncs` is imported.
@@ -25,14 +32,17 @@ twice (pluggy refuses that).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import inspect
+from dataclasses import dataclass, field
 
 import pytest
 
 from syncless import syncs
-from syncless.syncs import _hook
+from syncless.syncs import _hook, _report
 
 MARKER = "sync_checked"
+_WORKER_OUTPUT_KEY = "syncless_sync_check"
 
 
 @dataclass
@@ -40,6 +50,11 @@ class _Session:
     mode: str
     previous_mode: str
     was_enabled: bool
+    # pytest-xdist controller: workers whose record was gathered, and workers that went down without one.
+    workers_gathered: list[str] = field(default_factory=list)
+    workers_lost: list[str] = field(default_factory=list)
+    workers_checked: bool = False  # at least one worker's detector was active
+    workers_not_checked: str | None = None  # why not, as a worker said
 
 
 _SESSION = pytest.StashKey[_Session]()
@@ -99,8 +114,58 @@ def pytest_runtest_call(item: pytest.Item):
         return (yield)
     # enable() again here: a fixture may only now have made a device available.
     syncs.enable()
+    body = getattr(item, "obj", None)
+    if inspect.iscoroutinefunction(body):
+        # pytest-asyncio runs the body in a task of its loop: the region must be entered there (a region
+        # belongs to the thread and task that entered it), so it goes inside the coroutine.
+        item.obj = _checked_coroutine(body)
+        try:
+            return (yield)
+        finally:
+            item.obj = body
     with syncs.checking():
         return (yield)
+
+
+def _checked_coroutine(body):
+    @functools.wraps(body)
+    async def checked_body(*args, **kwargs):
+        with syncs.checking():
+            return await body(*args, **kwargs)
+
+    return checked_body
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    config = session.config
+    output = getattr(config, "workeroutput", None)
+    if output is None or config.stash.get(_SESSION, None) is None:
+        return
+    # A pytest-xdist worker: hand the record to the controller (plain values: execnet carries no objects).
+    found = syncs.report()
+    output[_WORKER_OUTPUT_KEY] = {"sites": [site.to_plain() for site in found.sites],
+                                  "not_checked": found.not_checked, "backend": found.backend}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    """pytest-xdist's controller: a worker finished; add its record to this process's."""
+    session = node.config.stash.get(_SESSION, None)
+    if session is None:
+        return
+    name = getattr(getattr(node, "gateway", None), "id", None) or "worker"
+    handed = getattr(node, "workeroutput", {}).get(_WORKER_OUTPUT_KEY)
+    if handed is None:
+        session.workers_lost.append(name)
+        return
+    session.workers_gathered.append(name)
+    for plain in handed["sites"]:
+        _report.recorder.add_site(_report.SyncSite.from_plain(plain, where=name))
+    if handed["not_checked"] is None:
+        session.workers_checked = True
+        _report.recorder.backend = handed["backend"] or _report.recorder.backend
+    elif session.workers_not_checked is None:
+        session.workers_not_checked = handed["not_checked"]
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
@@ -110,6 +175,15 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     terminalreporter.section(f"syncless sync check ({session.mode})")
     # Where the detector could not start, the report itself says that nothing was checked, and why.
     found = syncs.report()
+    if session.workers_gathered or session.workers_lost:
+        # pytest-xdist's controller runs no test: the workers' records are the report, and so is their word on
+        # whether anything was checked.
+        found.not_checked = None if session.workers_checked else session.workers_not_checked
+        terminalreporter.write_line(f"(gathered from {len(session.workers_gathered)} pytest-xdist worker(s): "
+                                    f"{', '.join(session.workers_gathered) or 'none'})")
+        if session.workers_lost:
+            terminalreporter.write_line(f"NOT INCLUDED: worker(s) {', '.join(session.workers_lost)} went down "
+                                        "without handing over their record; syncs they saw are missing")
     terminalreporter.write_line(found.format(stacks=session.mode == "record"))
 
 

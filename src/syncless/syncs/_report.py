@@ -17,6 +17,7 @@ row says which layers saw it, and CUPTI adds the host time blocked.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import linecache
 import os
 import sys
@@ -149,6 +150,33 @@ def is_graph_replay(frame: FrameType | None, limit: int = 32) -> bool:
     return False
 
 
+# Code that torch.compile generates and runs: inductor's wrappers (files in its cache directory,
+# /tmp/torchinductor_<user>/ by default) and fx's graph modules (<eval_with_key>.N). A sync in it belongs
+# to the user's call of the compiled function, not to a file that changes with every recompile.
+_GENERATED_PREFIXES = ("<eval_with_key>", "<fx")
+# Bytecode that dynamo made of the user's function: it calls the compiled graph (a global named
+# __compiled_fn_N) or resumes after a graph break; its line is not where the user's call happened.
+_DYNAMO_NAME_PREFIXES = ("__compiled_fn", "__resume_at_", "torch_dynamo_resume_in_")
+
+
+def _is_generated(filename: str, cache_dir: str | None) -> bool:
+    if filename.startswith(_GENERATED_PREFIXES):
+        return True
+    if "torchinductor_" in filename:
+        return True  # the default cache directory: <tmp>/torchinductor_<user>/
+    return cache_dir is not None and filename.startswith(cache_dir)
+
+
+def _inductor_cache_dir() -> str | None:
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    return os.path.abspath(cache) + os.sep if cache else None
+
+
+def _is_dynamo_bytecode(code) -> bool:
+    return code.co_name.startswith(_DYNAMO_NAME_PREFIXES) or any(
+        name.startswith(_DYNAMO_NAME_PREFIXES) for name in code.co_names)
+
+
 def _torch_dir() -> str | None:
     torch = sys.modules.get("torch")
     if torch is None or getattr(torch, "__file__", None) is None:
@@ -175,6 +203,8 @@ class Violation:
         blocked_ns: host time spent inside those calls, entry to exit (0 when not timed).
         timed: whether CUPTI timed it.
         call_key: identifies the Python call (frame, code, instruction) for merging layers.
+        repeats: how many syncs this stands for: more than one for CUPTI-only syncs of one call site held
+            back together (their CUDA calls and blocked time summed, ``blocked_max_ns`` the longest one).
     """
 
     kind: str
@@ -191,6 +221,8 @@ class Violation:
     blocked_ns: int = 0
     timed: bool = False
     call_key: tuple | None = field(default=None, repr=False, compare=False)
+    repeats: int = field(default=1, repr=False, compare=False)
+    blocked_max_ns: int = field(default=0, repr=False, compare=False)
 
     def absorb(self, other: "Violation") -> None:
         """Fold another layer's view of the same sync into this one (no second count)."""
@@ -236,9 +268,11 @@ def _user_frame(start: FrameType | None) -> tuple[FrameType | None, bool]:
         torch frame lies between the sync and the user's code.
     """
     torch_dir = _torch_dir()
+    cache_dir = _inductor_cache_dir()
     frame = start
     last = None
     replaying = False  # under a CUDA graph's replay: the compile-time files further out are its runtime wrappers
+    compiled = False  # a frame of generated code was passed: the user's frame is the caller of the compiled function
     while frame is not None:
         filename = os.path.abspath(frame.f_code.co_filename) if not frame.f_code.co_filename.startswith("<") else frame.f_code.co_filename
         last = frame
@@ -247,6 +281,10 @@ def _user_frame(start: FrameType | None) -> tuple[FrameType | None, bool]:
                 if not (filename.endswith(_GRAPH_TREES_SUFFIX) and is_graph_replay(frame)):
                     return frame, True
                 replaying = True
+        elif _is_generated(filename, cache_dir):
+            compiled = True
+        elif compiled and _is_dynamo_bytecode(frame.f_code):
+            pass  # the user's function as dynamo rewrote it, calling the graph: its caller is the user's line
         elif not (is_plumbing_file(filename) or filename in _STDLIB_SKIP or filename.startswith("<frozen")
                   or (_extra_skip_dirs and filename.startswith(_extra_skip_dirs))):
             return frame, False
@@ -356,9 +394,32 @@ class SyncSite:
         self.layers = _ordered_layers((*self.layers, *violation.layers))
         self.add_calls(violation.apis, violation.reasons)
         if violation.timed:
-            self.timed_count += 1
+            self.timed_count += violation.repeats
             self.blocked_total_ns += violation.blocked_ns
-            self.blocked_max_ns = max(self.blocked_max_ns, violation.blocked_ns)
+            self.blocked_max_ns = max(self.blocked_max_ns, violation.blocked_max_ns or violation.blocked_ns)
+
+    def snapshot(self) -> "SyncSite":
+        """A copy that later syncs at this site leave as it is."""
+        first = dataclasses.replace(self.first, apis=dict(self.first.apis), reasons=dict(self.first.reasons))
+        return dataclasses.replace(self, first=first, api_calls=dict(self.api_calls), reasons=dict(self.reasons))
+
+    def to_plain(self) -> dict:
+        """This site as plain values (for another process: pytest-xdist hands a worker's record over so)."""
+        first = self.first
+        return {"kind": first.kind, "operation": first.operation, "filename": first.filename, "lineno": first.lineno,
+                "function": first.function, "fix": first.fix, "stack": first.stack, "thread": first.thread,
+                "layers": list(self.layers), "count": self.count, "api_calls": dict(self.api_calls),
+                "reasons": dict(self.reasons), "blocked_total_ns": self.blocked_total_ns,
+                "blocked_max_ns": self.blocked_max_ns, "timed_count": self.timed_count}
+
+    @classmethod
+    def from_plain(cls, plain: dict, where: str = "") -> "SyncSite":
+        """The site :meth:`to_plain` gave; ``where`` (a worker's name) goes in front of the thread's name."""
+        thread = f"{where}:{plain['thread']}" if where else plain["thread"]
+        first = Violation(plain["kind"], plain["operation"], plain["filename"], int(plain["lineno"]), plain["function"],
+                          plain["fix"], plain["stack"], thread, tuple(plain["layers"]))
+        return cls(first, int(plain["count"]), tuple(plain["layers"]), dict(plain["api_calls"]), dict(plain["reasons"]),
+                   int(plain["blocked_total_ns"]), int(plain["blocked_max_ns"]), int(plain["timed_count"]))
 
     def add_calls(self, apis: dict[str, int], reasons: dict[str, str]) -> None:
         for api, calls in apis.items():
@@ -452,14 +513,29 @@ class _Recorder:
         with self._lock:
             site = self._sites.get(key)
             if site is None:
-                site = self._sites[key] = SyncSite(violation)
+                site = self._sites[key] = SyncSite(violation, count=violation.repeats)
             else:
-                site.count += 1
+                site.count += violation.repeats
                 if not site.first.stack and violation.stack:
                     # The site was recorded from a repeat without its stack (a reset() came between
                     # locate() and add() on another thread): keep this one's instead.
                     site.first = violation
             site.take(violation)
+
+    def add_site(self, other: SyncSite) -> None:
+        """Fold a whole site recorded elsewhere (another process) into the record."""
+        key = self.key(other.first)
+        with self._lock:
+            site = self._sites.get(key)
+            if site is None:
+                self._sites[key] = other.snapshot()
+                return
+            site.count += other.count
+            site.layers = _ordered_layers((*site.layers, *other.layers))
+            site.add_calls(other.api_calls, other.reasons)
+            site.timed_count += other.timed_count
+            site.blocked_total_ns += other.blocked_total_ns
+            site.blocked_max_ns = max(site.blocked_max_ns, other.blocked_max_ns)
 
     def annotate(self, key: tuple[str, int, str], api: str, reason: str, blocked_ns: int, event_total_ns: int,
                  first_timing: bool) -> None:
@@ -479,7 +555,8 @@ class _Recorder:
         for flush in list(self.before_report):
             flush()
         with self._lock:
-            sites = sorted(self._sites.values(), key=lambda s: (-s.count, s.site))
+            # Copies, taken under the lock: the record keeps changing on other threads, a report does not.
+            sites = sorted((site.snapshot() for site in self._sites.values()), key=lambda s: (-s.count, s.site))
         return SyncReport(sites, self.not_checked, self.backend)
 
     def reset(self) -> None:

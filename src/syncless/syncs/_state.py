@@ -16,11 +16,14 @@ every allow region it entered itself.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import logging
 import sys
 import threading
 import warnings
 from contextvars import ContextVar, Token
+from types import FrameType
 
 from syncless._core import config
 from syncless._core.errors import ConfigError
@@ -82,9 +85,33 @@ def env_error() -> str | None:
 # wrapped call, so they stay plain ints; the owners below are read only when a depth is non-zero.
 checked_depth: ContextVar[int] = ContextVar("syncless_checked_depth", default=0)
 allowed_depth: ContextVar[int] = ContextVar("syncless_allowed_depth", default=0)
-# Who entered the outermost region counted in the depth above: (thread, asyncio task or None).
-_checked_owner: ContextVar[tuple | None] = ContextVar("syncless_checked_owner", default=None)
-_allowed_owner: ContextVar[tuple | None] = ContextVar("syncless_allowed_owner", default=None)
+# Who entered the outermost region counted in the depth above (an _Owner).
+_checked_owner: ContextVar["_Owner | None"] = ContextVar("syncless_checked_owner", default=None)
+_allowed_owner: ContextVar["_Owner | None"] = ContextVar("syncless_allowed_owner", default=None)
+
+_GENERATOR_FLAGS = inspect.CO_GENERATOR | inspect.CO_ASYNC_GENERATOR
+_CONTEXTLIB_FILE = contextlib.__file__
+
+
+class _Owner:
+    """The thread and asyncio task that entered an outermost region, and whether that region is still open.
+
+    A copied context (a task or thread started inside the region, a generator
+    resumed elsewhere) keeps seeing the depth its parent had; ``open`` goes
+    False when the region ends, wherever it ends, so that what a copy still
+    sees is inert. For allow regions it also holds what the open ones cover:
+    ``unscoped`` counts plain ones; ``scopes`` holds the ids of generator frames
+    that entered one (it covers only what runs while that frame runs).
+    """
+
+    __slots__ = ("thread", "task", "open", "unscoped", "scopes")
+
+    def __init__(self, thread: threading.Thread, task: object) -> None:
+        self.thread = thread
+        self.task = task
+        self.open = True
+        self.unscoped = 0
+        self.scopes: list[int] = []
 
 
 def _here() -> tuple:
@@ -100,11 +127,21 @@ def _here() -> tuple:
     return threading.current_thread(), task
 
 
-def _is_mine(owner: tuple | None) -> bool:
-    if owner is None:
+def _is_mine(owner: _Owner | None) -> bool:
+    if owner is None or not owner.open:
         return False
     thread, task = _here()
-    return owner[0] is thread and owner[1] is task
+    return owner.thread is thread and owner.task is task
+
+
+def _is_running(frame_ids: list[int]) -> bool:
+    """Whether one of the frames (by id) is executing on this thread now."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if id(frame) in frame_ids:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _not_installed() -> None:
@@ -133,26 +170,56 @@ def is_violation_context() -> bool:
         return False
     if not _is_mine(_checked_owner.get()):
         return False  # a region entered elsewhere, seen through a copied context
-    return allowed_depth.get() <= 0 or not _is_mine(_allowed_owner.get())
+    if allowed_depth.get() <= 0:
+        return True
+    owner = _allowed_owner.get()
+    if not _is_mine(owner):
+        return True
+    # A generator suspended inside `with allowed():` allows nothing to its consumer.
+    return not owner.unscoped and not (owner.scopes and _is_running(owner.scopes))
 
 
 class RegionToken:
-    """What entering a checked region changed, so that leaving undoes exactly that."""
+    """What entering a region changed, so that leaving undoes exactly that (wherever it is left).
 
-    __slots__ = ("depth_token", "owner_token")
+    Attributes:
+        outermost: the entry started a new owner (the first region of this thread/task in this context).
+        events: the CUPTI layer's state of an outermost checked region (set by ``._backend``).
+    """
 
-    def __init__(self, depth_token: Token[int], owner_token: Token[tuple | None]):
+    __slots__ = ("depth_token", "owner_token", "owner", "outermost", "scope", "events", "events_token")
+
+    def __init__(self, depth_token: Token[int], owner_token: Token, owner: _Owner, outermost: bool):
         self.depth_token = depth_token
         self.owner_token = owner_token
+        self.owner = owner
+        self.outermost = outermost
+        self.scope: int | None = None
+        self.events = None
+        self.events_token: Token | None = None
 
 
-def _enter(depth: ContextVar[int], owner: ContextVar[tuple | None]) -> tuple[Token[int], Token[tuple | None]]:
+def _enter(depth: ContextVar[int], owner: ContextVar[_Owner | None]) -> RegionToken:
     """Count one more region of ``depth``'s kind here; a count inherited from another owner restarts at 1."""
-    here = _here()
+    thread, task = _here()
     current = owner.get()
-    if current is not None and current[0] is here[0] and current[1] is here[1]:
-        return depth.set(depth.get() + 1), owner.set(current)
-    return depth.set(1), owner.set(here)
+    if current is not None and current.open and current.thread is thread and current.task is task:
+        return RegionToken(depth.set(depth.get() + 1), owner.set(current), current, False)
+    fresh = _Owner(thread, task)
+    return RegionToken(depth.set(1), owner.set(fresh), fresh, True)
+
+
+def _leave(token: RegionToken, depth: ContextVar[int], owner: ContextVar[_Owner | None]) -> None:
+    """Undo ``_enter``; a region left in another context than its own (a generator resumed on another
+    thread) cannot reset that context's variables, so its owner is closed instead: what that context still
+    holds is inert."""
+    if token.outermost:
+        token.owner.open = False  # also makes copies of this context that outlive the region inert
+    try:
+        owner.reset(token.owner_token)
+        depth.reset(token.depth_token)
+    except ValueError:  # the tokens belong to another context
+        pass
 
 
 def enter_checked() -> RegionToken | None:
@@ -163,7 +230,7 @@ def enter_checked() -> RegionToken | None:
     """
     if not settings.enabled:
         return None
-    token = RegionToken(*_enter(checked_depth, _checked_owner))
+    token = _enter(checked_depth, _checked_owner)
     _debugmode.armer.arm()
     if not settings.enabled:  # disable() ran between the check above and the arming: no region after all
         exit_checked(token)
@@ -173,16 +240,21 @@ def enter_checked() -> RegionToken | None:
 
 
 def exit_checked(token: RegionToken | None) -> None:
-    """Leave the region entered with ``token``."""
+    """Leave the region entered with ``token`` (on any thread: the disarm always happens)."""
     if token is None:
         return
-    _checked_owner.reset(token.owner_token)
-    checked_depth.reset(token.depth_token)
-    _debugmode.armer.disarm()
+    try:
+        _leave(token, checked_depth, _checked_owner)
+    finally:
+        _debugmode.armer.disarm()
 
 
-def enter_allowed(site: tuple[str, int] | None) -> tuple[Token[int], Token[tuple | None]] | None:
+def enter_allowed(site: tuple[str, int] | None, frame: FrameType | None = None) -> RegionToken | None:
     """Enter an allow region; with a ``site`` only its first entry allows.
+
+    ``frame`` is the frame whose ``with`` entered it: a generator frame's
+    allow region covers only what runs while that generator runs (unless
+    ``contextlib.contextmanager`` drives it: then it covers the ``with`` block).
 
     Returns None when this entry does not allow (a repeated first-only site,
     or the gate is closed), so syncs in the block stay violations.
@@ -193,14 +265,56 @@ def enter_allowed(site: tuple[str, int] | None) -> tuple[Token[int], Token[tuple
         if site in _first_only_seen:
             return None
         _first_only_seen.add(site)
-    return _enter(allowed_depth, _allowed_owner)
+    token = _enter(allowed_depth, _allowed_owner)
+    if (frame is not None and frame.f_code.co_flags & _GENERATOR_FLAGS
+            and (frame.f_back is None or frame.f_back.f_code.co_filename != _CONTEXTLIB_FILE)):
+        token.scope = id(frame)
+        token.owner.scopes.append(token.scope)
+    else:
+        token.owner.unscoped += 1
+    return token
 
 
-def exit_allowed(token: tuple[Token[int], Token[tuple | None]] | None) -> None:
+def exit_allowed(token: RegionToken | None) -> None:
     """Leave the allow region entered with ``token``."""
-    if token is not None:
-        _allowed_owner.reset(token[1])
-        allowed_depth.reset(token[0])
+    if token is None:
+        return
+    if token.scope is None:
+        token.owner.unscoped -= 1
+    elif token.scope in token.owner.scopes:
+        token.owner.scopes.remove(token.scope)
+    _leave(token, allowed_depth, _allowed_owner)
+
+
+class TokenStack:
+    """The tokens of one context-manager object, so that it can be entered again before it is left.
+
+    A reused ``allowed()``/``checking()`` object entered twice (recursion, or
+    several threads) keeps each entry's token: the thread/task leaving takes
+    back its latest one. Pushing a None (the gate closed, or a block that
+    torch.compile traces) and popping it read nothing dynamo cannot trace.
+    """
+
+    __slots__ = ("_entries",)
+
+    def __init__(self) -> None:
+        self._entries: list[RegionToken | None] = []
+
+    def push(self, token: RegionToken | None) -> None:
+        self._entries.append(token)
+
+    def pop(self) -> RegionToken | None:
+        entries = self._entries
+        if not entries:
+            return None
+        if entries[-1] is None or len(entries) == 1:
+            return entries.pop()
+        thread, task = _here()
+        for index in range(len(entries) - 1, -1, -1):
+            token = entries[index]
+            if token is not None and token.owner.thread is thread and token.owner.task is task:
+                return entries.pop(index)
+        return entries.pop()  # left elsewhere than entered (a generator resumed on another thread)
 
 
 def forget_first_only_sites() -> None:

@@ -35,6 +35,7 @@ torch_sync_warning = functools.partial(warnings.warn, TORCH_TEXT, UserWarning)
 def restored_globals():
     """Check after the test that torch, warnings and the detector are as before."""
     originals = [(owner, name, getattr(owner, name)) for owner, name in patched_attributes()]
+    warnings_module = (warnings._showwarnmsg, warnings.simplefilter.__globals__["_add_filter"])
     mode_before = syncs.mode()
     yield
     syncs.disable()
@@ -43,6 +44,7 @@ def restored_globals():
     for owner, name, original in originals:
         assert getattr(owner, name) is original, f"{owner}.{name} was not restored"
     assert warnings.showwarning is not _hook.showwarning
+    assert (warnings._showwarnmsg, warnings.simplefilter.__globals__["_add_filter"]) == warnings_module
     ours = re.escape(_hook.TORCH_SYNC_TEXT)
     assert all(entry[1] is None or entry[1].pattern != ours for entry in warnings.filters)
     assert _debugmode.armer.count == 0

@@ -462,3 +462,42 @@ def test_cupti_is_taken_again_after_a_re_enable_while_another_region_is_open(cup
             line = here()
             fake.call("cuStreamSynchronize", [0])
     assert [(s.first.lineno, s.layers) for s in syncs.report().sites] == [(line, ("cupti",))]
+
+
+def test_cupti_without_cupti_python_is_an_error_even_where_nothing_could_be_checked(restored_globals, monkeypatch):
+    # On a CPU machine (no sync debug mode) enable() returned False, although the docs promise the error.
+    monkeypatch.setitem(sys.modules, "cupti", None)  # import fails: not installed
+    layers = _backend.backend
+    monkeypatch.setattr(layers, "api", None)
+    monkeypatch.setattr(layers, "requested", layers.requested)
+
+    class NoDebugMode(_debugmode.FakeDebugMode):
+        def unavailable_reason(self):
+            return "this torch build has no CUDA sync debug mode (forced by the test)"
+
+    monkeypatch.setattr(_debugmode, "_backend", NoDebugMode())
+    syncs.set_mode("record")
+    syncs.set_backend("cupti")
+    with pytest.raises(MissingDependencyError, match=r"syncless\[cupti\]"):
+        syncs.enable()
+    assert not syncs.is_enabled()
+    syncs.set_backend("auto")
+    assert syncs.enable() is False  # auto: nothing to check here, said as before
+
+
+def test_trace_with_the_cupti_backend_without_cupti_python_stops_with_the_error(restored_globals, monkeypatch,
+                                                                                  tmp_path, capsys):
+    import argparse
+
+    from syncless.syncs import _trace
+
+    monkeypatch.setitem(sys.modules, "cupti", None)
+    monkeypatch.setattr(_backend.backend, "api", None)
+    script = tmp_path / "ran.py"
+    script.write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
+    parser = argparse.ArgumentParser()
+    _trace.add_arguments(parser)
+    syncs.set_mode("record")
+    assert _trace.run(parser.parse_args(["--backend", "cupti", str(script)])) == 2
+    assert "syncless[cupti]" in capsys.readouterr().err
+    assert not (tmp_path / "ran").exists()  # it did not carry on silently

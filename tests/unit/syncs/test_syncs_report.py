@@ -291,3 +291,20 @@ def test_print_at_exit_registers_once_and_prints_the_record(monkeypatch, capsys)
     recorder.add(_violation())
     registered[0]()
     assert "user.py:7" in capsys.readouterr().err
+
+
+def test_a_report_is_a_snapshot_that_later_syncs_leave_alone(fake_mode):
+    def sync_at_one_line():
+        torch_sync_warning()
+
+    with syncs.checking():
+        sync_at_one_line()
+        earlier = syncs.report()
+        text = earlier.format()
+        for _ in range(5):
+            sync_at_one_line()
+    assert (earlier.total, earlier.sites[0].count) == (1, 1)
+    assert earlier.format() == text
+    assert syncs.report().total == 6
+    earlier.sites[0].api_calls["cudaFree"] = 1  # a caller's edit stays in its copy
+    assert not syncs.report().sites[0].api_calls
