@@ -35,8 +35,9 @@ own, blocking under CC, and correct.
 
 After the copy, ordering is host-side, at the calls that order work after
 ``D`` (:mod:`._sync_patches`, :mod:`._shim`, :mod:`._host_writes`): an event
-recorded on ``D`` carries ``D``'s last job number, and waiting on it (also
-``P.wait_stream(D)``, which records one), synchronizing or querying it, or
+recorded on any stream after the copy's call carries the last job number of
+every D2H stream (:func:`cover_now`, the seed's any-event rule), and waiting
+on it (also ``P.wait_stream(S)``, which records one), synchronizing or querying it, or
 synchronizing ``D`` or the device first waits for those jobs; a copy between
 host and GPU issued while ``D`` is current (not offloaded), and the blocking
 reads ``cpu()``/``item()``/``tolist()``, wait for them too; a staged H2D of
@@ -81,7 +82,7 @@ from syncless._core import patching
 from syncless._core.errors import MissingDependencyError
 from syncless.cc import _host_writes, _streams
 from syncless.cc._layers import SHIM_KEY
-from syncless.cc._worker import OrderedWorker
+from syncless.cc._worker import UNRAISED, OrderedWorker
 
 _log = logging.getLogger(__name__)
 
@@ -110,11 +111,31 @@ _streams_by_key: dict[tuple[int, int], _D2HStream] = {}
 # waits for nothing while it is 0). Raised at submission, lowered when the copy has run (or failed).
 _PENDING = [0]
 _pending_lock = threading.Lock()
+# The tickets an event recorded now must cover (the seed's any-event rule, docs/cc.md): the last job of every D2H
+# stream's worker that has had one, rebuilt at each submission under _offload_lock, so that a record (which every
+# decode step makes) reads one tuple and builds nothing.
+_COVER: list[tuple] = [()]
 
 
 def pending() -> bool:
     """Whether any offloaded copy, of any D2H stream, has not finished (one integer read, no lock)."""
     return _PENDING[0] > 0
+
+
+def cover_now() -> tuple:
+    """The tickets that an event recorded now covers: every copy offloaded so far, on any D2H stream.
+
+    Empty while no offloaded copy is unfinished and no failure waits to be raised (two integer reads: the cost
+    every ``Event.record`` pays while nothing is pending).
+    """
+    if _PENDING[0] or UNRAISED[0]:
+        return _COVER[0]
+    return ()
+
+
+def _rebuild_cover() -> None:
+    """Recompute :data:`_COVER` from every D2H stream's worker (the caller holds ``_offload_lock``)."""
+    _COVER[0] = tuple((record.worker, record.worker.submitted) for record in _records() if record.worker.submitted)
 
 
 def _records() -> list[_D2HStream]:
@@ -342,6 +363,7 @@ def offload(record: _D2HStream, dst: Any, src: Any, what: str) -> int:
                 _PENDING[0] -= 1
             raise
         record.last_job = seq
+        _rebuild_cover()  # before the call returns: any event recorded after it covers this job
     _bump_version(dst)  # as torch's copy does, at the call
     _host_writes.note_offloaded_d2h(dst, (record.worker, seq))  # a staged H2D of dst waits for it
     return seq

@@ -5,18 +5,16 @@ Each offloaded copy has a job number on its D2H stream's own worker
 when its call returns, so whatever torch would order after it on ``D`` is
 ordered here, on the host, before the call goes on (see :mod:`._d2h`):
 
-- recording an event on a D2H stream stamps it with the stream's last job;
-  a synchronize or query of the event covers those jobs (and raises the
+- recording an event, on any stream, stamps it with every offloaded copy
+  issued before the record (the seed's any-event rule: under CC without
+  the shim those copies had finished when their calls returned); a
+  synchronize or query of the event covers those jobs (and raises the
   first failure among them), and so does *waiting* on it from another
-  stream (``P.wait_event(e)``, and ``P.wait_stream(D)``, which records such
+  stream (``P.wait_event(e)``, and ``P.wait_stream(S)``, which records such
   an event): the host waits for the jobs before it enqueues the GPU wait;
 - synchronizing or querying a D2H stream covers its jobs; a device
   synchronize covers every job submitted before the call; synchronizing an
   ordinary stream covers every job too, conservatively.
-
-An event recorded on an ordinary stream carries no stamp: that stream can
-only be ordered after ``D``'s copies through one of the waits above, which
-already waited for them on the host.
 
 What is covered:
 - ``torch.cuda.Event``: ``record``, ``wait``, ``synchronize``, ``query`` (all
@@ -46,43 +44,39 @@ from syncless.cc._layers import SHIM_KEY
 _MARK = "_syncless_d2h_seq"
 
 
-def _mark(event: Any, stream: Any, device: Any = None) -> None:
-    """Stamp ``event`` with the last job of the D2H stream it is recorded on (clear the stamp elsewhere).
+def _mark(event: Any) -> None:
+    """Stamp ``event``, being recorded now on any stream, with every offloaded copy issued before this call.
 
-    The stamp is a ticket: that stream's worker and the number of its last job. ``stream`` None means the
-    current stream of ``device`` (None: of the current device), as torch's own ``record`` reads it.
+    The seed's rule (docs/cc.md, "After the copy"): an event recorded after an offloaded copy's call covers it,
+    whichever stream it is recorded on, because under CC without the shim that copy had finished when its call
+    returned. The stamp is a tuple of tickets (a worker, the number of its last job; :func:`._d2h.cover_now`).
+    The stream it goes on does not matter. Costs two integer reads while nothing is pending. An event
+    re-recorded with nothing pending loses an old stamp.
     """
-    record = None
-    if _d2h.has_streams():
-        if stream is None:
-            import torch
-
-            index = device.index if device is not None and device.type == "cuda" else None
-            stream = torch.cuda.current_stream(index)
-        record = _d2h.lookup(stream)
-    ticket = (record.worker, record.last_job) if record is not None and record.last_job else None
+    cover = _d2h.cover_now()
     try:
-        if ticket is not None or getattr(event, _MARK, None) is not None:
-            setattr(event, _MARK, ticket)  # a re-record on an ordinary stream drops an old stamp
+        if cover or getattr(event, _MARK, None) is not None:
+            setattr(event, _MARK, cover or None)
     except AttributeError:  # a C-made torch.Event has no __dict__: not covered (documented)
         pass
 
 
 def _wait_before_gpu_wait(event: Any) -> None:
     """Before a stream waits on ``event``: the host waits for the offloaded copies it stands for."""
-    ticket = getattr(event, _MARK, None)
-    if _d2h.ticket_pending(ticket):
-        _d2h.wait_for_tickets([ticket], raise_errors=False)
+    tickets = getattr(event, _MARK, None)
+    if tickets and any(_d2h.ticket_pending(t) for t in tickets):
+        _d2h.wait_for_tickets(list(tickets), raise_errors=False)
 
 
 def _wait_marked(event: Any) -> None:
-    ticket = getattr(event, _MARK, None)
-    if ticket is not None:
-        _d2h.wait_for_tickets([ticket], raise_errors=True)
+    tickets = getattr(event, _MARK, None)
+    if tickets:
+        _d2h.wait_for_tickets(list(tickets), raise_errors=True)
 
 
 def _marked_pending(event: Any) -> bool:
-    return _d2h.ticket_pending(getattr(event, _MARK, None))
+    tickets = getattr(event, _MARK, None)
+    return bool(tickets) and any(_d2h.ticket_pending(t) for t in tickets)
 
 
 def _cover_all() -> list:
@@ -127,7 +121,7 @@ def _wrap_event_record(next_record):
     def record(*args, **kwargs):
         call = _self_and_stream(args, kwargs, event_class)
         if call is not None:
-            _mark(*call)
+            _mark(call[0])
         return next_record(*args, **kwargs)
 
     return record
@@ -237,7 +231,7 @@ def _wrap_torch_event(base):
     def record(*args, **kwargs):
         call = _self_and_stream(args, kwargs, Event)
         if call is not None:
-            _mark(call[0], call[1], getattr(call[0], "device", None))
+            _mark(call[0])
         return base.record(*args, **kwargs)
 
     def wait(*args, **kwargs):

@@ -38,6 +38,16 @@ class D2HTimeoutError(SynclessError, TimeoutError):
     """Queued device-to-host copies did not finish within a bounded wait (``uninstall()``)."""
 
 
+# Failures of every worker that no covering call has raised yet (one integer the event record path reads).
+UNRAISED = [0]
+_unraised_lock = threading.Lock()
+
+
+def _count_unraised(delta: int) -> None:
+    with _unraised_lock:
+        UNRAISED[0] += delta
+
+
 @dataclass
 class _Failure:
     seq: int
@@ -130,6 +140,7 @@ class OrderedWorker:
                 self._jobs.popleft()
                 if failure is not None:
                     self._failures.append(failure)
+                    _count_unraised(1)
                 self._completed = seq
                 self._settle()
                 self._cv.notify_all()
@@ -179,6 +190,7 @@ class OrderedWorker:
             if not covered:
                 return
             self._failures = [f for f in self._failures if f.seq > upto]
+            _count_unraised(-len(covered))
             self._settle()
         first = covered[0]
         more = f" ({len(covered) - 1} more failed copies were covered by this synchronize)" if len(covered) > 1 else ""

@@ -154,11 +154,8 @@ def test_waiting_on_an_event_stamped_by_a_d2h_stream_waits_for_its_copies(gpu_ca
     monkeypatch.setattr(_streams, "wait_event_raw", lambda event: hold.wait(5))  # the copy's producer still runs
     seq = _d2h.offload(record, torch.empty(4), torch.randn(4), "copy")
     event = SimpleNamespace()
-    _sync_patches._mark(event, record.stream)
-    assert getattr(event, _sync_patches._MARK) == (record.worker, seq)
-    plain = SimpleNamespace()
-    _sync_patches._mark(plain, SimpleNamespace(name="P"))  # an ordinary stream: no stamp
-    assert getattr(plain, _sync_patches._MARK, None) is None
+    _sync_patches._mark(event)  # recorded (on any stream) after the copy's call
+    assert getattr(event, _sync_patches._MARK) == ((record.worker, seq),)
     released = threading.Timer(0.2, hold.set)
     released.start()
     _sync_patches._wait_before_gpu_wait(event)  # P.wait_event(e) / P.wait_stream(D): the host waits first
@@ -289,3 +286,71 @@ def test_a_conjugate_view_destination_gets_torchs_values(gpu_calls):
     seq = _d2h.offload(_d2h_stream(), view, src, "copy")
     worker.wait_and_raise(seq, timeout_s=5.0)
     assert torch.equal(view, src) and torch.equal(host, src.conj())
+
+
+
+class _Sync:
+    """The patched torch.cuda.Event record/synchronize/query/wait, over stand-in events whose GPU side is done.
+
+    Made while ``gpu_calls`` has replaced torch.cuda.Event by ``_Ready``, so the wrappers take ``_Ready`` events.
+    """
+
+    def __init__(self):
+        from syncless.cc import _sync_patches
+
+        self.record = _sync_patches._wrap_event_record(lambda event, stream=None: None)
+        self.synchronize = _sync_patches._wrap_event_synchronize(lambda event: None)
+        self.query = _sync_patches._wrap_event_query(lambda event: True)
+        self.gpu_waits = []
+        self.wait = _sync_patches._wrap_event_wait(lambda event, stream=None: self.gpu_waits.append(stream))
+
+
+@pytest.mark.parametrize("how", ["synchronize", "query", "wait"])
+def test_an_event_recorded_on_an_ordinary_stream_after_the_copy_covers_it(gpu_calls, monkeypatch, how):
+    """Issue 24 item 3: the seed's rule. An event recorded on any stream after an offloaded copy's call covers the
+    copy at synchronize, query and a wait on it (under CC without the shim the copy had finished at the call).
+    Before the fix only events recorded on the D2H stream were stamped, and this one returned before the copy."""
+    log, worker = gpu_calls
+    hold = threading.Event()
+    monkeypatch.setattr(_streams, "wait_event_raw", lambda event: hold.wait(5))  # the copy's producer still runs
+    record = _d2h_stream()
+    monkeypatch.setattr(_d2h, "_streams_by_key", {(0, 7): record})
+    sync = _Sync()
+    dst, src = torch.full((16,), float("nan")), torch.randn(16)
+    seq = _d2h.offload(record, dst, src, "copy")
+    event = _Ready()
+    sync.record(event, SimpleNamespace(name="S0"))  # an ordinary stream, after the copy's call
+    if how == "query":
+        assert sync.query(event) is False  # the copy is not done: the event must not say it is
+        hold.set()
+        worker.wait_for(seq, timeout_s=5.0)
+        assert sync.query(event) is True and torch.equal(dst, src)
+        return
+    releaser = threading.Timer(0.2, hold.set)
+    releaser.start()
+    if how == "synchronize":
+        sync.synchronize(event)
+    else:
+        sync.wait(event, "P")  # P.wait_event(e): the host waits for the copy before the GPU wait
+        assert sync.gpu_waits == ["P"]
+    assert not worker.is_pending(seq) and torch.equal(dst, src)
+    releaser.join()
+
+
+def test_an_event_recorded_before_the_copy_does_not_wait_for_it(gpu_calls, monkeypatch):
+    """Only copies issued before the record are covered: an older event stays torch's own."""
+    log, worker = gpu_calls
+    hold = threading.Event()
+    monkeypatch.setattr(_streams, "wait_event_raw", lambda event: hold.wait(5))
+    record = _d2h_stream()
+    monkeypatch.setattr(_d2h, "_streams_by_key", {(0, 7): record})
+    sync = _Sync()
+    event = _Ready()
+    sync.record(event, SimpleNamespace(name="S0"))
+    try:
+        seq = _d2h.offload(record, torch.empty(4), torch.randn(4), "copy")
+        assert sync.query(event) is True  # recorded before the copy's call
+        sync.synchronize(event)
+        assert worker.is_pending(seq)
+    finally:
+        hold.set()
