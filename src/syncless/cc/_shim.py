@@ -115,6 +115,19 @@ def _decide(src: Any, dst_type: str, index: int | None, *, into_existing: bool, 
     return route, reason, record
 
 
+def _fills_on_the_host(result: Any, src: Any) -> bool:
+    """Whether torch's ``src.to("cpu", ..., non_blocking=True)`` writes ``result`` on the host before it returns.
+
+    torch moves a block as it lies (in stream order) only when ``result`` is contiguous, or has ``src``'s dtype
+    and strides; otherwise (a channels_last bf16 source to fp32, say) it copies into a pageable contiguous
+    temporary and fills the non-contiguous pinned result from it on the host, so a read right after the call
+    sees the data, and the copy is left to torch (``noncontiguous_target``), as for an existing target.
+    """
+    if result.is_contiguous():
+        return False
+    return result.dtype != src.dtype or result.stride() != src.stride()
+
+
 def _check_broadcastable(dst: Any, src: Any) -> None:
     """Raise ``RuntimeError`` (as torch's own ``copy_`` would) if ``src`` cannot fill ``dst``.
 
@@ -198,10 +211,13 @@ def _wrap_to(next_to):
             return _staging.land_converted(self, index, dtype, memory_format)
         if route == _routing.OFFLOAD:
             dst = _d2h.pinned_like(self, dtype, memory_format)
-            if _d2h.offload(record, dst, self, _describe(".to('cpu', non_blocking=True)", self)):
+            if _fills_on_the_host(dst, self):
+                COUNTERS.left_alone("noncontiguous_target")
+            elif _d2h.offload(record, dst, self, _describe(".to('cpu', non_blocking=True)", self)):
                 COUNTERS.add("offloaded")
                 return dst
-            _settle_d2h_stream(index)  # no room for the snapshot: torch's own copy, after the queued ones
+            # torch's own copy, after the queued ones (no room for the snapshot, or torch fills it on the host)
+            _settle_d2h_stream(index)
             route = _routing.ORIGINAL
         result = next_to(*args, **kwargs)
         if route == _routing.ORIGINAL and dst_type == "cpu" and src_type == "cuda":
