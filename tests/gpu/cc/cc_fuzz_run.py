@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from cc_fuzz import (DTYPES, N_DEV, N_EVENTS, N_HOST, SIDE, STREAMS, Op, ProgramSpec, apply_view, fresh_result_view,
-                     h2d_reads_host_now)
+from cc_fuzz import (DTYPES, N_DEV, N_EVENTS, N_HOST, SIDE, STREAMS, Op, ProgramSpec, apply_view,
+                     d2h_fresh_fills_on_host, fresh_result_view, h2d_reads_host_now)
 
 
 def digest(t: Any) -> str:
@@ -277,6 +277,8 @@ class Runner:
             self.host.append(b.pin(t) if spec.host_pinned[i] else t)
         self.dev = [b.to_device(values(gen, getattr(torch, spec.dev_dtypes[i]))) for i in range(N_DEV)]
         self.reads: list[str] = []
+        # The simulator plays CC without the shim for a cc-oracle program: every host<->device copy drains its stream.
+        self.cc_mode = spec.oracle == "cc"
         b.device_sync(0)  # the initial state is settled before the program starts (the model's INIT)
         for op in spec.ops:
             self._run(op)
@@ -386,8 +388,8 @@ class Runner:
             b.launch(s, lambda: dst.copy_(src, non_blocking=nb))
             return
         b.launch(s, lambda: dst.copy_(src))
-        if not nb:
-            b.stream_sync(s)  # torch's blocking copy: cudaMemcpyAsync then cudaStreamSynchronize
+        if not nb or self.cc_mode:
+            b.stream_sync(s)  # torch's blocking copy: cudaMemcpyAsync then cudaStreamSynchronize (and CC's copy)
 
     def _h2d_fresh(self, s: str, h: int, g: int, nb: bool, form: int, dtype: str | None, hv: tuple) -> None:
         torch, b = self.torch, self.b
@@ -400,6 +402,8 @@ class Runner:
                 src = src.clone()  # as torch does, the host is read now (see h2d_reads_host_now)
             target = out.t() if transposed_result else out  # the slot holds what the real run's slot holds
             b.launch(s, lambda: target.copy_(src))
+            if self.cc_mode and nb:
+                b.stream_sync(s)  # CC's copy returns once its stream has drained
             self.dev[g] = out
             return
         elif form == 3:
@@ -432,18 +436,24 @@ class Runner:
             value = b.launch(s, lambda: src.cpu() if form == 0 else src[0, 0].item() if form == 1 else src[0].tolist())
         sink.append(digest(value) if form == 0 else repr(value))
 
-    def _d2h_fresh(self, s: str, g: int, h: int, nb: bool, dtype: str | None) -> None:
-        torch, b, src = self.torch, self.b, self.dev[g]
+    def _d2h_fresh(self, s: str, g: int, h: int, nb: bool, dtype: str | None, view: tuple = ("full",)) -> None:
+        torch, b = self.torch, self.b
+        src = apply_view(self.dev[g], view)
         if b.simulated:
             out = torch.empty(tuple(src.shape), dtype=src.dtype if dtype is None else getattr(torch, dtype))
-            b.launch(s, lambda: out.copy_(src))
-            if not nb:
-                b.stream_sync(s)
+            target = out.t() if view == ("t",) else out  # the slot holds what the real run's slot holds
+            b.launch(s, lambda: target.copy_(src))
+            if not nb or self.cc_mode or d2h_fresh_fills_on_host(view, nb, str(src.dtype)[6:], dtype):
+                b.stream_sync(s)  # blocking, CC's drain, or torch's pageable temporary (the host waits for it)
+            self.host[h] = out
+            return
         elif dtype is None:
             out = b.launch(s, lambda: src.to("cpu", non_blocking=nb))
         else:
             out = b.launch(s, lambda: src.to("cpu", dtype=getattr(torch, dtype), non_blocking=nb))
-        self.host[h] = out
+        # A transposed source gives a transposed result; the slot keeps its transpose, a contiguous view of the same
+        # memory holding dev[g]'s values, so later views of the slot stay SIDE x SIDE (as for H2D_FRESH).
+        self.host[h] = out.t() if view == ("t",) else out
 
     def _run_thread(self, op: Op) -> None:
         if self.b.simulated:  # the simulator is single-threaded; the order is the same
