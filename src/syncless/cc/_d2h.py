@@ -294,7 +294,11 @@ def snapshot(src: Any) -> Any:
         return src.clone()
 
 
-_CLOSING = [False]  # set under _offload_lock while uninstall() drains: no new offload may slip in behind it
+# Set under _offload_lock when uninstall() begins, and cleared only by the next install(): no offload may slip in
+# behind the drain, nor after the patched syncs are gone (issue 27 item 3: a thread still inside a wrapper, blocked
+# in the pinned allocation, used to submit a job once uninstall() had cleared the flag again, which no patched
+# synchronize then covered).
+_CLOSING = [False]
 
 
 def stop_offloading() -> None:
@@ -304,7 +308,7 @@ def stop_offloading() -> None:
 
 
 def resume_offloading() -> None:
-    """Undo :func:`stop_offloading` (the layers are gone, or installed again)."""
+    """Undo :func:`stop_offloading`: for ``install()``, once the patched synchronizes are in place."""
     with _offload_lock:
         _CLOSING[0] = False
 
@@ -350,7 +354,9 @@ def offload(record: _D2HStream, dst: Any, src: Any, what: str) -> int:
     job = _counted(make_job(stream.device.index, ready, _version_alias(dst), snap))
     del snap  # the job holds it until its copy has run
     with _offload_lock:
-        if _CLOSING[0]:  # uninstall() began draining after the check above: torch's own copy, on this thread
+        # uninstall() began after the check above, or the worker was shut down at interpreter exit (an atexit
+        # handler registered before the worker's runs after its shutdown, issue 27 item 5): torch's own copy
+        if _CLOSING[0] or not record.worker.accepting:
             return 0
         # D : ...everything D was ordered after... src -> snap R#n ...
         _streams.record_event_raw(ready, stream)

@@ -49,7 +49,8 @@ def _strided(*tensors: Any) -> bool:
 
     strided = torch.strided
     for t in tensors:  # a loop, not all(<generator>): this runs on every routed copy
-        if t.layout != strided or t.is_nested:
+        # Quantized tensors are strided but have no pinned empty_strided (issue 27 item 6): torch's own copy.
+        if t.layout != strided or t.is_nested or t.is_quantized:
             return False
     return True
 
@@ -429,6 +430,7 @@ def install_shim(max_staged_bytes: int | None = None) -> bool:
         for name in TENSOR_ATTRS + SYNCING_ATTRS:
             patching.add_layer(torch.Tensor, name, SHIM_KEY, patching.RANK_CC_SHIM, _WRAPPERS[name])
         _sync_patches.install_sync_patches()
+        _d2h.resume_offloading()  # only now: every offloaded copy from here on has patched syncs to cover it
         _STATE.installed = True
         return True
 
@@ -457,7 +459,8 @@ def uninstall_all(timeout_s: float = 60.0) -> None:
             _sync_patches.uninstall_sync_patches()
             _STATE.installed = False
         _emulation.uninstall_emulation()
-        _d2h.resume_offloading()
+        # Offloading stays refused (_d2h._CLOSING) until the next install_shim(): a thread still inside a wrapper
+        # now runs torch's own copy, which torch's own synchronizes cover.
     if pending_error is not None:
         raise pending_error
 

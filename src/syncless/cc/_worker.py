@@ -92,6 +92,11 @@ class OrderedWorker:
         """Return whether a job numbered ``<= upto`` has not finished."""
         return self._completed < upto
 
+    @property
+    def accepting(self) -> bool:
+        """Whether :meth:`submit` takes jobs (False once :meth:`shutdown` began, until :meth:`restart`)."""
+        return not self._stopping
+
     def is_worker_thread(self) -> bool:
         return self._thread is not None and threading.current_thread() is self._thread
 

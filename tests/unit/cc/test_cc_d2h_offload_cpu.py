@@ -35,6 +35,14 @@ class _Ready:
         self.name = f"R{_Ready.count}"
 
 
+@pytest.fixture(autouse=True)
+def _offloading_open():
+    """These tests call the offload directly, without ``install()``, which is what opens it after an uninstall."""
+    _d2h.resume_offloading()
+    yield
+    _d2h.resume_offloading()
+
+
 @pytest.fixture
 def gpu_calls(monkeypatch):
     """Replace the thin CUDA helpers by recorders; return the shared log."""
@@ -354,3 +362,37 @@ def test_an_event_recorded_before_the_copy_does_not_wait_for_it(gpu_calls, monke
         assert worker.is_pending(seq)
     finally:
         hold.set()
+
+
+def test_an_offload_racing_uninstall_is_refused_even_after_uninstall_returns(gpu_calls, monkeypatch):
+    """Issue 27 item 3: a thread inside a wrapper, held in the pinned allocation while uninstall() ran from start to
+    end, used to submit its job afterwards (uninstall cleared the closing flag again); torch's own synchronizes were
+    back by then and none covered the job. Now offloading stays refused until the next install()."""
+    log, worker = gpu_calls
+    entered, release = threading.Event(), threading.Event()
+    real_snapshot = _d2h.snapshot
+
+    def held_snapshot(src):
+        entered.set()
+        release.wait(5)  # "blocked in the pinned allocation"
+        return real_snapshot(src)
+
+    monkeypatch.setattr(_d2h, "snapshot", held_snapshot)
+    results = []
+    caller = threading.Thread(target=lambda: results.append(
+        _d2h.offload(_d2h_stream(), torch.empty(4), torch.randn(4), "copy")))
+    caller.start()
+    assert entered.wait(5)
+    cc.uninstall(timeout_s=5.0)  # the whole of it, while the caller is held
+    release.set()
+    caller.join(5)
+    assert results == [0] and worker.submitted == 0  # declined: the caller runs torch's own copy
+
+
+def test_an_offload_after_the_worker_shut_down_at_exit_is_torchs_own_copy(gpu_calls):
+    """Issue 27 item 5: atexit runs the last registered first, so a D2H in an atexit handler registered before the
+    worker's ran after the worker's shutdown, and Tensor.to raised "...shut down" where torch would copy."""
+    log, worker = gpu_calls
+    worker.shutdown(1.0)
+    assert _d2h.offload(_d2h_stream(), torch.empty(4), torch.randn(4), "copy") == 0
+    assert worker.submitted == 0
