@@ -227,3 +227,19 @@ def test_a_to_whose_result_torch_fills_on_the_host_is_left_to_torch(monkeypatch,
     if not offloaded:
         assert torch.equal(result, x.to(dtype or x.dtype)) and result.stride() == x.to("meta", **kwargs).stride()
         assert cc.stats().left_alone.get("noncontiguous_target") == 1
+
+
+def test_a_quantized_tensors_d2h_is_left_to_torch(monkeypatch):
+    """Issue 27 item 6: a quantized CUDA tensor's ``.to("cpu", non_blocking=True)`` on a D2H stream was offloaded,
+    and the pinned ``empty_strided`` of a quantized dtype fails. It is torch's own copy now (reason ``layout``)."""
+    from syncless.cc import _routing, _streams
+
+    monkeypatch.setattr(_streams, "any_current_capture", lambda index: False)
+    monkeypatch.setattr(_shim, "_d2h_record", lambda src: object())  # "issued on a D2H stream"
+    q = torch.quantize_per_tensor(torch.randn(8), 0.1, 0, torch.qint8)
+    route, reason, _ = _shim._decide(q, "cpu", 0, into_existing=False, registered=False, dtype_changes=False,
+                                     autograd=False, src_type="cuda")
+    assert (route, reason) == (_routing.ORIGINAL, "layout")
+    plain = torch.randn(8)
+    assert _shim._decide(plain, "cpu", 0, into_existing=False, registered=False, dtype_changes=False,
+                         autograd=False, src_type="cuda")[0] == _routing.OFFLOAD
