@@ -154,14 +154,15 @@ def all_tickets() -> list[Ticket]:
     return [(record.worker, record.worker.submitted) for record in _records() if record.worker.submitted]
 
 
-def wait_for_tickets(tickets: list[Ticket], *, raise_errors: bool, timeout_s: float | None = None) -> None:
+def wait_for_tickets(tickets: list[Ticket], *, raise_errors: bool, timeout_s: float | None = None,
+                     any_thread: bool = False) -> None:
     """Block the host until each ticket's copies have finished (at most ``timeout_s`` in all); with
-    ``raise_errors``, raise the first failure among them."""
+    ``raise_errors``, raise the first failure among them that this thread issued (``any_thread``: any)."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     for worker, seq in tickets:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         if raise_errors:
-            worker.wait_and_raise(seq, timeout_s=left)
+            worker.wait_and_raise(seq, timeout_s=left, any_thread=any_thread)
         elif worker.is_pending(seq):
             worker.wait_for(seq, timeout_s=left)
 
@@ -397,9 +398,12 @@ def _bump_version(dst: Any) -> None:
 
 
 def wait_for_stream(record: _D2HStream) -> None:
-    """Block the host until every copy offloaded so far from ``record``'s stream has finished (errors stay queued)."""
-    if record.worker.is_pending(record.last_job):
-        record.worker.wait_for(record.last_job)
+    """Block the host until every copy offloaded so far from ``record``'s stream has finished.
+
+    Raises:
+        D2HCopyError: one of them, issued by this thread, failed (docs/cc.md: at the next covering call).
+    """
+    record.worker.wait_and_raise(record.last_job)
 
 
 def drain(timeout_s: float | None = None) -> None:
@@ -409,7 +413,7 @@ def drain(timeout_s: float | None = None) -> None:
         D2HCopyError: a copy failed.
         D2HTimeoutError: ``timeout_s`` passed first.
     """
-    wait_for_tickets(all_tickets(), raise_errors=True, timeout_s=timeout_s)
+    wait_for_tickets(all_tickets(), raise_errors=True, timeout_s=timeout_s, any_thread=True)
 
 
 def restart_workers() -> None:

@@ -38,7 +38,7 @@ from __future__ import annotations
 from typing import Any
 
 from syncless._core import patching
-from syncless.cc import _d2h
+from syncless.cc import _d2h, _worker
 from syncless.cc._layers import SHIM_KEY
 
 _MARK = "_syncless_d2h_seq"
@@ -62,10 +62,11 @@ def _mark(event: Any) -> None:
 
 
 def _wait_before_gpu_wait(event: Any) -> None:
-    """Before a stream waits on ``event``: the host waits for the offloaded copies it stands for."""
+    """Before a stream waits on ``event``: the host waits for the offloaded copies it stands for (and raises the
+    first failure among them that this thread issued, before the GPU wait is enqueued)."""
     tickets = getattr(event, _MARK, None)
-    if tickets and any(_d2h.ticket_pending(t) for t in tickets):
-        _d2h.wait_for_tickets(list(tickets), raise_errors=False)
+    if tickets:
+        _d2h.wait_for_tickets(list(tickets), raise_errors=True)
 
 
 def _wait_marked(event: Any) -> None:
@@ -75,8 +76,15 @@ def _wait_marked(event: Any) -> None:
 
 
 def _marked_pending(event: Any) -> bool:
+    """Whether a copy ``event`` covers is unfinished; if none is, raise the first failure among them that this
+    thread issued (a query must not say True for a failed copy: docs/cc.md, "errors")."""
     tickets = getattr(event, _MARK, None)
-    return bool(tickets) and any(_d2h.ticket_pending(t) for t in tickets)
+    if not tickets:
+        return False
+    if any(_d2h.ticket_pending(t) for t in tickets):
+        return True
+    _d2h.wait_for_tickets(list(tickets), raise_errors=True)  # all finished: waits for nothing
+    return False
 
 
 def _cover_all() -> list:
@@ -201,8 +209,11 @@ def _wrap_stream_query(next_query):
 
     def query(*args, **kwargs):
         stream = _only_self(args, kwargs, stream_class)
-        if stream is not None and _d2h.pending() and any(_d2h.ticket_pending(t) for t in _stream_jobs(stream)):
-            return False
+        if stream is not None and (_d2h.pending() or _worker.UNRAISED[0]):
+            tickets = _stream_jobs(stream)
+            if any(_d2h.ticket_pending(t) for t in tickets):
+                return False
+            _d2h.wait_for_tickets(tickets, raise_errors=True)  # all finished: raises this thread's failure, if any
         return next_query(*args, **kwargs)
 
     return query

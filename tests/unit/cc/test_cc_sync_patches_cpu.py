@@ -40,7 +40,18 @@ def _one_d2h_stream(monkeypatch, last_job, worker=None):
     return d2h, record.worker
 
 
-def test_event_record_goes_to_the_stream_asked_for_and_any_stream_stamps_it(monkeypatch):
+@pytest.fixture
+def no_unraised_failures():
+    """No failure left by another test waits to be raised (it would keep every record stamping)."""
+    from syncless.cc import _worker
+
+    saved = _worker.UNRAISED[0]
+    _worker.UNRAISED[0] = 0
+    yield
+    _worker.UNRAISED[0] = saved
+
+
+def test_event_record_goes_to_the_stream_asked_for_and_any_stream_stamps_it(monkeypatch, no_unraised_failures):
     """While a copy is pending, an event recorded on any stream covers it (the seed's rule, issue 24 item 3)."""
     from syncless.cc import _d2h
 
@@ -100,7 +111,7 @@ def test_a_wait_on_a_stamped_event_waits_on_the_host_before_the_gpu_wait(monkeyp
         def is_pending(self, seq):
             return seq == 4
 
-        def wait_for(self, seq, timeout_s=None):
+        def wait_and_raise(self, seq, timeout_s=None, any_thread=False):
             order.append(("host waits for job", seq))
 
     wait = _sync_patches._wrap_event_wait(lambda event, stream=None: order.append(("gpu wait", stream)))
@@ -109,3 +120,37 @@ def test_a_wait_on_a_stamped_event_waits_on_the_host_before_the_gpu_wait(monkeyp
     wait(stamped, "P")
     wait(plain, "P")
     assert order == [("host waits for job", 4), ("gpu wait", "P"), ("gpu wait", "P")]
+
+
+def _failed_worker():
+    """A worker whose job #1 failed on this thread (finished, its error not raised yet)."""
+    worker = OrderedWorker("test-failed")
+
+    def fail():
+        raise RuntimeError("bf16 temporary: out of memory (stand-in)")
+
+    worker.submit(fail, "copy")
+    worker.wait_for(1)
+    return worker
+
+
+@pytest.mark.parametrize("how", ["query", "wait", "synchronize"])
+def test_every_covering_call_on_the_issuing_thread_raises_a_failed_copy(how):
+    """Issue 27 item 4: ``query()`` said True for a failed job, and ``e.wait(P)`` / ``P.wait_event(e)`` waited with
+    errors kept back; each now raises the failure on the thread that issued the copy."""
+    from syncless.cc._worker import D2HCopyError
+
+    worker = _failed_worker()
+    try:
+        event = _a_cuda_event()
+        setattr(event, _sync_patches._MARK, ((worker, 1),))
+        call = {
+            "query": lambda: _sync_patches._wrap_event_query(lambda e: True)(event),
+            "wait": lambda: _sync_patches._wrap_event_wait(lambda e, stream=None: None)(event, "P"),
+            "synchronize": lambda: _sync_patches._wrap_event_synchronize(lambda e: None)(event),
+        }[how]
+        with pytest.raises(D2HCopyError, match="out of memory"):
+            call()
+        assert worker.failures_pending() == 0
+    finally:
+        worker.shutdown(5.0)
