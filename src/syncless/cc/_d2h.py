@@ -357,7 +357,8 @@ def offload(record: _D2HStream, dst: Any, src: Any, what: str) -> int:
     with _offload_lock:
         # uninstall() began after the check above, or the worker was shut down at interpreter exit (an atexit
         # handler registered before the worker's runs after its shutdown, issue 27 item 5): torch's own copy
-        if _CLOSING[0] or not record.worker.accepting:
+        # or a CUDA graph capture began on some thread (its capture_begin drains what was queued before)
+        if _CLOSING[0] or not record.worker.accepting or _streams.CAPTURES[0]:
             return 0
         # D : ...everything D was ordered after... src -> snap R#n ...
         _streams.record_event_raw(ready, stream)
@@ -404,6 +405,22 @@ def wait_for_stream(record: _D2HStream) -> None:
         D2HCopyError: one of them, issued by this thread, failed (docs/cc.md: at the next covering call).
     """
     record.worker.wait_and_raise(record.last_job)
+
+
+def begin_capture(graph: Any) -> None:
+    """Before ``graph`` begins a CUDA graph capture: refuse new offloads, then wait for every queued copy.
+
+    Under ``_offload_lock``, so every offload either was submitted before (and is waited for here) or sees the
+    capture and declines. Blocks the host until those copies are done (as ``torch.cuda.graph``'s own synchronize
+    does); a failure among them that this thread issued is raised.
+    """
+    with _offload_lock:
+        _streams.note_capture(graph, True)
+    try:
+        wait_for_tickets(all_tickets(), raise_errors=True)
+    except BaseException:
+        _streams.note_capture(graph, False)
+        raise
 
 
 def drain(timeout_s: float | None = None) -> None:

@@ -282,11 +282,36 @@ def is_capturing(stream: Any) -> bool:
     return status != drv.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
 
 
+# CUDA graphs between CUDAGraph.capture_begin and capture_end, on any thread (the shim patches both: see
+# ._sync_patches). A capture in torch's default "global" mode is invalidated by a host synchronize on any other
+# thread, so while one is open nothing is offloaded (the D2H worker synchronizes) and no emulated wait is made.
+_capturing_graphs: set[int] = set()
+CAPTURES = [0]
+
+
+def note_capture(graph: Any, capturing: bool) -> None:
+    """Record that ``graph`` began (``capturing``) or ended its capture; host-only bookkeeping."""
+    with _lock:
+        if capturing:
+            _capturing_graphs.add(id(graph))
+        else:
+            _capturing_graphs.discard(id(graph))
+        CAPTURES[0] = len(_capturing_graphs)
+
+
+def forget_captures() -> None:
+    """Forget every capture noted (install/uninstall: a capture begun or ended unpatched is not seen)."""
+    with _lock:
+        _capturing_graphs.clear()
+        CAPTURES[0] = 0
+
+
 def any_current_capture(index: int) -> bool:
-    """Return whether the current stream of GPU ``index`` or of the current device is capturing."""
+    """Return whether a capture is open: any graph between ``CUDAGraph.capture_begin`` and ``capture_end`` on any
+    thread (while the shim is installed), or the current stream of GPU ``index`` or of the current device."""
     import torch
 
-    if torch.cuda.is_current_stream_capturing():
+    if CAPTURES[0] or torch.cuda.is_current_stream_capturing():
         return True
     if index == torch.cuda.current_device():
         return False

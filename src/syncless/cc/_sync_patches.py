@@ -38,7 +38,7 @@ from __future__ import annotations
 from typing import Any
 
 from syncless._core import patching
-from syncless.cc import _d2h, _worker
+from syncless.cc import _d2h, _streams, _worker
 from syncless.cc._layers import SHIM_KEY
 
 _MARK = "_syncless_d2h_seq"
@@ -233,6 +233,39 @@ def _wrap_device_synchronize(next_sync):
     return synchronize
 
 
+# CUDA graph capture -------------------------------------------------------------------
+# A capture in global mode (torch's default) is invalidated when any other thread makes a potentially unsafe call,
+# such as the worker's host synchronize of its ready event or stream. So a capture begun through CUDAGraph (which
+# torch.cuda.graph and make_graphed_callables use) first lets the queued copies finish, and while it is open nothing
+# is offloaded and the emulator makes no wait (_streams.CAPTURES):
+#
+#   host   : capture_begin -> [wait for jobs #..n] -> begin ... capture_end
+#   worker : ... #n done                              (idle: no offload while capturing)
+
+
+def _wrap_capture_begin(next_begin):
+    def capture_begin(*args, **kwargs):
+        graph = args[0] if args else None
+        _d2h.begin_capture(graph)
+        try:
+            return next_begin(*args, **kwargs)
+        except BaseException:
+            _streams.note_capture(graph, False)
+            raise
+
+    return capture_begin
+
+
+def _wrap_capture_end(next_end):
+    def capture_end(*args, **kwargs):
+        try:
+            return next_end(*args, **kwargs)
+        finally:
+            _streams.note_capture(args[0] if args else None, False)
+
+    return capture_end
+
+
 # torch.Event -------------------------------------------------------------------------
 
 
@@ -292,6 +325,9 @@ def patch_targets() -> list[tuple[Any, str, Any]]:
         (torch.cuda, "synchronize", _wrap_device_synchronize),
         (torch, "Event", _wrap_torch_event),
     ]
+    graph = getattr(torch.cuda, "CUDAGraph", None)
+    if graph is not None and "capture_begin" in vars(graph) and "capture_end" in vars(graph):
+        targets += [(graph, "capture_begin", _wrap_capture_begin), (graph, "capture_end", _wrap_capture_end)]
     accelerator = getattr(torch, "accelerator", None)
     if accelerator is not None and hasattr(accelerator, "synchronize"):
         targets.append((accelerator, "synchronize", _wrap_device_synchronize))
@@ -300,6 +336,7 @@ def patch_targets() -> list[tuple[Any, str, Any]]:
 
 def install_sync_patches() -> None:
     """Add the shim's layer to every synchronization entry point (idempotent per attribute)."""
+    _streams.forget_captures()
     for owner, name, wrap in patch_targets():
         patching.add_layer(owner, name, SHIM_KEY, patching.RANK_CC_SHIM, wrap)
 
@@ -308,3 +345,4 @@ def uninstall_sync_patches() -> None:
     """Remove the shim's layer from every synchronization entry point."""
     for owner, name, _ in patch_targets():
         patching.remove_layer(owner, name, SHIM_KEY)
+    _streams.forget_captures()

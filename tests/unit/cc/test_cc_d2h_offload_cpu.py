@@ -396,3 +396,35 @@ def test_an_offload_after_the_worker_shut_down_at_exit_is_torchs_own_copy(gpu_ca
     worker.shutdown(1.0)
     assert _d2h.offload(_d2h_stream(), torch.empty(4), torch.randn(4), "copy") == 0
     assert worker.submitted == 0
+
+
+def test_a_capture_begins_after_the_queued_copies_and_nothing_is_offloaded_while_it_is_open(gpu_calls, monkeypatch):
+    """Issue 27 item 7: jobs pending at a direct ``CUDAGraph.capture_begin()``, or an offload while another thread
+    (or the capturing one, on a D2H stream outside the capture) captures, made the worker synchronize during a global
+    capture, which invalidates it. Now capture_begin first waits for the queued copies, and while any capture is
+    open no copy is offloaded (the caller runs torch's own) and the emulator makes no wait."""
+    from syncless.cc import _sync_patches
+
+    log, worker = gpu_calls
+    hold = threading.Event()
+    monkeypatch.setattr(_streams, "wait_event_raw", lambda event: hold.wait(5))
+    record = _d2h_stream()
+    monkeypatch.setattr(_d2h, "_streams_by_key", {(0, 7): record})
+    seq = _d2h.offload(record, torch.empty(4), torch.randn(4), "copy")
+    began = []
+    begin = _sync_patches._wrap_capture_begin(lambda graph: began.append(worker.is_pending(seq)))
+    end = _sync_patches._wrap_capture_end(lambda graph: None)
+    graph = object()
+    releaser = threading.Timer(0.2, hold.set)
+    releaser.start()
+    try:
+        begin(graph)
+        assert began == [False]  # the capture began only once the queued copy was done
+        assert _streams.any_current_capture(0)  # a capture is open (on any thread): the shim leaves copies alone
+        assert _d2h.offload(record, torch.empty(4), torch.randn(4), "copy") == 0
+        end(graph)
+        assert not _streams.CAPTURES[0]
+        assert _d2h.offload(record, torch.empty(4), torch.randn(4), "copy") == seq + 1
+    finally:
+        releaser.join()
+        _streams.forget_captures()

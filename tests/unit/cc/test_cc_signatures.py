@@ -66,6 +66,8 @@ def _cc_forms() -> list[Form]:
         Form("torch.cuda.Stream.query() refused", lambda e: st.query()),
         Form("torch.cuda.Stream.query(self=None) refused", lambda e: st.query(self=None)),
         Form("torch.cuda.Stream.synchronize(1, 2) refused", lambda e: st.synchronize(1, 2)),
+        Form("torch.cuda.CUDAGraph.capture_begin(None) refused", lambda e: torch.cuda.CUDAGraph.capture_begin(None)),
+        Form("torch.cuda.CUDAGraph.capture_end(None) refused", lambda e: torch.cuda.CUDAGraph.capture_end(None)),
         Form("torch.Event('cpu')", lambda e: torch.Event("cpu")),
         Form("torch.Event(device='cpu', enable_timing=True)", lambda e: torch.Event(device="cpu", enable_timing=True)),
         Form("torch.Event(foo=1) refused", lambda e: torch.Event(foo=1)),
