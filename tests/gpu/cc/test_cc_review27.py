@@ -53,7 +53,7 @@ def test_a_thread_inside_a_wrapper_during_uninstall_does_not_offload_behind_it(e
     from syncless.cc import _d2h
 
     dev = torch.device("cuda", 0)
-    expected = torch.randn(N)
+    expected = torch.randn(1 << 22)  # 16 MiB: the old code's late worker copy takes long enough to be seen
     src = expected.to(dev)
     d = _d2h_after_current(emulated_cc)
     entered, release = threading.Event(), threading.Event()
