@@ -38,7 +38,7 @@ from __future__ import annotations
 from typing import Any
 
 from syncless._core import patching
-from syncless.cc import _d2h, _streams, _worker
+from syncless.cc import _bypass, _d2h, _streams, _worker
 from syncless.cc._layers import SHIM_KEY
 
 _MARK = "_syncless_d2h_seq"
@@ -312,7 +312,8 @@ def _wrap_torch_event(base):
 
 
 def patch_targets() -> list[tuple[Any, str, Any]]:
-    """Return ``(owner, attribute, wrapper)`` for every sync-related patch the shim installs."""
+    """Return ``(owner, attribute, wrapper)`` for every patch the shim installs besides ``Tensor.to/cuda/copy_`` and
+    the blocking reads: synchronization, CUDA graph capture, and the copies that bypass those wrappers."""
     import torch
 
     targets = [
@@ -325,6 +326,7 @@ def patch_targets() -> list[tuple[Any, str, Any]]:
         (torch.cuda, "synchronize", _wrap_device_synchronize),
         (torch, "Event", _wrap_torch_event),
     ]
+    targets += _bypass.patch_targets()  # copies that bypass Tensor.to/cuda/copy_ (issue 27 item 1)
     graph = getattr(torch.cuda, "CUDAGraph", None)
     if graph is not None and "capture_begin" in vars(graph) and "capture_end" in vars(graph):
         targets += [(graph, "capture_begin", _wrap_capture_begin), (graph, "capture_end", _wrap_capture_end)]

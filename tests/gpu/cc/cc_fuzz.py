@@ -373,8 +373,8 @@ class Model:
             self._check(s, buf, True, needs)
             self._raise(needs, op)
             self._access(buf, self._tick(s), True)
-        elif k == "H2D":  # (s, h, hview, g, gview, nb)
-            s, h, hview, g, gview, nb = a
+        elif k == "H2D":  # (s, h, hview, g, gview, nb[, via]): via only spells a blocking copy differently
+            s, h, hview, g, gview, nb = a[:6]
             hb, gb = self.hst[h], self._dev(g)
             if gb.registered:
                 self._check("host", gb, True, needs)  # the in-place promise: nothing touches the target now
@@ -404,8 +404,8 @@ class Model:
             self._access(hb, at if nb and not reads_now else ("host", 0), False)
             dtype = a[5] or hb.dtype
             self.dev[g] = _Buf(write=at, alloc=s, used_on={s: at[1]}, dtype=dtype)
-        elif k == "D2H":  # (s, g, gview, h, hview, nb)
-            s, g, _, h, _, nb = a
+        elif k == "D2H":  # (s, g, gview, h, hview, nb[, via])
+            s, g, _, h, _, nb = a[:6]
             gb, hb = self._dev(g), self.hst[h]
             self._check(s, gb, False, needs)
             self._check(s, hb, True, needs)

@@ -181,6 +181,16 @@ class Generator:
             return [Op("THREAD", (), ops)]
         return list(ops)
 
+    def _via(self, nb: bool, host_view: tuple, dev_view: tuple, host_dtype: str, dev_dtype: str) -> str:
+        """How a host<->device copy is spelled: ``copy_``, or a blocking copy that bypasses the wrappers (issue 27
+        item 1): ``dst[...] = src`` (``Tensor.__setitem__``), or ``UntypedStorage.copy_`` of whole buffers of one
+        dtype."""
+        if nb or self.rng.random() < 0.7:
+            return "copy_"
+        if host_view == dev_view == ("full",) and host_dtype == dev_dtype and self.rng.random() < 0.5:
+            return "storage"
+        return "setitem"
+
     def _sleep_cycles(self) -> int:
         if self.long_sleeps and self.rng.random() < 0.3:
             return LONG_SLEEP
@@ -212,7 +222,9 @@ class Generator:
             return Op("FILL", (rng.choice(plain), g, view, rng.randint(-100, 100)))
         if roll < 0.36 and live:
             gv, hv = random_view_pair(rng)
-            return Op("H2D", (s, h, hv, rng.choice(live), gv, rng.random() < 0.8))
+            g = rng.choice(live)
+            nb = rng.random() < 0.8
+            return Op("H2D", (s, h, hv, g, gv, nb, self._via(nb, hv, gv, model.hst[h].dtype, model.dev[g].dtype)))
         if roll < 0.42 and empty:
             dtype = rng.choice((None, None) + DTYPES)
             hv = ("t",) if rng.random() < 0.3 else ("full",)
@@ -222,7 +234,9 @@ class Generator:
             hv, gv = random_view_pair(rng)
             # Mostly on D2H streams: that is where the worker takes the copy.
             s2 = rng.choice(d2h_streams) if rng.random() < 0.7 else s
-            return Op("D2H", (s2, rng.choice(live), gv, h, hv, rng.random() < 0.85))
+            g = rng.choice(live)
+            nb = rng.random() < 0.85
+            return Op("D2H", (s2, g, gv, h, hv, nb, self._via(nb, hv, gv, model.hst[h].dtype, model.dev[g].dtype)))
         if roll < 0.63 and live:
             s2 = rng.choice(d2h_streams) if rng.random() < 0.7 else s
             # A transposed source with another dtype: torch fills the result on the host (issue 27 item 2).

@@ -316,15 +316,15 @@ class Runner:
             with b.current(a[0]):
                 b.launch(a[0], lambda: target.fill_(a[3]))
         elif k == "H2D":
-            s, h, hv, g, gv, nb = a
+            s, h, hv, g, gv, nb = a[:6]
             src = apply_view(self.host[h], hv)
             if self.b.simulated and h2d_reads_host_now(hv, gv, nb, str(self.host[h].dtype)[6:],
                                                            str(self.dev[g].dtype)[6:]):
                 src = src.clone()  # as torch does, the host is read now (see h2d_reads_host_now)
-            self._copy(s, apply_view(self.dev[g], gv), src, nb)
+            self._copy(s, apply_view(self.dev[g], gv), src, nb, a[6] if len(a) > 6 else "copy_")
         elif k == "D2H":
-            s, g, gv, h, hv, nb = a
-            self._copy(s, apply_view(self.host[h], hv), apply_view(self.dev[g], gv), nb)
+            s, g, gv, h, hv, nb = a[:6]
+            self._copy(s, apply_view(self.host[h], hv), apply_view(self.dev[g], gv), nb, a[6] if len(a) > 6 else "copy_")
         elif k == "D2D":
             s, g1, v1, g2, v2, nb = a
             dst, src = apply_view(self.dev[g2], v2), apply_view(self.dev[g1], v1)
@@ -381,11 +381,17 @@ class Runner:
         else:
             raise ValueError(f"unknown op kind {k!r}")
 
-    def _copy(self, s: str, dst: Any, src: Any, nb: bool) -> None:
-        """A host<->device copy on ``s``."""
+    def _copy(self, s: str, dst: Any, src: Any, nb: bool, via: str = "copy_") -> None:
+        """A host<->device copy on ``s``, spelled ``via`` (``copy_``; blocking ``setitem`` or ``storage`` copies, which
+        torch runs in C++ without the patched ``copy_``: cc_fuzz_gen's ``_via``)."""
         b = self.b
         if not b.simulated:
-            b.launch(s, lambda: dst.copy_(src, non_blocking=nb))
+            if via == "setitem":
+                b.launch(s, lambda: dst.__setitem__(Ellipsis, src))
+            elif via == "storage":
+                b.launch(s, lambda: dst.untyped_storage().copy_(src.untyped_storage()))
+            else:
+                b.launch(s, lambda: dst.copy_(src, non_blocking=nb))
             return
         b.launch(s, lambda: dst.copy_(src))
         if not nb or self.cc_mode:

@@ -69,9 +69,9 @@ def _sum_stats(total, more):
     left_alone = dict(total.left_alone)
     for reason, count in more.left_alone.items():
         left_alone[reason] = left_alone.get(reason, 0) + count
-    return dataclasses.replace(total, staged=total.staged + more.staged, in_place=total.in_place + more.in_place,
-                               offloaded=total.offloaded + more.offloaded,
-                               emulated_waits=total.emulated_waits + more.emulated_waits, left_alone=left_alone)
+    counts = {f.name: getattr(total, f.name) + getattr(more, f.name) for f in dataclasses.fields(total)
+              if f.name != "left_alone"}
+    return dataclasses.replace(total, left_alone=left_alone, **counts)
 
 
 def _first_difference(expected, got) -> str:

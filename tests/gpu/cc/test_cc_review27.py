@@ -149,3 +149,39 @@ def test_an_offload_during_a_capture_is_torchs_own_copy(emulated_cc):
     torch.cuda.synchronize()
     assert torch.equal(h, expected) and torch.equal(y.cpu(), expected * 2)
     assert emulated_cc.stats().left_alone.get("capturing", 0) >= 1 and emulated_cc.stats().offloaded == 0
+
+
+@pytest.mark.parametrize("via", ["setitem", "storage_copy", "new_tensor", "as_tensor"])
+def test_a_copy_that_bypasses_the_wrappers_is_ordered_after_the_offloaded_one(emulated_cc, cycles_per_ms, via):
+    """Item 1: on a D2H stream, ``h.copy_(a, non_blocking=True)`` (offloaded, late) then a copy that torch runs in
+    C++ (``h[:] = b``, ``UntypedStorage.copy_``; or an upload of ``h``: ``new_tensor``, ``torch.as_tensor``). torch
+    orders the second after the first on D; the worker used to write ``a`` after ``b`` (or after ``h`` was read)."""
+    import warnings
+
+    import torch
+
+    dev = torch.device("cuda", 0)
+    a, b = torch.randn(N), torch.randn(N)
+    a_dev, b_dev = a.to(dev), b.to(dev)
+    h = torch.full((N,), float("nan")).pin_memory()
+    d = _d2h_after_current(emulated_cc)
+    made = None
+    with torch.cuda.stream(d), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # new_tensor's "copy construct" advice
+        torch.cuda._sleep(cycles_per_ms * LATE_MS)
+        h.copy_(a_dev, non_blocking=True)
+        if via == "setitem":
+            h[:] = b_dev
+        elif via == "storage_copy":
+            h.untyped_storage().copy_(b_dev.untyped_storage())
+        elif via == "new_tensor":
+            made = b_dev.new_tensor(h)
+        else:
+            made = torch.as_tensor(h, device=dev)
+    d.synchronize()
+    assert emulated_cc.stats().offloaded == 1
+    if made is None:
+        assert torch.equal(h, b), "the offloaded copy landed after the later copy"
+    else:
+        assert torch.equal(made.cpu(), a), "the upload read h before the offloaded copy wrote it"
+    assert emulated_cc.stats().bypass_waits == 1

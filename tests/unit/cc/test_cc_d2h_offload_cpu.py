@@ -428,3 +428,46 @@ def test_a_capture_begins_after_the_queued_copies_and_nothing_is_offloaded_while
     finally:
         releaser.join()
         _streams.forget_captures()
+
+
+@pytest.mark.parametrize("via", ["setitem", "new_tensor", "storage_copy"])
+def test_a_copy_that_bypasses_the_wrappers_on_a_d2h_stream_waits_for_its_offloaded_copies(gpu_calls, monkeypatch,
+                                                                                           via):
+    """Issue 27 item 1: ``h.copy_(a, non_blocking=True); h[:] = b`` on a D2H stream. torch runs ``h[:] = b`` in
+    D's order after the first copy, so h is b; with the shim the worker wrote a later (``h[:] = b`` goes through
+    torch's C++ copy, not the patched ``copy_``). It now waits for D's offloaded copies first."""
+    from syncless.cc import _bypass
+
+    log, worker = gpu_calls
+    hold = threading.Event()
+    monkeypatch.setattr(_streams, "wait_event_raw", lambda event: hold.wait(5))  # the first copy is late
+    stream = SimpleNamespace(name="D", device=torch.device("cuda", 0), cuda_stream=7)
+    record = _d2h._D2HStream(stream)
+    monkeypatch.setattr(_d2h, "_streams_by_key", {(0, 7): record})
+    monkeypatch.setattr(_streams, "current_stream", lambda index: stream)  # D is current
+    monkeypatch.setattr(_bypass, "_crosses", lambda a, b: True)  # "b is on the GPU" (a CPU build has no GPU)
+    a, b = torch.randn(64), torch.randn(64)
+    h = torch.full((64,), float("nan"))
+    _d2h.offload(record, h, a, "h.copy_(a, non_blocking=True)")
+    releaser = threading.Timer(0.2, hold.set)
+    releaser.start()
+    if via == "setitem":
+        _bypass._wrap_setitem(torch.Tensor.__setitem__)(h, slice(None), b)
+    elif via == "new_tensor":
+        made = _bypass._wrap_settling(torch.Tensor.new_tensor)(b, h)  # reads h: after the first copy wrote it
+        assert torch.equal(made, a)
+        h.copy_(b)
+    else:
+        _bypass._wrap_settling(torch.UntypedStorage.copy_)(h.untyped_storage(), b.untyped_storage())
+    releaser.join()
+    worker.wait_for(worker.submitted, timeout_s=5.0)
+    assert torch.equal(h, b), "the offloaded copy landed after the later copy"
+    from syncless.cc._stats import COUNTERS
+    assert COUNTERS.snapshot().bypass_waits >= 1
+
+
+def test_an_assignment_that_stays_on_one_side_never_waits():
+    from syncless.cc import _bypass
+
+    assert not _bypass._crosses(torch.zeros(2), torch.ones(2))
+    assert not _bypass._crosses(torch.zeros(2), 1.0)

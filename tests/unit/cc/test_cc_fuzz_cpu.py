@@ -293,3 +293,19 @@ def test_the_transposed_converting_d2h_is_generated_and_read_at_once():
     assert fuzz.is_legal(spec)
     seen = [op for seed in range(400) for op in program_for(seed).ops if op.kind == "D2H_FRESH" and op.args[5] == ("t",)]
     assert seen
+
+
+def test_the_generator_spells_blocking_copies_that_bypass_the_wrappers():
+    """Issue 27 item 1 in the generator: ``dst[...] = src`` and ``UntypedStorage.copy_``, both ways."""
+    seen = set()
+
+    def walk(ops):
+        for op in ops:
+            if op.kind in ("H2D", "D2H"):
+                seen.add((op.kind, op.args[6]))
+                assert op.args[6] == "copy_" or not op.args[5], op  # only blocking copies are spelled otherwise
+            walk(op.body)
+
+    for seed in range(3000):
+        walk(program_for(seed).ops)
+    assert {(k, via) for k in ("H2D", "D2H") for via in ("copy_", "setitem", "storage")} <= seen
