@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 
 from syncless._core.logs import log_once
-from syncless.cc._d2h import is_d2h_stream, new_d2h_stream
+from syncless.cc._d2h import close_d2h_stream, is_d2h_stream, new_d2h_stream
 from syncless.cc._detect import ModeDecision, cc_mode, decide_mode, is_confidential_compute
 from syncless.cc._emulation import Emulation, is_emulating
 from syncless.cc._shim import install_shim, is_shim_installed, uninstall_all
@@ -33,6 +33,7 @@ __all__ = [
     "Emulation",
     "ModeDecision",
     "cc_mode",
+    "close_d2h_stream",
     "decide_mode",
     "emulate",
     "install",

@@ -72,6 +72,7 @@ the host did; on ``D`` it would sit behind the caller's next
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
@@ -96,6 +97,7 @@ class _D2HStream:
     stream: Any
     last_job: int = 0  # number, on this stream's worker, of the last copy offloaded from it (0: none yet)
     worker: OrderedWorker = field(default_factory=lambda: OrderedWorker("syncless-d2h"))
+    closed: bool = False  # set under _offload_lock by close_d2h_stream(): no offload from it any more
 
 
 # A job of some D2H stream's worker: (worker, number); waiting for it waits for that stream's copies up to it.
@@ -196,7 +198,10 @@ def new_d2h_stream(device: Any = None) -> Any:
     it). Enqueues nothing and does not block the host.
 
     Returns:
-        a ``torch.cuda.ExternalStream``; it lives as long as the process.
+        a ``torch.cuda.ExternalStream``. It keeps a CUDA stream, a retain of
+        the device's primary context, a worker thread (from its first
+        offloaded copy) and an atexit entry until :func:`close_d2h_stream`,
+        or for the life of the process.
 
     Raises:
         MissingDependencyError: torch has no usable CUDA GPU.
@@ -208,6 +213,55 @@ def new_d2h_stream(device: Any = None) -> Any:
     with _lock:
         _streams_by_key[(index, stream.cuda_stream)] = _D2HStream(stream)
     return stream
+
+
+def close_d2h_stream(stream: Any, timeout_s: float = 60.0) -> None:
+    """Release a stream made by :func:`new_d2h_stream`: wait for its offloaded copies, end its worker, destroy it.
+
+    Blocks the host until the copies offloaded from ``stream`` have finished
+    (at most ``timeout_s``). From the call on, a copy issued on ``stream`` is
+    not offloaded; after it returns, ``stream`` must not be used again (its
+    CUDA stream is destroyed; work already queued on it still completes).
+    Frees the stream, its context retain, its worker thread and its atexit
+    entry (issue 27 item 8).
+
+    Raises:
+        ValueError: ``stream`` is not an open D2H stream, or it is the current stream of its GPU.
+        TypeError: ``timeout_s`` is not a number.
+        D2HCopyError: one of its copies failed (raised after releasing, whichever thread issued it).
+        D2HTimeoutError: they did not finish in time (the stream is then left open).
+    """
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+        raise TypeError(f"close_d2h_stream(timeout_s=...) must be a number of seconds, got {timeout_s!r}")
+    record = lookup(stream)
+    if record is None:
+        raise ValueError(f"close_d2h_stream: {stream!r} is not an open stream from syncless.cc.new_d2h_stream()")
+    index = stream.device.index
+    if getattr(_streams.current_stream(index), "cuda_stream", None) == stream.cuda_stream:
+        raise ValueError(f"close_d2h_stream: {stream!r} is the current stream of cuda:{index}; leave its "
+                         "`with torch.cuda.stream(...)` block first")
+    with _offload_lock:
+        record.closed = True  # an offload from it that has not submitted yet runs torch's own copy
+    try:
+        record.worker.wait_for(record.last_job, timeout_s=timeout_s)
+    except BaseException:
+        with _offload_lock:
+            record.closed = False
+        raise
+    with _lock:
+        _streams_by_key.pop((index, stream.cuda_stream), None)
+    with _offload_lock:
+        _rebuild_cover()
+    error: BaseException | None = None
+    try:
+        record.worker.raise_errors(record.last_job, any_thread=True)
+    except BaseException as err:  # noqa: BLE001 - raised below, once everything is released
+        error = err
+    record.worker.shutdown(timeout_s)
+    atexit.unregister(record.worker.shutdown)
+    _streams.destroy_private_stream(stream)
+    if error is not None:
+        raise error
 
 
 def has_streams() -> bool:
@@ -358,7 +412,7 @@ def offload(record: _D2HStream, dst: Any, src: Any, what: str) -> int:
         # uninstall() began after the check above, or the worker was shut down at interpreter exit (an atexit
         # handler registered before the worker's runs after its shutdown, issue 27 item 5): torch's own copy
         # or a CUDA graph capture began on some thread (its capture_begin drains what was queued before)
-        if _CLOSING[0] or not record.worker.accepting or _streams.CAPTURES[0]:
+        if _CLOSING[0] or record.closed or not record.worker.accepting or _streams.CAPTURES[0]:
             return 0
         # D : ...everything D was ordered after... src -> snap R#n ...
         _streams.record_event_raw(ready, stream)

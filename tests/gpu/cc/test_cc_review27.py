@@ -185,3 +185,23 @@ def test_a_copy_that_bypasses_the_wrappers_is_ordered_after_the_offloaded_one(em
     else:
         assert torch.equal(made.cpu(), a), "the upload read h before the offloaded copy wrote it"
     assert emulated_cc.stats().bypass_waits == 1
+
+
+def test_d2h_streams_made_per_request_can_be_closed(emulated_cc):
+    """Item 8: one D2H stream per request, each closed after its readback: threads do not pile up and every
+    readback is right."""
+    import torch
+
+    dev = torch.device("cuda", 0)
+    threads_before = threading.active_count()
+    for _ in range(40):
+        expected = torch.randn(1024)
+        src = expected.to(dev)
+        d = emulated_cc.new_d2h_stream(dev)
+        d.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(d):
+            out = src.to("cpu", non_blocking=True)
+        emulated_cc.close_d2h_stream(d)
+        assert torch.equal(out, expected) and not emulated_cc.is_d2h_stream(d)
+    assert threading.active_count() <= threads_before + 1
+    assert emulated_cc.stats().offloaded == 40

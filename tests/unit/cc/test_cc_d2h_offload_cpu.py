@@ -471,3 +471,48 @@ def test_an_assignment_that_stays_on_one_side_never_waits():
 
     assert not _bypass._crosses(torch.zeros(2), torch.ones(2))
     assert not _bypass._crosses(torch.zeros(2), 1.0)
+
+
+def test_a_d2h_stream_can_be_closed_and_gives_back_what_it_held(gpu_calls, monkeypatch):
+    """Issue 27 item 8: each new_d2h_stream() kept a stream, a context retain, an OS thread and an atexit entry
+    forever; one per request grew without bound. close_d2h_stream() waits for its copies and releases them all."""
+    import atexit
+
+    log, worker = gpu_calls
+    made = SimpleNamespace(name="D", device=torch.device("cuda", 0), cuda_stream=31)
+    destroyed, unregistered = [], []
+    monkeypatch.setattr(_d2h, "_require_cuda", lambda: None)
+    monkeypatch.setattr(_streams, "device_index", lambda device: 0)
+    monkeypatch.setattr(_streams, "create_private_stream", lambda index: made)
+    monkeypatch.setattr(_streams, "destroy_private_stream", destroyed.append)
+    monkeypatch.setattr(_streams, "current_stream", lambda index: SimpleNamespace(cuda_stream=1))
+    real_unregister = atexit.unregister
+    monkeypatch.setattr(atexit, "unregister", lambda fn: (unregistered.append(fn), real_unregister(fn)))
+    monkeypatch.setattr(_d2h, "_streams_by_key", {})
+    stream = cc.new_d2h_stream()
+    record = _d2h.lookup(stream)
+    hold = threading.Event()
+    monkeypatch.setattr(_streams, "wait_event_raw", lambda event: hold.wait(5))
+    dst, src = torch.full((8,), float("nan")), torch.randn(8)
+    seq = _d2h.offload(record, dst, src, "copy")
+    assert worker._thread.is_alive()
+    releaser = threading.Timer(0.2, hold.set)
+    releaser.start()
+    cc.close_d2h_stream(stream)
+    releaser.join()
+    assert not worker.is_pending(seq) and torch.equal(dst, src)  # its copies finished first
+    assert not cc.is_d2h_stream(stream) and destroyed == [made]
+    assert not worker._thread.is_alive() and worker.shutdown in unregistered
+    assert _d2h.offload(record, torch.empty(4), torch.randn(4), "copy") == 0  # a late caller: torch's own copy
+    with pytest.raises(ValueError, match="not an open stream"):
+        cc.close_d2h_stream(stream)
+
+
+def test_closing_the_current_d2h_stream_is_refused(monkeypatch):
+    stream = SimpleNamespace(device=torch.device("cuda", 0), cuda_stream=41)
+    monkeypatch.setattr(_d2h, "_streams_by_key", {(0, 41): _d2h._D2HStream(stream)})
+    monkeypatch.setattr(_streams, "current_stream", lambda index: stream)
+    with pytest.raises(ValueError, match="is the current stream"):
+        cc.close_d2h_stream(stream)
+    with pytest.raises(TypeError, match="timeout_s"):
+        cc.close_d2h_stream(stream, timeout_s="x")
