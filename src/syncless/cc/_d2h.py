@@ -98,6 +98,9 @@ class _D2HStream:
     last_job: int = 0  # number, on this stream's worker, of the last copy offloaded from it (0: none yet)
     worker: OrderedWorker = field(default_factory=lambda: OrderedWorker("syncless-d2h"))
     closed: bool = False  # set under _offload_lock by close_d2h_stream(): no offload from it any more
+    # The stream its worker copies on, of its own (None: the GPU's shared one, _streams.worker_stream). A shared
+    # one made a job's wait for its copy, and under CC the driver's copy itself, wait for other D2H streams' copies.
+    copy_stream: Any = None
 
 
 # A job of some D2H stream's worker: (worker, number); waiting for it waits for that stream's copies up to it.
@@ -209,9 +212,9 @@ def new_d2h_stream(device: Any = None) -> Any:
     _require_cuda()
     index = _streams.device_index(device)
     stream = _streams.create_private_stream(index)
-    _streams.worker_stream(index)  # made now, never on the path of a copy
+    copy_stream = _streams.create_private_stream(index)  # made now, never on the path of a copy
     with _lock:
-        _streams_by_key[(index, stream.cuda_stream)] = _D2HStream(stream)
+        _streams_by_key[(index, stream.cuda_stream)] = _D2HStream(stream, copy_stream=copy_stream)
     return stream
 
 
@@ -260,6 +263,8 @@ def close_d2h_stream(stream: Any, timeout_s: float = 60.0) -> None:
     record.worker.shutdown(timeout_s)
     atexit.unregister(record.worker.shutdown)
     _streams.destroy_private_stream(stream)
+    if record.copy_stream is not None:
+        _streams.destroy_private_stream(record.copy_stream)  # its last copy was waited for above
     if error is not None:
         raise error
 
@@ -304,8 +309,10 @@ def pinned_like(src: Any, dtype: Any, memory_format: Any) -> Any:
     return torch.empty_strided(layout.shape, layout.stride(), dtype=dtype, pin_memory=True)
 
 
-def make_job(index: int, ready: Any, dst: Any, src: Any):
-    """Return ``job()``: wait for ``ready``, copy ``src`` into ``dst`` on the worker stream, wait for the copy.
+def make_job(index: int, ready: Any, dst: Any, src: Any, copy_stream: Any = None):
+    """Return ``job()``: wait for ``ready``, copy ``src`` into ``dst`` on ``copy_stream``, wait for the copy.
+
+    ``copy_stream``: the D2H stream's own copy stream (None: the GPU's shared worker stream).
 
     ``src`` is the offload's private snapshot (nothing else writes it).
 
@@ -317,7 +324,8 @@ def make_job(index: int, ready: Any, dst: Any, src: Any):
     """
     import torch
 
-    copy_stream = _streams.worker_stream(index)
+    if copy_stream is None:
+        copy_stream = _streams.worker_stream(index)
 
     def job() -> None:
         nonlocal dst, src
@@ -376,12 +384,16 @@ def _version_alias(dst: Any) -> Any:
     """
     import torch
 
-    if dst.is_conj() or dst.is_neg():
-        # An alias made with set_ has neither bit, so the worker would write the values unconjugated (or
-        # unnegated); such a destination is written through itself (its version is then bumped once more).
-        return dst
     alias = torch.empty(0, dtype=dst.dtype)
-    return alias.set_(dst.untyped_storage(), dst.storage_offset(), dst.size(), dst.stride())
+    alias = alias.set_(dst.untyped_storage(), dst.storage_offset(), dst.size(), dst.stride())
+    # An alias made with set_ has neither the conjugate nor the negative bit of ``dst``; views that add them read
+    # the memory as ``dst`` does and share the alias's version counter, not ``dst``'s (which was bumped once, at
+    # the call: issue 27's review found conjugate and negative destinations bumped twice, written through dst).
+    if dst.is_conj():
+        alias = alias.conj()
+    if dst.is_neg():
+        alias = torch._neg_view(alias)
+    return alias
 
 
 def offload(record: _D2HStream, dst: Any, src: Any, what: str) -> int:
@@ -406,7 +418,7 @@ def offload(record: _D2HStream, dst: Any, src: Any, what: str) -> int:
                      "torch's own copy (blocking under CC)", src.numel() * src.element_size())
         return 0
     ready = torch.cuda.Event()
-    job = _counted(make_job(stream.device.index, ready, _version_alias(dst), snap))
+    job = _counted(make_job(stream.device.index, ready, _version_alias(dst), snap, record.copy_stream))
     del snap  # the job holds it until its copy has run
     with _offload_lock:
         # uninstall() began after the check above, or the worker was shut down at interpreter exit (an atexit

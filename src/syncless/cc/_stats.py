@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 
 # Why a copy was left to torch's own path.
 LEFT_ALONE_REASONS = (
-    "blocking",          # non_blocking=False (only counted for copies the shim must order, see _shim)
+    "blocking",          # non_blocking=False: never counted (a blocking copy goes beneath at once; docs/cc.md)
     "no_cuda",           # neither side is a CUDA tensor (CPU-only, meta, ...)
     "device_to_device",  # both sides on CUDA
     "other_device",      # the non-CUDA side is not the CPU (meta, ...)
-    "compiling",         # torch.compile is tracing
+    "compiling",         # torch.compile is tracing: never counted (a counter would be traced into the graph)
     "capturing",         # a CUDA graph is being captured
     "too_large",         # above SYNCLESS_CC_MAX_STAGED_BYTES (an H2D's staging tensor, a D2H's snapshot)
     "ordinary_stream",   # D2H on a stream not made by new_d2h_stream()

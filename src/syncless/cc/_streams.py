@@ -48,12 +48,12 @@ def bindings_problem(version: str) -> str | None:
 
 
 def check_bindings() -> None:
-    """Raise if the installed cuda-bindings holds the GIL in driver calls; do nothing if it is absent.
+    """Raise unless cuda-bindings >= 12.9.1 is installed (older releases hold the GIL in driver calls).
 
-    (Without cuda-bindings, the first driver call raises its own error naming the package.)
+    At ``install()``, so a missing package is reported there rather than from inside the first staged copy.
 
     Raises:
-        MissingDependencyError: cuda-bindings older than 12.9.1.
+        MissingDependencyError: cuda-bindings is absent, or older than 12.9.1.
     """
     from importlib import metadata
 
@@ -61,8 +61,11 @@ def check_bindings() -> None:
 
     try:
         version = metadata.version("cuda-bindings")
-    except metadata.PackageNotFoundError:
-        return
+    except metadata.PackageNotFoundError as err:
+        raise MissingDependencyError(
+            "syncless.cc.install() needs cuda-bindings >= 12.9.1 (the staging and D2H streams are made through the "
+            "driver), and it is not installed. Install it with: " + _BINDINGS_FIX
+        ) from err
     problem = bindings_problem(version)
     if problem is not None:
         raise MissingDependencyError(problem)

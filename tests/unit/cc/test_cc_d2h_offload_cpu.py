@@ -483,7 +483,9 @@ def test_a_d2h_stream_can_be_closed_and_gives_back_what_it_held(gpu_calls, monke
     destroyed, unregistered = [], []
     monkeypatch.setattr(_d2h, "_require_cuda", lambda: None)
     monkeypatch.setattr(_streams, "device_index", lambda device: 0)
-    monkeypatch.setattr(_streams, "create_private_stream", lambda index: made)
+    copy_stream = SimpleNamespace(name="W'", device=torch.device("cuda", 0), cuda_stream=32)
+    created = iter([made, copy_stream])
+    monkeypatch.setattr(_streams, "create_private_stream", lambda index: next(created))
     monkeypatch.setattr(_streams, "destroy_private_stream", destroyed.append)
     monkeypatch.setattr(_streams, "current_stream", lambda index: SimpleNamespace(cuda_stream=1))
     real_unregister = atexit.unregister
@@ -501,7 +503,7 @@ def test_a_d2h_stream_can_be_closed_and_gives_back_what_it_held(gpu_calls, monke
     cc.close_d2h_stream(stream)
     releaser.join()
     assert not worker.is_pending(seq) and torch.equal(dst, src)  # its copies finished first
-    assert not cc.is_d2h_stream(stream) and destroyed == [made]
+    assert not cc.is_d2h_stream(stream) and destroyed == [made, copy_stream]
     assert not worker._thread.is_alive() and worker.shutdown in unregistered
     assert _d2h.offload(record, torch.empty(4), torch.randn(4), "copy") == 0  # a late caller: torch's own copy
     with pytest.raises(ValueError, match="not an open stream"):
@@ -516,3 +518,44 @@ def test_closing_the_current_d2h_stream_is_refused(monkeypatch):
         cc.close_d2h_stream(stream)
     with pytest.raises(TypeError, match="timeout_s"):
         cc.close_d2h_stream(stream, timeout_s="x")
+
+
+@pytest.mark.parametrize("kind", ["conj", "neg", "conj+neg"])
+def test_a_conjugate_or_negative_destination_gets_torchs_values_and_one_version_bump(gpu_calls, kind):
+    """docs/cc.md review: such a destination was written through itself, so its version was bumped twice (at the
+    call, and by the worker's write); torch bumps it once."""
+    log, worker = gpu_calls
+    host = torch.zeros(8, dtype=torch.complex64)
+    view = host
+    if "conj" in kind:
+        view = view.conj()
+    if "neg" in kind:
+        view = torch._neg_view(view)
+    src = torch.randn(8, dtype=torch.complex64)
+    expected_host = host.clone()
+    expected_view = expected_host.conj() if "conj" in kind else expected_host
+    if "neg" in kind:
+        expected_view = torch._neg_view(expected_view)
+    expected_view.copy_(src)  # torch's own copy into the same kind of view
+    before = view._version
+    seq = _d2h.offload(_d2h_stream(), view, src, "copy")
+    worker.wait_and_raise(seq, timeout_s=5.0)
+    assert torch.equal(host, expected_host) and torch.equal(view.resolve_conj().resolve_neg(), src)
+    assert view._version == before + 1
+
+
+def test_each_d2h_stream_copies_on_a_stream_of_its_own(gpu_calls, monkeypatch):
+    """docs/cc.md review: one worker stream per GPU was shared by every worker, so a job's wait for its copy (and
+    under CC the driver's copy) waited for other D2H streams' transfers too."""
+    log, worker = gpu_calls
+    made = iter([SimpleNamespace(name=name, device=torch.device("cuda", 0), cuda_stream=number)
+                 for number, name in enumerate(["D", "W-D", "E", "W-E"], 50)])
+    monkeypatch.setattr(_d2h, "_require_cuda", lambda: None)
+    monkeypatch.setattr(_streams, "device_index", lambda device: 0)
+    monkeypatch.setattr(_streams, "create_private_stream", lambda index: next(made))
+    monkeypatch.setattr(_d2h, "_streams_by_key", {})
+    for stream in (cc.new_d2h_stream(), cc.new_d2h_stream()):
+        seq = _d2h.offload(_d2h.lookup(stream), torch.empty(4), torch.randn(4), "copy")
+        worker.wait_and_raise(seq, timeout_s=5.0)
+    assert [entry for entry in log if entry[0] == "worker drains"] == [("worker drains", "W-D"),
+                                                                        ("worker drains", "W-E")]

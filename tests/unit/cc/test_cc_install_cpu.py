@@ -198,3 +198,23 @@ def test_emulate_without_cuda_patches_nothing_and_says_so(monkeypatch, caplog):
     assert all(_snapshot()[k] is before[k] for k in before)
     assert "emulate() needs a CUDA GPU" in caplog.text and "torch.cuda.is_available() is False" in caplog.text
     handle.stop()
+
+
+def test_install_without_cuda_bindings_says_so_at_install(monkeypatch):
+    """docs/cc.md says cuda-bindings is required: without it install() returned True, and the error came from
+    inside the first staged Tensor.to."""
+    from importlib import metadata
+
+    from syncless._core.errors import MissingDependencyError
+
+    real = metadata.version
+
+    def version(name):
+        if name == "cuda-bindings":
+            raise metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(metadata, "version", version)
+    with pytest.raises(MissingDependencyError, match=r"needs cuda-bindings >= 12\.9\.1.*pip install"):
+        cc.install("on")
+    assert not cc.is_installed()
