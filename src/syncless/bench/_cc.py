@@ -218,6 +218,8 @@ def _record_us(torch, dev, cycles_per_ms: int, repeats: int = 2000) -> dict[str,
             event.record()
             times.append((time.perf_counter() - t0) * 1e6)
         torch.cuda.synchronize(dev)
+        if pending:
+            cc.close_d2h_stream(d2h)
         out[name] = statistics.median(times)
     return out
 
