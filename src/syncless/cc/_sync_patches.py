@@ -24,6 +24,9 @@ What is covered:
 - ``torch.cuda.synchronize`` and ``torch.accelerator.synchronize`` (looked
   up through the module; a reference taken before ``install()`` is not
   covered).
+- ``torch.cuda.CUDAGraph.capture_begin`` / ``capture_end`` (queued copies
+  finish first; nothing is offloaded while a capture is open).
+- Copies that bypass ``Tensor.to/cuda/copy_`` (:mod:`._bypass`).
 - ``torch.Event``: a C type whose methods cannot be patched, so
   ``torch.Event`` is *replaced* by a subclass while installed. Only events
   created afterwards through ``torch.Event(...)`` are covered;
