@@ -343,18 +343,26 @@ def make_job(index: int, ready: Any, dst: Any, src: Any, copy_stream: Any = None
     return job
 
 
-def snapshot(src: Any) -> Any:
-    """Copy device tensor ``src`` on the current stream (the D2H stream) into a new device tensor; return it.
+def snapshot(src: Any, dst: Any) -> Any:
+    """Copy device tensor ``src``, as ``dst`` will hold it, into a new device tensor on the current stream.
 
-    The read happens at this point of the stream's queue, where torch's own
-    D2H would read ``src``. Enqueues one device-to-device copy (not host-synchronous,
-    CC or not); the host does not block. Raises torch's ``OutOfMemoryError``
-    when there is no room for the copy.
+    The snapshot has ``dst``'s dtype, shape and strides, so the source is
+    broadcast and converted here, on the D2H stream, and the worker's copy is
+    one block of one dtype and layout, which needs no GPU temporary (before,
+    the worker converted a bf16 source to fp32 itself, and a temporary that
+    found no room failed the copy late). The read happens at this point of
+    the stream's queue, where torch's own D2H would read ``src``. Enqueues one
+    device-to-device copy (not host-synchronous, CC or not); the host does not
+    block. Raises torch's ``OutOfMemoryError`` when there is no room for it.
     """
     import torch
 
     with torch.no_grad():
-        return src.clone()
+        if dst.is_conj() or dst.is_neg():
+            return src.clone()  # the worker's copy resolves those bits itself
+        snap = torch.empty_strided(tuple(dst.shape), dst.stride(), dtype=dst.dtype, device=src.device)
+        patching.original(torch.Tensor, "copy_")(snap, src)  # torch's own device copy, beneath every layer
+        return snap
 
 
 # Set under _offload_lock when uninstall() begins, and cleared only by the next install(): no offload may slip in
@@ -412,7 +420,7 @@ def offload(record: _D2HStream, dst: Any, src: Any, what: str) -> int:
         return 0
     stream = record.stream
     try:
-        snap = snapshot(src)
+        snap = snapshot(src, dst)
     except torch.OutOfMemoryError:
         _log.warning("syncless.cc: no GPU memory for a %d-byte snapshot of an offloaded D2H copy; it runs as "
                      "torch's own copy (blocking under CC)", src.numel() * src.element_size())

@@ -112,7 +112,7 @@ def test_the_copy_reads_the_source_as_it_was_at_the_call(gpu_calls, monkeypatch)
 def test_no_room_for_the_snapshot_offloads_nothing(gpu_calls, monkeypatch):
     log, worker = gpu_calls
 
-    def no_room(src):
+    def no_room(src, dst):
         raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
 
     monkeypatch.setattr(_d2h, "snapshot", no_room)
@@ -121,10 +121,15 @@ def test_no_room_for_the_snapshot_offloads_nothing(gpu_calls, monkeypatch):
     assert worker.submitted == 0 and record.last_job == 0 and log == []  # the caller runs torch's own copy
 
 
-def test_failed_copy_surfaces_and_still_counts_as_finished(gpu_calls):
+def test_failed_copy_surfaces_and_still_counts_as_finished(gpu_calls, monkeypatch):
     log, worker = gpu_calls
+
+    def driver_fails(stream):
+        raise RuntimeError("cuStreamSynchronize failed (stand-in)")
+
+    monkeypatch.setattr(_streams, "wait_stream_raw", driver_fails)  # the worker's wait for its copy fails
     record = _d2h_stream()
-    seq = _d2h.offload(record, torch.empty(3), torch.randn(5), "bad copy")  # the worker's copy_ raises
+    seq = _d2h.offload(record, torch.empty(5), torch.randn(5), "bad copy")
     with pytest.raises(D2HCopyError, match="bad copy"):
         worker.wait_and_raise(seq, timeout_s=5.0)
     assert not worker.is_pending(seq)  # a host wait ordered after it never hangs
@@ -377,10 +382,10 @@ def test_an_offload_racing_uninstall_is_refused_even_after_uninstall_returns(gpu
     entered, release = threading.Event(), threading.Event()
     real_snapshot = _d2h.snapshot
 
-    def held_snapshot(src):
+    def held_snapshot(src, dst):
         entered.set()
         release.wait(5)  # "blocked in the pinned allocation"
-        return real_snapshot(src)
+        return real_snapshot(src, dst)
 
     monkeypatch.setattr(_d2h, "snapshot", held_snapshot)
     results = []
@@ -564,3 +569,24 @@ def test_each_d2h_stream_copies_on_a_stream_of_its_own(gpu_calls, monkeypatch):
         worker.wait_and_raise(seq, timeout_s=5.0)
     assert [entry for entry in log if entry[0] == "worker drains"] == [("worker drains", "W-D"),
                                                                         ("worker drains", "W-E")]
+
+
+def test_the_snapshot_is_converted_and_broadcast_on_the_d2h_stream(gpu_calls, monkeypatch):
+    """Issue 27 item 4's realistic cause: the worker converted a bf16 source to fp32 itself, and a GPU temporary
+    that found no room failed the copy late. The snapshot now has the destination's dtype and layout (its
+    allocation is the one the no-room fallback covers), so the worker's copy is one plain block."""
+    log, worker = gpu_calls
+    copied = []
+    real_make_job = _d2h.make_job
+
+    def spy(index, ready, dst, src, copy_stream=None):
+        copied.append((src.dtype, tuple(src.shape), src.stride()))
+        return real_make_job(index, ready, dst, src, copy_stream)
+
+    monkeypatch.setattr(_d2h, "make_job", spy)
+    dst = torch.full((4, 8), float("nan"))
+    src = torch.randn(8).to(torch.bfloat16)  # broadcast over the rows, converted to fp32
+    seq = _d2h.offload(_d2h_stream(), dst, src, "copy")
+    worker.wait_and_raise(seq, timeout_s=5.0)
+    assert copied == [(torch.float32, (4, 8), (8, 1))]
+    assert torch.equal(dst, src.float().expand(4, 8))
