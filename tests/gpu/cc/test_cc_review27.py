@@ -205,3 +205,49 @@ def test_d2h_streams_made_per_request_can_be_closed(emulated_cc):
         assert torch.equal(out, expected) and not emulated_cc.is_d2h_stream(d)
     assert threading.active_count() <= threads_before + 1
     assert emulated_cc.stats().offloaded == 40
+
+
+def test_a_failed_copy_reaches_the_issuing_threads_covering_call(emulated_cc):
+    """Item 4: an unrelated thread's torch.cuda.synchronize() used to take (and forget) the error of a copy this
+    thread issued; now it waits without raising it, and this thread's own event synchronize raises it."""
+    import torch
+
+    from syncless._core import patching
+
+    dev = torch.device("cuda", 0)
+    d = _d2h_after_current(emulated_cc)
+    src = torch.randn(16, device=dev)
+    doomed = torch.empty(16).pin_memory()
+
+    def failing_driver_copy(next_copy):  # stands in for a copy the driver fails, beneath the shim
+        def copy_(self, *args, **kwargs):
+            if self.device.type == "cpu" and self.untyped_storage().data_ptr() == doomed.untyped_storage().data_ptr():
+                raise RuntimeError("injected copy failure")
+            return next_copy(self, *args, **kwargs)
+
+        return copy_
+
+    patching.add_layer(torch.Tensor, "copy_", "test.failing-copy", patching.RANK_CC_EMULATION - 1, failing_driver_copy)
+    try:
+        with torch.cuda.stream(d):
+            doomed.copy_(src, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        other = []
+        thread = threading.Thread(target=lambda: other.append(_raised(torch.cuda.synchronize)))
+        thread.start()
+        thread.join(30)
+        assert other == [None], f"an unrelated thread's synchronize raised: {other}"
+        with pytest.raises(emulated_cc.D2HCopyError, match="injected copy failure"):
+            ready.synchronize()
+        ready.synchronize()  # raised once
+    finally:
+        patching.remove_layer(torch.Tensor, "copy_", "test.failing-copy")
+
+
+def _raised(fn):
+    try:
+        fn()
+    except Exception as err:  # noqa: BLE001 - handed back to the test
+        return err
+    return None
