@@ -6,6 +6,10 @@ Four setups, measured in the same run on one GPU:
 - ``shim``: the shim installed without CC (its overhead).
 - ``emulated``: CC emulated, no shim (what CC costs a naive loop).
 - ``emulated+shim``: CC emulated with the shim (what syncless recovers).
+- ``plain+events`` and ``emulated+shim+events``: the loop again, recording two
+  events on the current stream each step, which the shim stamps with the
+  copies they cover (the cost of the any-event rule); a third table times
+  one ``Event.record()`` with and without a copy pending.
 
 Each step uploads small ``non_blocking`` inputs (token ids, positions), runs a
 few ms of GPU work (embedding, a stack of matmuls, an argmax) and reads the
@@ -31,6 +35,11 @@ from syncless._core.errors import MissingDependencyError
 from syncless.bench._report import BenchOutput, Goal
 
 SETUPS = ("plain", "shim", "emulated", "emulated+shim")
+# The decode loop again, recording a torch.cuda.Event and a torch.Event on the current stream every step after the
+# token readback and synchronizing the previous step's: what the any-event rule (docs/cc.md) costs a loop that
+# records events, each of which then covers the offloaded copies issued before it.
+EVENTS = "+events"
+LOOP_SETUPS = SETUPS + ("plain" + EVENTS, "emulated+shim" + EVENTS)
 H2D_GOAL_VS_PLAIN = 1.5  # emulated CC with the shim, vs no CC at all: host time for the 1 MiB H2D to return
 H2D_GOAL_VS_TRANSFER = 1.5  # emulated CC with the shim, vs the transfer alone (the shim's own cost)
 H2D_ROUNDS = 7
@@ -94,8 +103,12 @@ class _Model:
         return (x @ self.out).argmax(dim=-1)
 
 
-def _decode_loop(torch, dev, model: _Model, d2h, steps: int, warmup: int) -> float:
-    """Run the loop; return tokens per second over the measured steps."""
+def _decode_loop(torch, dev, model: _Model, d2h, steps: int, warmup: int, events: bool = False) -> float:
+    """Run the loop; return tokens per second over the measured steps.
+
+    ``events``: also record a ``torch.cuda.Event`` and a ``torch.Event`` on the current stream each step, after
+    the readback, and synchronize the previous step's before consuming its tokens.
+    """
     current = torch.cuda.current_stream(dev)
     next_ids = torch.randint(0, VOCAB, (BATCH,))
     pending = None  # (tokens on host, event) of the previous step
@@ -116,10 +129,17 @@ def _decode_loop(torch, dev, model: _Model, d2h, steps: int, warmup: int) -> flo
             tokens_host = tokens.to("cpu", non_blocking=True)
             ready = torch.cuda.Event()
             ready.record(d2h)
+        marks = ()
+        if events:  # on the current stream, after the readback's call: each covers that copy (docs/cc.md)
+            marks = (torch.cuda.Event(), torch.Event(device=dev))
+            for mark in marks:
+                mark.record()
         if pending is not None:  # consume the previous step's tokens while this step runs
+            for mark in pending[2]:
+                mark.synchronize()
             pending[1].synchronize()
             next_ids = pending[0] % VOCAB
-        pending = (tokens_host, ready)
+        pending = (tokens_host, ready, marks)
     pending[1].synchronize()
     torch.cuda.synchronize(dev)
     return BATCH * steps / (time.perf_counter() - start_s)
@@ -172,6 +192,38 @@ def _h2d_table(torch, dev, cycles_per_ms: int, repeats: int, progress) -> dict[s
     return medians
 
 
+def _record_us(torch, dev, cycles_per_ms: int, repeats: int = 2000) -> dict[str, float]:
+    """Median host time (us) of one ``torch.cuda.Event.record()`` on the current stream, per setup.
+
+    With the shim, once with no offloaded copy pending and once with one pending (it waits behind queued GPU
+    work), where the record stamps the event with the copies it covers.
+    """
+    import syncless.cc as cc
+
+    out = {}
+    for name, setup, pending in (("plain", "plain", False), ("shim, nothing pending", "shim", False),
+                                 ("shim, a copy pending", "shim", True)):
+        _enter(setup)
+        events = [torch.cuda.Event() for _ in range(repeats)]
+        torch.cuda.synchronize(dev)
+        if pending:
+            d2h = cc.new_d2h_stream(dev)
+            src = torch.randn(1024, device=dev)
+            with torch.cuda.stream(d2h):
+                torch.cuda._sleep(cycles_per_ms * 50)
+                src.to("cpu", non_blocking=True)
+        times = []
+        for event in events:
+            t0 = time.perf_counter()
+            event.record()
+            times.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize(dev)
+        if pending:
+            cc.close_d2h_stream(d2h)
+        out[name] = statistics.median(times)
+    return out
+
+
 def _cycles_per_ms(torch) -> int:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda._sleep(1_000_000)
@@ -197,29 +249,35 @@ def run(args: Any, progress) -> BenchOutput:
     model = _Model(torch, dev, int(cycles * target_ms))
     d2h = cc.new_d2h_stream(dev)
     progress(f"model: batch {BATCH}, hidden {HIDDEN}, {target_ms} ms of GPU work per step (calibrated spin)")
-    tokens_per_s: dict[str, list[float]] = {s: [] for s in SETUPS}
+    tokens_per_s: dict[str, list[float]] = {s: [] for s in LOOP_SETUPS}
     stats: dict[str, Any] = {}
     try:
         for round_index in range(rounds):
-            for setup in SETUPS:  # interleaved, so drift hits every setup alike
-                _enter(setup)
+            for setup in LOOP_SETUPS:  # interleaved, so drift hits every setup alike
+                _enter(setup.removesuffix(EVENTS))
                 cc.reset_stats()
-                rate = _decode_loop(torch, dev, model, d2h, steps, warmup)
+                rate = _decode_loop(torch, dev, model, d2h, steps, warmup, events=setup.endswith(EVENTS))
                 tokens_per_s[setup].append(rate)
                 stats[setup] = cc.stats().__dict__ | {"left_alone": dict(cc.stats().left_alone)}
                 progress(f"round {round_index + 1}/{rounds} {setup}: {rate:,.0f} tokens/s")
         h2d_us = _h2d_table(torch, dev, cycles, H2D_ROUNDS if quick else 6 * H2D_ROUNDS, progress)
+        record_us = _record_us(torch, dev, cycles, 200 if quick else 2000)
+        for name, us in record_us.items():
+            progress(f"torch.cuda.Event.record(), {name}: {us:.2f} us")
     finally:
         cc.uninstall()
 
     median = {s: statistics.median(v) for s, v in tokens_per_s.items()}
     plain = median["plain"]
-    rows = [[s, median[s], median[s] / plain, min(tokens_per_s[s]), max(tokens_per_s[s])] for s in SETUPS]
+    rows = [[s, median[s], median[s] / plain, min(tokens_per_s[s]), max(tokens_per_s[s])] for s in LOOP_SETUPS]
+    record_rows = [[name, us, us / record_us["plain"]] for name, us in record_us.items()]
     h2d_rows = [[s, h2d_us[s], h2d_us[s] / h2d_us["plain"], h2d_us[s] / h2d_us["emulated"],
                  h2d_us[s] / h2d_us[TRANSFER_ALONE]] for s in h2d_us]
     goals = [
         Goal("emulated CC with the shim vs plain no-CC, tokens/s", median["emulated+shim"] / plain, 0.95, "x", True),
         Goal("shim installed without CC vs plain, tokens/s", median["shim"] / plain, 0.98, "x", True),
+        Goal("decode loop recording 2 events/step, emulated CC with the shim vs the same loop plain, tokens/s",
+             median["emulated+shim" + EVENTS] / median["plain" + EVENTS], 0.95, "x", True),
         Goal("1 MiB H2D behind 20 ms: host return with shim / without (emulated CC)",
              h2d_us["emulated+shim"] / h2d_us["emulated"], 0.02, "x", False),
         Goal("1 MiB H2D behind 20 ms: host return, emulated CC with the shim / no CC (same run)",
@@ -235,7 +293,8 @@ def run(args: Any, progress) -> BenchOutput:
         import matplotlib.pyplot as plt
 
         fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-        left.bar(list(SETUPS), [median[s] for s in SETUPS], color=["#555", "#888", "#c44", "#4a4"])
+        left.bar(list(LOOP_SETUPS), [median[s] for s in LOOP_SETUPS],
+                 color=["#555", "#888", "#c44", "#4a4", "#777", "#6b6"])
         left.set_ylabel("tokens/s (median)")
         left.set_title(f"decode loop, batch {BATCH}, ~{target_ms:g} ms/step")
         left.tick_params(axis="x", labelrotation=15)
@@ -254,12 +313,15 @@ def run(args: Any, progress) -> BenchOutput:
         name="cc",
         title="Confidential Computing copies (emulated CC)",
         data={"tokens_per_s": tokens_per_s, "median_tokens_per_s": median, "h2d_return_us": h2d_us,
+              "event_record_us": record_us,
               "gpu_ms_per_step": target_ms, "spin_cycles_per_ms": cycles, "batch": BATCH, "hidden": HIDDEN, "steps": steps, "rounds": rounds, "stats": stats},
         tables=[
             ("Decode loop throughput", ["setup", "tokens/s (median)", "vs plain", "min", "max"], rows),
             ("1 MiB non_blocking H2D behind 20 ms of queued GPU work, and on an idle GPU where marked "
              "(median host time)",
              ["setup", "us to return", "vs plain (no CC)", "vs emulated", "vs the transfer alone"], h2d_rows),
+            ("torch.cuda.Event.record() on the current stream (median host time)", ["setup", "us", "vs plain"],
+             record_rows),
         ],
         goals=goals,
         plot=plot,
@@ -267,6 +329,9 @@ def run(args: Any, progress) -> BenchOutput:
             "The reference GPUs have CC off; 'emulated' makes every non_blocking host<->device copy wait for its "
             "stream, as the driver does under CC (syncless.cc.emulate).",
             "Tokens are read back on a stream from syncless.cc.new_d2h_stream(); the host consumes them one step late.",
+            "'+events' rows: the same loop also records a torch.cuda.Event and a torch.Event on the current stream "
+            "each step after the readback and synchronizes the previous step's; with the shim each of them covers "
+            "the offloaded copies issued before it (the any-event rule).",
             f"Each step: embedding of the uploaded ids and positions, {target_ms:g} ms of GPU work (one calibrated "
             "spin kernel standing for a CUDA-graphed forward pass), a 4096 x 32000 sampling head and argmax.",
             "The transfer alone: torch's copy and a stream synchronize on an idle GPU, no syncless code, so the host "

@@ -14,9 +14,9 @@ from __future__ import annotations
 import logging
 
 from syncless._core.logs import log_once
-from syncless.cc._d2h import is_d2h_stream, new_d2h_stream
+from syncless.cc._d2h import close_d2h_stream, is_d2h_stream, new_d2h_stream
 from syncless.cc._detect import ModeDecision, cc_mode, decide_mode, is_confidential_compute
-from syncless.cc._emulation import Emulation, emulate, is_emulating
+from syncless.cc._emulation import Emulation, is_emulating
 from syncless.cc._shim import install_shim, is_shim_installed, uninstall_all
 from syncless.cc._staging import is_registered_target, register_inplace_h2d_target
 from syncless.cc._streams import check_bindings
@@ -33,6 +33,7 @@ __all__ = [
     "Emulation",
     "ModeDecision",
     "cc_mode",
+    "close_d2h_stream",
     "decide_mode",
     "emulate",
     "install",
@@ -71,23 +72,44 @@ def install(mode: str | None = None, *, max_staged_bytes: int | None = None) -> 
         MissingDependencyError: cuda-bindings older than 12.9.1 is installed
             (its driver calls hold the GIL; the message gives the pip command).
     """
-    decision = decide_mode(mode)
+    decision = decide_mode(mode)  # bad input raises here, before anything is patched
     if decision.mode == "off":
         log_once(_log, logging.INFO, "cc-install-off", "syncless.cc not installed: %s", decision.reason)
         return is_shim_installed()
     if not _cuda_available():
         import torch
 
-        log_once(_log, logging.WARNING, "cc-install-no-cuda",
-                 "syncless.cc not installed: mode %r needs a CUDA GPU, but torch.cuda.is_available() is False (torch "
-                 "%s, CUDA %s); host<->device copies stay torch's own", decision.mode, torch.__version__,
-                 torch.version.cuda)
+        _warn_no_cuda(f"mode {decision.mode!r}")
         return is_shim_installed()
     check_bindings()
     if decision.mode == "emulate":
         _emulation_install()
     install_shim(max_staged_bytes)
     return True
+
+
+def _warn_no_cuda(what: str) -> None:
+    import torch
+
+    log_once(_log, logging.WARNING, f"cc-install-no-cuda:{what}",
+             "syncless.cc not installed: %s needs a CUDA GPU, but torch.cuda.is_available() is False (torch "
+             "%s, CUDA %s); host<->device copies stay torch's own", what, torch.__version__, torch.version.cuda)
+
+
+def emulate() -> Emulation:
+    """Make host<->device ``non_blocking`` copies host-synchronous, as under CC.
+
+    Call it as a function (emulation stays until :func:`uninstall` or
+    ``handle.stop()``) or use it as a context manager (emulation ends with
+    the block, unless it was already on before). Each emulated copy blocks
+    the host until the copy's stream has drained, as the driver does under CC.
+    On a torch without a usable CUDA GPU it patches nothing and warns once,
+    as ``install("emulate")`` does (``is_emulating()`` stays False).
+    """
+    if not _cuda_available():
+        _warn_no_cuda("emulate()")
+        return Emulation(start=False)
+    return Emulation()
 
 
 def _cuda_available() -> bool:
@@ -109,9 +131,16 @@ def uninstall(timeout_s: float = 60.0) -> None:
     most ``timeout_s``; the originals come back either way.
 
     Raises:
+        TypeError: ``timeout_s`` is not a real number (checked before anything is restored).
+        ValueError: ``timeout_s`` is negative or NaN (checked before anything is restored).
         D2HCopyError: one of those copies failed (raised after restoring).
         D2HTimeoutError: they did not finish in time (raised after restoring).
     """
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+        raise TypeError(f"uninstall(timeout_s=...) must be a number of seconds, got {timeout_s!r} "
+                        f"({type(timeout_s).__name__})")
+    if not timeout_s >= 0:  # also refuses NaN
+        raise ValueError(f"uninstall(timeout_s=...) must be >= 0 seconds, got {timeout_s!r}")
     uninstall_all(timeout_s)
 
 

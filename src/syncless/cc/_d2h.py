@@ -35,8 +35,9 @@ own, blocking under CC, and correct.
 
 After the copy, ordering is host-side, at the calls that order work after
 ``D`` (:mod:`._sync_patches`, :mod:`._shim`, :mod:`._host_writes`): an event
-recorded on ``D`` carries ``D``'s last job number, and waiting on it (also
-``P.wait_stream(D)``, which records one), synchronizing or querying it, or
+recorded on any stream after the copy's call carries the last job number of
+every D2H stream (:func:`cover_now`, the seed's any-event rule), and waiting
+on it (also ``P.wait_stream(S)``, which records one), synchronizing or querying it, or
 synchronizing ``D`` or the device first waits for those jobs; a copy between
 host and GPU issued while ``D`` is current (not offloaded), and the blocking
 reads ``cpu()``/``item()``/``tolist()``, wait for them too; a staged H2D of
@@ -71,6 +72,7 @@ the host did; on ``D`` it would sit behind the caller's next
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
@@ -81,7 +83,7 @@ from syncless._core import patching
 from syncless._core.errors import MissingDependencyError
 from syncless.cc import _host_writes, _streams
 from syncless.cc._layers import SHIM_KEY
-from syncless.cc._worker import OrderedWorker
+from syncless.cc._worker import UNRAISED, OrderedWorker
 
 _log = logging.getLogger(__name__)
 
@@ -95,6 +97,10 @@ class _D2HStream:
     stream: Any
     last_job: int = 0  # number, on this stream's worker, of the last copy offloaded from it (0: none yet)
     worker: OrderedWorker = field(default_factory=lambda: OrderedWorker("syncless-d2h"))
+    closed: bool = False  # set under _offload_lock by close_d2h_stream(): no offload from it any more
+    # The stream its worker copies on, of its own (None: the GPU's shared one, _streams.worker_stream). A shared
+    # one made a job's wait for its copy, and under CC the driver's copy itself, wait for other D2H streams' copies.
+    copy_stream: Any = None
 
 
 # A job of some D2H stream's worker: (worker, number); waiting for it waits for that stream's copies up to it.
@@ -110,11 +116,31 @@ _streams_by_key: dict[tuple[int, int], _D2HStream] = {}
 # waits for nothing while it is 0). Raised at submission, lowered when the copy has run (or failed).
 _PENDING = [0]
 _pending_lock = threading.Lock()
+# The tickets an event recorded now must cover (the seed's any-event rule, docs/cc.md): the last job of every D2H
+# stream's worker that has had one, rebuilt at each submission under _offload_lock, so that a record (which every
+# decode step makes) reads one tuple and builds nothing.
+_COVER: list[tuple] = [()]
 
 
 def pending() -> bool:
     """Whether any offloaded copy, of any D2H stream, has not finished (one integer read, no lock)."""
     return _PENDING[0] > 0
+
+
+def cover_now() -> tuple:
+    """The tickets that an event recorded now covers: every copy offloaded so far, on any D2H stream.
+
+    Empty while no offloaded copy is unfinished and no failure waits to be raised (two integer reads: the cost
+    every ``Event.record`` pays while nothing is pending).
+    """
+    if _PENDING[0] or UNRAISED[0]:
+        return _COVER[0]
+    return ()
+
+
+def _rebuild_cover() -> None:
+    """Recompute :data:`_COVER` from every D2H stream's worker (the caller holds ``_offload_lock``)."""
+    _COVER[0] = tuple((record.worker, record.worker.submitted) for record in _records() if record.worker.submitted)
 
 
 def _records() -> list[_D2HStream]:
@@ -133,14 +159,15 @@ def all_tickets() -> list[Ticket]:
     return [(record.worker, record.worker.submitted) for record in _records() if record.worker.submitted]
 
 
-def wait_for_tickets(tickets: list[Ticket], *, raise_errors: bool, timeout_s: float | None = None) -> None:
+def wait_for_tickets(tickets: list[Ticket], *, raise_errors: bool, timeout_s: float | None = None,
+                     any_thread: bool = False) -> None:
     """Block the host until each ticket's copies have finished (at most ``timeout_s`` in all); with
-    ``raise_errors``, raise the first failure among them."""
+    ``raise_errors``, raise the first failure among them that this thread issued (``any_thread``: any)."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     for worker, seq in tickets:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         if raise_errors:
-            worker.wait_and_raise(seq, timeout_s=left)
+            worker.wait_and_raise(seq, timeout_s=left, any_thread=any_thread)
         elif worker.is_pending(seq):
             worker.wait_for(seq, timeout_s=left)
 
@@ -174,7 +201,10 @@ def new_d2h_stream(device: Any = None) -> Any:
     it). Enqueues nothing and does not block the host.
 
     Returns:
-        a ``torch.cuda.ExternalStream``; it lives as long as the process.
+        a ``torch.cuda.ExternalStream``. It keeps a CUDA stream, a retain of
+        the device's primary context, a worker thread (from its first
+        offloaded copy) and an atexit entry until :func:`close_d2h_stream`,
+        or for the life of the process.
 
     Raises:
         MissingDependencyError: torch has no usable CUDA GPU.
@@ -182,10 +212,61 @@ def new_d2h_stream(device: Any = None) -> Any:
     _require_cuda()
     index = _streams.device_index(device)
     stream = _streams.create_private_stream(index)
-    _streams.worker_stream(index)  # made now, never on the path of a copy
+    copy_stream = _streams.create_private_stream(index)  # made now, never on the path of a copy
     with _lock:
-        _streams_by_key[(index, stream.cuda_stream)] = _D2HStream(stream)
+        _streams_by_key[(index, stream.cuda_stream)] = _D2HStream(stream, copy_stream=copy_stream)
     return stream
+
+
+def close_d2h_stream(stream: Any, timeout_s: float = 60.0) -> None:
+    """Release a stream made by :func:`new_d2h_stream`: wait for its offloaded copies, end its worker, destroy it.
+
+    Blocks the host until the copies offloaded from ``stream`` have finished
+    (at most ``timeout_s``). From the call on, a copy issued on ``stream`` is
+    not offloaded; after it returns, ``stream`` must not be used again (its
+    CUDA stream is destroyed; work already queued on it still completes).
+    Frees the stream, its context retain, its worker thread and its atexit
+    entry (issue 27 item 8).
+
+    Raises:
+        ValueError: ``stream`` is not an open D2H stream, or it is the current stream of its GPU.
+        TypeError: ``timeout_s`` is not a number.
+        D2HCopyError: one of its copies failed (raised after releasing, whichever thread issued it).
+        D2HTimeoutError: they did not finish in time (the stream is then left open).
+    """
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+        raise TypeError(f"close_d2h_stream(timeout_s=...) must be a number of seconds, got {timeout_s!r}")
+    record = lookup(stream)
+    if record is None:
+        raise ValueError(f"close_d2h_stream: {stream!r} is not an open stream from syncless.cc.new_d2h_stream()")
+    index = stream.device.index
+    if getattr(_streams.current_stream(index), "cuda_stream", None) == stream.cuda_stream:
+        raise ValueError(f"close_d2h_stream: {stream!r} is the current stream of cuda:{index}; leave its "
+                         "`with torch.cuda.stream(...)` block first")
+    with _offload_lock:
+        record.closed = True  # an offload from it that has not submitted yet runs torch's own copy
+    try:
+        record.worker.wait_for(record.last_job, timeout_s=timeout_s)
+    except BaseException:
+        with _offload_lock:
+            record.closed = False
+        raise
+    with _lock:
+        _streams_by_key.pop((index, stream.cuda_stream), None)
+    with _offload_lock:
+        _rebuild_cover()
+    error: BaseException | None = None
+    try:
+        record.worker.raise_errors(record.last_job, any_thread=True)
+    except BaseException as err:  # noqa: BLE001 - raised below, once everything is released
+        error = err
+    record.worker.shutdown(timeout_s)
+    atexit.unregister(record.worker.shutdown)
+    _streams.destroy_private_stream(stream)
+    if record.copy_stream is not None:
+        _streams.destroy_private_stream(record.copy_stream)  # its last copy was waited for above
+    if error is not None:
+        raise error
 
 
 def has_streams() -> bool:
@@ -228,8 +309,10 @@ def pinned_like(src: Any, dtype: Any, memory_format: Any) -> Any:
     return torch.empty_strided(layout.shape, layout.stride(), dtype=dtype, pin_memory=True)
 
 
-def make_job(index: int, ready: Any, dst: Any, src: Any):
-    """Return ``job()``: wait for ``ready``, copy ``src`` into ``dst`` on the worker stream, wait for the copy.
+def make_job(index: int, ready: Any, dst: Any, src: Any, copy_stream: Any = None):
+    """Return ``job()``: wait for ``ready``, copy ``src`` into ``dst`` on ``copy_stream``, wait for the copy.
+
+    ``copy_stream``: the D2H stream's own copy stream (None: the GPU's shared worker stream).
 
     ``src`` is the offload's private snapshot (nothing else writes it).
 
@@ -241,7 +324,8 @@ def make_job(index: int, ready: Any, dst: Any, src: Any):
     """
     import torch
 
-    copy_stream = _streams.worker_stream(index)
+    if copy_stream is None:
+        copy_stream = _streams.worker_stream(index)
 
     def job() -> None:
         nonlocal dst, src
@@ -259,21 +343,33 @@ def make_job(index: int, ready: Any, dst: Any, src: Any):
     return job
 
 
-def snapshot(src: Any) -> Any:
-    """Copy device tensor ``src`` on the current stream (the D2H stream) into a new device tensor; return it.
+def snapshot(src: Any, dst: Any) -> Any:
+    """Copy device tensor ``src``, as ``dst`` will hold it, into a new device tensor on the current stream.
 
-    The read happens at this point of the stream's queue, where torch's own
-    D2H would read ``src``. Enqueues one device-to-device copy (not host-synchronous,
-    CC or not); the host does not block. Raises torch's ``OutOfMemoryError``
-    when there is no room for the copy.
+    The snapshot has ``dst``'s dtype, shape and strides, so the source is
+    broadcast and converted here, on the D2H stream, and the worker's copy is
+    one block of one dtype and layout, which needs no GPU temporary (before,
+    the worker converted a bf16 source to fp32 itself, and a temporary that
+    found no room failed the copy late). The read happens at this point of
+    the stream's queue, where torch's own D2H would read ``src``. Enqueues one
+    device-to-device copy (not host-synchronous, CC or not); the host does not
+    block. Raises torch's ``OutOfMemoryError`` when there is no room for it.
     """
     import torch
 
     with torch.no_grad():
-        return src.clone()
+        if dst.is_conj() or dst.is_neg():
+            return src.clone()  # the worker's copy resolves those bits itself
+        snap = torch.empty_strided(tuple(dst.shape), dst.stride(), dtype=dst.dtype, device=src.device)
+        patching.original(torch.Tensor, "copy_")(snap, src)  # torch's own device copy, beneath every layer
+        return snap
 
 
-_CLOSING = [False]  # set under _offload_lock while uninstall() drains: no new offload may slip in behind it
+# Set under _offload_lock when uninstall() begins, and cleared only by the next install(): no offload may slip in
+# behind the drain, nor after the patched syncs are gone (issue 27 item 3: a thread still inside a wrapper, blocked
+# in the pinned allocation, used to submit a job once uninstall() had cleared the flag again, which no patched
+# synchronize then covered).
+_CLOSING = [False]
 
 
 def stop_offloading() -> None:
@@ -283,7 +379,7 @@ def stop_offloading() -> None:
 
 
 def resume_offloading() -> None:
-    """Undo :func:`stop_offloading` (the layers are gone, or installed again)."""
+    """Undo :func:`stop_offloading`: for ``install()``, once the patched synchronizes are in place."""
     with _offload_lock:
         _CLOSING[0] = False
 
@@ -296,12 +392,16 @@ def _version_alias(dst: Any) -> Any:
     """
     import torch
 
-    if dst.is_conj() or dst.is_neg():
-        # An alias made with set_ has neither bit, so the worker would write the values unconjugated (or
-        # unnegated); such a destination is written through itself (its version is then bumped once more).
-        return dst
     alias = torch.empty(0, dtype=dst.dtype)
-    return alias.set_(dst.untyped_storage(), dst.storage_offset(), dst.size(), dst.stride())
+    alias = alias.set_(dst.untyped_storage(), dst.storage_offset(), dst.size(), dst.stride())
+    # An alias made with set_ has neither the conjugate nor the negative bit of ``dst``; views that add them read
+    # the memory as ``dst`` does and share the alias's version counter, not ``dst``'s (which was bumped once, at
+    # the call: issue 27's review found conjugate and negative destinations bumped twice, written through dst).
+    if dst.is_conj():
+        alias = alias.conj()
+    if dst.is_neg():
+        alias = torch._neg_view(alias)
+    return alias
 
 
 def offload(record: _D2HStream, dst: Any, src: Any, what: str) -> int:
@@ -320,16 +420,19 @@ def offload(record: _D2HStream, dst: Any, src: Any, what: str) -> int:
         return 0
     stream = record.stream
     try:
-        snap = snapshot(src)
+        snap = snapshot(src, dst)
     except torch.OutOfMemoryError:
         _log.warning("syncless.cc: no GPU memory for a %d-byte snapshot of an offloaded D2H copy; it runs as "
                      "torch's own copy (blocking under CC)", src.numel() * src.element_size())
         return 0
     ready = torch.cuda.Event()
-    job = _counted(make_job(stream.device.index, ready, _version_alias(dst), snap))
+    job = _counted(make_job(stream.device.index, ready, _version_alias(dst), snap, record.copy_stream))
     del snap  # the job holds it until its copy has run
     with _offload_lock:
-        if _CLOSING[0]:  # uninstall() began draining after the check above: torch's own copy, on this thread
+        # uninstall() began after the check above, or the worker was shut down at interpreter exit (an atexit
+        # handler registered before the worker's runs after its shutdown, issue 27 item 5): torch's own copy
+        # or a CUDA graph capture began on some thread (its capture_begin drains what was queued before)
+        if _CLOSING[0] or record.closed or not record.worker.accepting or _streams.CAPTURES[0]:
             return 0
         # D : ...everything D was ordered after... src -> snap R#n ...
         _streams.record_event_raw(ready, stream)
@@ -342,6 +445,7 @@ def offload(record: _D2HStream, dst: Any, src: Any, what: str) -> int:
                 _PENDING[0] -= 1
             raise
         record.last_job = seq
+        _rebuild_cover()  # before the call returns: any event recorded after it covers this job
     _bump_version(dst)  # as torch's copy does, at the call
     _host_writes.note_offloaded_d2h(dst, (record.worker, seq))  # a staged H2D of dst waits for it
     return seq
@@ -369,9 +473,28 @@ def _bump_version(dst: Any) -> None:
 
 
 def wait_for_stream(record: _D2HStream) -> None:
-    """Block the host until every copy offloaded so far from ``record``'s stream has finished (errors stay queued)."""
-    if record.worker.is_pending(record.last_job):
-        record.worker.wait_for(record.last_job)
+    """Block the host until every copy offloaded so far from ``record``'s stream has finished.
+
+    Raises:
+        D2HCopyError: one of them, issued by this thread, failed (docs/cc.md: at the next covering call).
+    """
+    record.worker.wait_and_raise(record.last_job)
+
+
+def begin_capture(graph: Any) -> None:
+    """Before ``graph`` begins a CUDA graph capture: refuse new offloads, then wait for every queued copy.
+
+    Under ``_offload_lock``, so every offload either was submitted before (and is waited for here) or sees the
+    capture and declines. Blocks the host until those copies are done (as ``torch.cuda.graph``'s own synchronize
+    does); a failure among them that this thread issued is raised.
+    """
+    with _offload_lock:
+        _streams.note_capture(graph, True)
+    try:
+        wait_for_tickets(all_tickets(), raise_errors=True)
+    except BaseException:
+        _streams.note_capture(graph, False)
+        raise
 
 
 def drain(timeout_s: float | None = None) -> None:
@@ -381,7 +504,7 @@ def drain(timeout_s: float | None = None) -> None:
         D2HCopyError: a copy failed.
         D2HTimeoutError: ``timeout_s`` passed first.
     """
-    wait_for_tickets(all_tickets(), raise_errors=True, timeout_s=timeout_s)
+    wait_for_tickets(all_tickets(), raise_errors=True, timeout_s=timeout_s, any_thread=True)
 
 
 def restart_workers() -> None:

@@ -145,8 +145,8 @@ def is_emulating() -> bool:
 class Emulation:
     """Handle returned by :func:`emulate`; a context manager that ends the emulation it started."""
 
-    def __init__(self) -> None:
-        self.started = install_emulation()
+    def __init__(self, start: bool = True) -> None:
+        self.started = install_emulation() if start else False
         self._open = True
 
     def stop(self) -> None:
@@ -160,14 +160,3 @@ class Emulation:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def emulate() -> Emulation:
-    """Make host<->device ``non_blocking`` copies host-synchronous, as under CC.
-
-    Call it as a function (emulation stays until :func:`syncless.cc.uninstall`
-    or ``handle.stop()``) or use it as a context manager (emulation ends with
-    the block, unless it was already on before). Each emulated copy blocks
-    the host until the copy's stream has drained, as the driver does under CC.
-    """
-    return Emulation()

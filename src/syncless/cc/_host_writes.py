@@ -113,8 +113,9 @@ def order_after_pending_writes(staging: Any, src: Any) -> None:
             # staging : [wait E] H2D ...      (E: after the D2H on its stream)
             torch.cuda.Event.__mro__[1].wait(entry[1], staging)
         else:
-            # host    : wait for the job (the copy is in host memory) ; then enqueue the H2D
-            _d2h.wait_for_tickets([entry[1]], raise_errors=False)
+            # host    : wait for the job (the copy is in host memory) ; then enqueue the H2D (a failed job: raise it
+            #           here, on the thread that issued it, rather than upload what it never wrote)
+            _d2h.wait_for_tickets([entry[1]], raise_errors=True)
 
 
 def clear() -> None:

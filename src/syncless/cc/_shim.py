@@ -49,7 +49,8 @@ def _strided(*tensors: Any) -> bool:
 
     strided = torch.strided
     for t in tensors:  # a loop, not all(<generator>): this runs on every routed copy
-        if t.layout != strided or t.is_nested:
+        # Quantized tensors are strided but have no pinned empty_strided (issue 27 item 6): torch's own copy.
+        if t.layout != strided or t.is_nested or t.is_quantized:
             return False
     return True
 
@@ -113,6 +114,19 @@ def _decide(src: Any, dst_type: str, index: int | None, *, into_existing: bool, 
     if route == _routing.ORIGINAL:
         COUNTERS.left_alone(reason)
     return route, reason, record
+
+
+def _fills_on_the_host(result: Any, src: Any) -> bool:
+    """Whether torch's ``src.to("cpu", ..., non_blocking=True)`` writes ``result`` on the host before it returns.
+
+    torch moves a block as it lies (in stream order) only when ``result`` is contiguous, or has ``src``'s dtype
+    and strides; otherwise (a channels_last bf16 source to fp32, say) it copies into a pageable contiguous
+    temporary and fills the non-contiguous pinned result from it on the host, so a read right after the call
+    sees the data, and the copy is left to torch (``noncontiguous_target``), as for an existing target.
+    """
+    if result.is_contiguous():
+        return False
+    return result.dtype != src.dtype or result.stride() != src.stride()
 
 
 def _check_broadcastable(dst: Any, src: Any) -> None:
@@ -198,10 +212,13 @@ def _wrap_to(next_to):
             return _staging.land_converted(self, index, dtype, memory_format)
         if route == _routing.OFFLOAD:
             dst = _d2h.pinned_like(self, dtype, memory_format)
-            if _d2h.offload(record, dst, self, _describe(".to('cpu', non_blocking=True)", self)):
+            if _fills_on_the_host(dst, self):
+                COUNTERS.left_alone("noncontiguous_target")
+            elif _d2h.offload(record, dst, self, _describe(".to('cpu', non_blocking=True)", self)):
                 COUNTERS.add("offloaded")
                 return dst
-            _settle_d2h_stream(index)  # no room for the snapshot: torch's own copy, after the queued ones
+            # torch's own copy, after the queued ones (no room for the snapshot, or torch fills it on the host)
+            _settle_d2h_stream(index)
             route = _routing.ORIGINAL
         result = next_to(*args, **kwargs)
         if route == _routing.ORIGINAL and dst_type == "cpu" and src_type == "cuda":
@@ -413,6 +430,7 @@ def install_shim(max_staged_bytes: int | None = None) -> bool:
         for name in TENSOR_ATTRS + SYNCING_ATTRS:
             patching.add_layer(torch.Tensor, name, SHIM_KEY, patching.RANK_CC_SHIM, _WRAPPERS[name])
         _sync_patches.install_sync_patches()
+        _d2h.resume_offloading()  # only now: every offloaded copy from here on has patched syncs to cover it
         _STATE.installed = True
         return True
 
@@ -441,7 +459,8 @@ def uninstall_all(timeout_s: float = 60.0) -> None:
             _sync_patches.uninstall_sync_patches()
             _STATE.installed = False
         _emulation.uninstall_emulation()
-        _d2h.resume_offloading()
+        # Offloading stays refused (_d2h._CLOSING) until the next install_shim(): a thread still inside a wrapper
+        # now runs torch's own copy, which torch's own synchronizes cover.
     if pending_error is not None:
         raise pending_error
 

@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 
 # Why a copy was left to torch's own path.
 LEFT_ALONE_REASONS = (
-    "blocking",          # non_blocking=False (only counted for copies the shim must order, see _shim)
+    "blocking",          # non_blocking=False: never counted (a blocking copy goes beneath at once; docs/cc.md)
     "no_cuda",           # neither side is a CUDA tensor (CPU-only, meta, ...)
     "device_to_device",  # both sides on CUDA
     "other_device",      # the non-CUDA side is not the CPU (meta, ...)
-    "compiling",         # torch.compile is tracing
+    "compiling",         # torch.compile is tracing: never counted (a counter would be traced into the graph)
     "capturing",         # a CUDA graph is being captured
     "too_large",         # above SYNCLESS_CC_MAX_STAGED_BYTES (an H2D's staging tensor, a D2H's snapshot)
     "ordinary_stream",   # D2H on a stream not made by new_d2h_stream()
@@ -35,6 +35,9 @@ class CopyStats:
         offloaded: D2H copies handed to the worker thread.
         emulated_waits: host waits the CC emulation added after a copy.
         left_alone: copies kept on torch's own path, by reason.
+        bypass_waits: host waits before a host<->device copy that bypasses ``Tensor.to/cuda/copy_``
+            (``h[:] = x``, ``new_tensor``, ``torch.as_tensor``, ``UntypedStorage.copy_``) issued on a D2H stream
+            with offloaded copies pending, for those copies (docs/cc.md).
     """
 
     staged: int = 0
@@ -42,6 +45,7 @@ class CopyStats:
     offloaded: int = 0
     emulated_waits: int = 0
     left_alone: dict[str, int] = field(default_factory=dict)
+    bypass_waits: int = 0
 
     @property
     def total_left_alone(self) -> int:
@@ -51,7 +55,7 @@ class CopyStats:
 class StatsCounter:
     """Thread-safe counters behind :func:`syncless.cc.stats`."""
 
-    _FIELDS = ("staged", "in_place", "offloaded", "emulated_waits")
+    _FIELDS = ("staged", "in_place", "offloaded", "emulated_waits", "bypass_waits")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

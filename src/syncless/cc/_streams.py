@@ -48,12 +48,12 @@ def bindings_problem(version: str) -> str | None:
 
 
 def check_bindings() -> None:
-    """Raise if the installed cuda-bindings holds the GIL in driver calls; do nothing if it is absent.
+    """Raise unless cuda-bindings >= 12.9.1 is installed (older releases hold the GIL in driver calls).
 
-    (Without cuda-bindings, the first driver call raises its own error naming the package.)
+    At ``install()``, so a missing package is reported there rather than from inside the first staged copy.
 
     Raises:
-        MissingDependencyError: cuda-bindings older than 12.9.1.
+        MissingDependencyError: cuda-bindings is absent, or older than 12.9.1.
     """
     from importlib import metadata
 
@@ -61,8 +61,11 @@ def check_bindings() -> None:
 
     try:
         version = metadata.version("cuda-bindings")
-    except metadata.PackageNotFoundError:
-        return
+    except metadata.PackageNotFoundError as err:
+        raise MissingDependencyError(
+            "syncless.cc.install() needs cuda-bindings >= 12.9.1 (the staging and D2H streams are made through the "
+            "driver), and it is not installed. Install it with: " + _BINDINGS_FIX
+        ) from err
     problem = bindings_problem(version)
     if problem is not None:
         raise MissingDependencyError(problem)
@@ -199,6 +202,23 @@ def create_private_stream(index: int) -> Any:
     return torch.cuda.ExternalStream(int(handle), device=torch.device("cuda", index))
 
 
+def destroy_private_stream(stream: Any) -> None:
+    """Destroy a stream made by :func:`create_private_stream` and drop the context retain it took.
+
+    ``cuStreamDestroy`` returns at once; work still queued on the stream
+    finishes first and its resources go then. Does not block the host.
+    """
+    device = _cuda.call("cuDeviceGet", stream.device.index)
+    context = _cuda.call("cuDevicePrimaryCtxRetain", device)
+    _cuda.call("cuCtxPushCurrent", context)
+    try:
+        _cuda.call("cuStreamDestroy", stream.cuda_stream)
+    finally:
+        _cuda.call("cuCtxPopCurrent")
+        _cuda.call("cuDevicePrimaryCtxRelease", device)  # the retain just above
+    _cuda.call("cuDevicePrimaryCtxRelease", device)  # the one create_private_stream kept for the stream
+
+
 def _private_stream_of(table: dict[int, Any], index: int) -> Any:
     stream = table.get(index)
     if stream is not None:
@@ -282,11 +302,36 @@ def is_capturing(stream: Any) -> bool:
     return status != drv.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
 
 
+# CUDA graphs between CUDAGraph.capture_begin and capture_end, on any thread (the shim patches both: see
+# ._sync_patches). A capture in torch's default "global" mode is invalidated by a host synchronize on any other
+# thread, so while one is open nothing is offloaded (the D2H worker synchronizes) and no emulated wait is made.
+_capturing_graphs: set[int] = set()
+CAPTURES = [0]
+
+
+def note_capture(graph: Any, capturing: bool) -> None:
+    """Record that ``graph`` began (``capturing``) or ended its capture; host-only bookkeeping."""
+    with _lock:
+        if capturing:
+            _capturing_graphs.add(id(graph))
+        else:
+            _capturing_graphs.discard(id(graph))
+        CAPTURES[0] = len(_capturing_graphs)
+
+
+def forget_captures() -> None:
+    """Forget every capture noted (install/uninstall: a capture begun or ended unpatched is not seen)."""
+    with _lock:
+        _capturing_graphs.clear()
+        CAPTURES[0] = 0
+
+
 def any_current_capture(index: int) -> bool:
-    """Return whether the current stream of GPU ``index`` or of the current device is capturing."""
+    """Return whether a capture is open: any graph between ``CUDAGraph.capture_begin`` and ``capture_end`` on any
+    thread (while the shim is installed), or the current stream of GPU ``index`` or of the current device."""
     import torch
 
-    if torch.cuda.is_current_stream_capturing():
+    if CAPTURES[0] or torch.cuda.is_current_stream_capturing():
         return True
     if index == torch.cuda.current_device():
         return False

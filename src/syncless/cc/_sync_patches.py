@@ -5,18 +5,16 @@ Each offloaded copy has a job number on its D2H stream's own worker
 when its call returns, so whatever torch would order after it on ``D`` is
 ordered here, on the host, before the call goes on (see :mod:`._d2h`):
 
-- recording an event on a D2H stream stamps it with the stream's last job;
-  a synchronize or query of the event covers those jobs (and raises the
+- recording an event, on any stream, stamps it with every offloaded copy
+  issued before the record (the seed's any-event rule: under CC without
+  the shim those copies had finished when their calls returned); a
+  synchronize or query of the event covers those jobs (and raises the
   first failure among them), and so does *waiting* on it from another
-  stream (``P.wait_event(e)``, and ``P.wait_stream(D)``, which records such
+  stream (``P.wait_event(e)``, and ``P.wait_stream(S)``, which records such
   an event): the host waits for the jobs before it enqueues the GPU wait;
 - synchronizing or querying a D2H stream covers its jobs; a device
   synchronize covers every job submitted before the call; synchronizing an
   ordinary stream covers every job too, conservatively.
-
-An event recorded on an ordinary stream carries no stamp: that stream can
-only be ordered after ``D``'s copies through one of the waits above, which
-already waited for them on the host.
 
 What is covered:
 - ``torch.cuda.Event``: ``record``, ``wait``, ``synchronize``, ``query`` (all
@@ -26,6 +24,9 @@ What is covered:
 - ``torch.cuda.synchronize`` and ``torch.accelerator.synchronize`` (looked
   up through the module; a reference taken before ``install()`` is not
   covered).
+- ``torch.cuda.CUDAGraph.capture_begin`` / ``capture_end`` (queued copies
+  finish first; nothing is offloaded while a capture is open).
+- Copies that bypass ``Tensor.to/cuda/copy_`` (:mod:`._bypass`).
 - ``torch.Event``: a C type whose methods cannot be patched, so
   ``torch.Event`` is *replaced* by a subclass while installed. Only events
   created afterwards through ``torch.Event(...)`` are covered;
@@ -40,49 +41,53 @@ from __future__ import annotations
 from typing import Any
 
 from syncless._core import patching
-from syncless.cc import _d2h
+from syncless.cc import _bypass, _d2h, _streams, _worker
 from syncless.cc._layers import SHIM_KEY
 
 _MARK = "_syncless_d2h_seq"
 
 
-def _mark(event: Any, stream: Any, device: Any = None) -> None:
-    """Stamp ``event`` with the last job of the D2H stream it is recorded on (clear the stamp elsewhere).
+def _mark(event: Any) -> None:
+    """Stamp ``event``, being recorded now on any stream, with every offloaded copy issued before this call.
 
-    The stamp is a ticket: that stream's worker and the number of its last job. ``stream`` None means the
-    current stream of ``device`` (None: of the current device), as torch's own ``record`` reads it.
+    The seed's rule (docs/cc.md, "After the copy"): an event recorded after an offloaded copy's call covers it,
+    whichever stream it is recorded on, because under CC without the shim that copy had finished when its call
+    returned. The stamp is a tuple of tickets (a worker, the number of its last job; :func:`._d2h.cover_now`).
+    The stream it goes on does not matter. Costs two integer reads while nothing is pending. An event
+    re-recorded with nothing pending loses an old stamp.
     """
-    record = None
-    if _d2h.has_streams():
-        if stream is None:
-            import torch
-
-            index = device.index if device is not None and device.type == "cuda" else None
-            stream = torch.cuda.current_stream(index)
-        record = _d2h.lookup(stream)
-    ticket = (record.worker, record.last_job) if record is not None and record.last_job else None
+    cover = _d2h.cover_now()
     try:
-        if ticket is not None or getattr(event, _MARK, None) is not None:
-            setattr(event, _MARK, ticket)  # a re-record on an ordinary stream drops an old stamp
+        if cover or getattr(event, _MARK, None) is not None:
+            setattr(event, _MARK, cover or None)
     except AttributeError:  # a C-made torch.Event has no __dict__: not covered (documented)
         pass
 
 
 def _wait_before_gpu_wait(event: Any) -> None:
-    """Before a stream waits on ``event``: the host waits for the offloaded copies it stands for."""
-    ticket = getattr(event, _MARK, None)
-    if _d2h.ticket_pending(ticket):
-        _d2h.wait_for_tickets([ticket], raise_errors=False)
+    """Before a stream waits on ``event``: the host waits for the offloaded copies it stands for (and raises the
+    first failure among them that this thread issued, before the GPU wait is enqueued)."""
+    tickets = getattr(event, _MARK, None)
+    if tickets:
+        _d2h.wait_for_tickets(list(tickets), raise_errors=True)
 
 
 def _wait_marked(event: Any) -> None:
-    ticket = getattr(event, _MARK, None)
-    if ticket is not None:
-        _d2h.wait_for_tickets([ticket], raise_errors=True)
+    tickets = getattr(event, _MARK, None)
+    if tickets:
+        _d2h.wait_for_tickets(list(tickets), raise_errors=True)
 
 
 def _marked_pending(event: Any) -> bool:
-    return _d2h.ticket_pending(getattr(event, _MARK, None))
+    """Whether a copy ``event`` covers is unfinished; if none is, raise the first failure among them that this
+    thread issued (a query must not say True for a failed copy: docs/cc.md, "errors")."""
+    tickets = getattr(event, _MARK, None)
+    if not tickets:
+        return False
+    if any(_d2h.ticket_pending(t) for t in tickets):
+        return True
+    _d2h.wait_for_tickets(list(tickets), raise_errors=True)  # all finished: waits for nothing
+    return False
 
 
 def _cover_all() -> list:
@@ -127,7 +132,7 @@ def _wrap_event_record(next_record):
     def record(*args, **kwargs):
         call = _self_and_stream(args, kwargs, event_class)
         if call is not None:
-            _mark(*call)
+            _mark(call[0])
         return next_record(*args, **kwargs)
 
     return record
@@ -207,8 +212,11 @@ def _wrap_stream_query(next_query):
 
     def query(*args, **kwargs):
         stream = _only_self(args, kwargs, stream_class)
-        if stream is not None and _d2h.pending() and any(_d2h.ticket_pending(t) for t in _stream_jobs(stream)):
-            return False
+        if stream is not None and (_d2h.pending() or _worker.UNRAISED[0]):
+            tickets = _stream_jobs(stream)
+            if any(_d2h.ticket_pending(t) for t in tickets):
+                return False
+            _d2h.wait_for_tickets(tickets, raise_errors=True)  # all finished: raises this thread's failure, if any
         return next_query(*args, **kwargs)
 
     return query
@@ -228,6 +236,39 @@ def _wrap_device_synchronize(next_sync):
     return synchronize
 
 
+# CUDA graph capture -------------------------------------------------------------------
+# A capture in global mode (torch's default) is invalidated when any other thread makes a potentially unsafe call,
+# such as the worker's host synchronize of its ready event or stream. So a capture begun through CUDAGraph (which
+# torch.cuda.graph and make_graphed_callables use) first lets the queued copies finish, and while it is open nothing
+# is offloaded and the emulator makes no wait (_streams.CAPTURES):
+#
+#   host   : capture_begin -> [wait for jobs #..n] -> begin ... capture_end
+#   worker : ... #n done                              (idle: no offload while capturing)
+
+
+def _wrap_capture_begin(next_begin):
+    def capture_begin(*args, **kwargs):
+        graph = args[0] if args else None
+        _d2h.begin_capture(graph)
+        try:
+            return next_begin(*args, **kwargs)
+        except BaseException:
+            _streams.note_capture(graph, False)
+            raise
+
+    return capture_begin
+
+
+def _wrap_capture_end(next_end):
+    def capture_end(*args, **kwargs):
+        try:
+            return next_end(*args, **kwargs)
+        finally:
+            _streams.note_capture(args[0] if args else None, False)
+
+    return capture_end
+
+
 # torch.Event -------------------------------------------------------------------------
 
 
@@ -237,7 +278,7 @@ def _wrap_torch_event(base):
     def record(*args, **kwargs):
         call = _self_and_stream(args, kwargs, Event)
         if call is not None:
-            _mark(call[0], call[1], getattr(call[0], "device", None))
+            _mark(call[0])
         return base.record(*args, **kwargs)
 
     def wait(*args, **kwargs):
@@ -274,7 +315,8 @@ def _wrap_torch_event(base):
 
 
 def patch_targets() -> list[tuple[Any, str, Any]]:
-    """Return ``(owner, attribute, wrapper)`` for every sync-related patch the shim installs."""
+    """Return ``(owner, attribute, wrapper)`` for every patch the shim installs besides ``Tensor.to/cuda/copy_`` and
+    the blocking reads: synchronization, CUDA graph capture, and the copies that bypass those wrappers."""
     import torch
 
     targets = [
@@ -287,6 +329,10 @@ def patch_targets() -> list[tuple[Any, str, Any]]:
         (torch.cuda, "synchronize", _wrap_device_synchronize),
         (torch, "Event", _wrap_torch_event),
     ]
+    targets += _bypass.patch_targets()  # copies that bypass Tensor.to/cuda/copy_ (issue 27 item 1)
+    graph = getattr(torch.cuda, "CUDAGraph", None)
+    if graph is not None and "capture_begin" in vars(graph) and "capture_end" in vars(graph):
+        targets += [(graph, "capture_begin", _wrap_capture_begin), (graph, "capture_end", _wrap_capture_end)]
     accelerator = getattr(torch, "accelerator", None)
     if accelerator is not None and hasattr(accelerator, "synchronize"):
         targets.append((accelerator, "synchronize", _wrap_device_synchronize))
@@ -295,6 +341,7 @@ def patch_targets() -> list[tuple[Any, str, Any]]:
 
 def install_sync_patches() -> None:
     """Add the shim's layer to every synchronization entry point (idempotent per attribute)."""
+    _streams.forget_captures()
     for owner, name, wrap in patch_targets():
         patching.add_layer(owner, name, SHIM_KEY, patching.RANK_CC_SHIM, wrap)
 
@@ -303,3 +350,4 @@ def uninstall_sync_patches() -> None:
     """Remove the shim's layer from every synchronization entry point."""
     for owner, name, _ in patch_targets():
         patching.remove_layer(owner, name, SHIM_KEY)
+    _streams.forget_captures()

@@ -24,8 +24,10 @@ _log = logging.getLogger(__name__)
 class D2HCopyError(SynclessError):
     """A device-to-host copy that the worker thread performed failed.
 
-    Raised by the next synchronize (event, stream, device) that covers the
-    copy. ``worker_traceback`` holds the worker thread's traceback text; the
+    Raised by the next call of the host thread that issued the copy that
+    covers it (a synchronize, query or wait of an event, stream or the
+    device; docs/cc.md, "Errors"), or by any thread's once that one has
+    ended, and by ``uninstall()``. ``worker_traceback`` holds the worker thread's traceback text; the
     original exception is chained as ``__cause__``.
     """
 
@@ -38,12 +40,28 @@ class D2HTimeoutError(SynclessError, TimeoutError):
     """Queued device-to-host copies did not finish within a bounded wait (``uninstall()``)."""
 
 
+# Failures of every worker that no covering call has raised yet (one integer the event record path reads).
+UNRAISED = [0]
+_unraised_lock = threading.Lock()
+
+
+def _count_unraised(delta: int) -> None:
+    with _unraised_lock:
+        UNRAISED[0] += delta
+
+
 @dataclass
 class _Failure:
     seq: int
     error: BaseException
     text: str
     what: str
+    thread: threading.Thread | None = None  # the host thread that submitted the job (None: unknown)
+    warned: bool = False  # another thread's covering call has logged it once
+
+    def owned_here(self) -> bool:
+        """Whether this thread raises it: the submitting thread, or any thread once that one has ended."""
+        return self.thread is None or self.thread is threading.current_thread() or not self.thread.is_alive()
 
 
 class OrderedWorker:
@@ -56,7 +74,7 @@ class OrderedWorker:
     def __init__(self, name: str = "syncless-d2h") -> None:
         self._name = name
         self._cv = threading.Condition()
-        self._jobs: collections.deque[tuple[int, Callable[[], None], str]] = collections.deque()
+        self._jobs: collections.deque[tuple[int, Callable[[], None], str, threading.Thread]] = collections.deque()
         self._submitted = 0
         self._completed = 0
         self._failures: list[_Failure] = []  # in sequence order
@@ -82,6 +100,11 @@ class OrderedWorker:
         """Return whether a job numbered ``<= upto`` has not finished."""
         return self._completed < upto
 
+    @property
+    def accepting(self) -> bool:
+        """Whether :meth:`submit` takes jobs (False once :meth:`shutdown` began, until :meth:`restart`)."""
+        return not self._stopping
+
     def is_worker_thread(self) -> bool:
         return self._thread is not None and threading.current_thread() is self._thread
 
@@ -97,7 +120,7 @@ class OrderedWorker:
                 raise RuntimeError(f"{self._name} worker has been shut down; no new copies are accepted")
             seq = self._submitted + 1
             self._submitted = seq
-            self._jobs.append((seq, job, what))
+            self._jobs.append((seq, job, what, threading.current_thread()))
             self._ensure_thread()
             self._cv.notify_all()
             return seq
@@ -118,18 +141,23 @@ class OrderedWorker:
                     self._cv.wait()
                 if not self._jobs:
                     return
-                seq, job, what = self._jobs[0]
+                seq, job, what, submitter = self._jobs[0]
             try:
                 job()
             except BaseException as err:  # noqa: BLE001 - every failure is kept and re-raised at a synchronize
                 text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
-                failure = _Failure(seq, err, text, what)
+                # The text keeps what the traceback says; its frames' locals (the snapshot, the pinned destination,
+                # held by the wrappers the copy went through) are let go now rather than when the error is raised.
+                traceback.clear_frames(err.__traceback__)
+                failure = _Failure(seq, err, text, what, submitter)
             else:
                 failure = None
+            job = None  # the closure (and what it holds) goes now, not at the next job
             with self._cv:
                 self._jobs.popleft()
                 if failure is not None:
                     self._failures.append(failure)
+                    _count_unraised(1)
                 self._completed = seq
                 self._settle()
                 self._cv.notify_all()
@@ -170,15 +198,30 @@ class OrderedWorker:
                     )
                 self._cv.wait(poll_s if deadline is None else max(0.0, min(poll_s, deadline - time.monotonic())))
 
-    def raise_errors(self, upto: int) -> None:
-        """Raise :class:`D2HCopyError` for the first failed job numbered ``<= upto``; forget those failures."""
+    def raise_errors(self, upto: int, *, any_thread: bool = False) -> None:
+        """Raise :class:`D2HCopyError` for the first failed job numbered ``<= upto`` of this thread; forget those.
+
+        A failure is raised on the host thread that submitted the copy (docs/cc.md, "errors"): another thread's
+        covering call (an unrelated ``torch.cuda.synchronize()``, say) leaves it for that thread's next covering
+        call and logs a warning once, so it is neither swallowed there nor raised where nothing went wrong. Once
+        the submitting thread has ended, any thread's covering call raises it; ``any_thread`` (``uninstall()``)
+        raises every one.
+        """
         with self._cv:
             if not self._failures:
                 return
-            covered = [f for f in self._failures if f.seq <= upto]
+            covered = [f for f in self._failures if f.seq <= upto and (any_thread or f.owned_here())]
+            for other in self._failures:
+                if other.seq <= upto and other not in covered and not other.warned:
+                    other.warned = True
+                    _log.warning("%s: %s (#%d) failed (%s: %s); a covering call on thread %r leaves it to be "
+                                 "raised on thread %r, which issued it", self._name, other.what, other.seq,
+                                 type(other.error).__name__, other.error, threading.current_thread().name,
+                                 other.thread.name if other.thread is not None else "?")
             if not covered:
                 return
-            self._failures = [f for f in self._failures if f.seq > upto]
+            self._failures = [f for f in self._failures if f not in covered]
+            _count_unraised(-len(covered))
             self._settle()
         first = covered[0]
         more = f" ({len(covered) - 1} more failed copies were covered by this synchronize)" if len(covered) > 1 else ""
@@ -188,7 +231,7 @@ class OrderedWorker:
             first.text,
         ) from first.error
 
-    def wait_and_raise(self, seq: int, timeout_s: float | None = None) -> None:
+    def wait_and_raise(self, seq: int, timeout_s: float | None = None, *, any_thread: bool = False) -> None:
         """:meth:`wait_for` then :meth:`raise_errors` up to ``seq``.
 
         Returns at once, without taking the lock, when nothing up to ``seq`` is left to wait for or to raise.
@@ -202,7 +245,7 @@ class OrderedWorker:
         if seq <= self._settled:
             return
         self.wait_for(seq, timeout_s=timeout_s)
-        self.raise_errors(seq)
+        self.raise_errors(seq, any_thread=any_thread)
 
     def failures_pending(self) -> int:
         with self._cv:

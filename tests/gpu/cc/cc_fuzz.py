@@ -106,12 +106,15 @@ class ProgramSpec:
     host_dtypes: tuple
     dev_dtypes: tuple
     ops: list = field(default_factory=list)
+    # Which oracle the program is correct for: "torch" (plain torch) or "cc" (CC without the shim, cc.emulate()
+    # alone, where every host<->device copy has finished when its call returns; see Model).
+    oracle: str = "torch"
 
     def copy_with(self, ops: Sequence[Op]) -> ProgramSpec:
-        return ProgramSpec(self.seed, self.host_pinned, self.host_dtypes, self.dev_dtypes, list(ops))
+        return ProgramSpec(self.seed, self.host_pinned, self.host_dtypes, self.dev_dtypes, list(ops), self.oracle)
 
     def describe(self) -> str:
-        head = (f"seed={self.seed} host_pinned={self.host_pinned} host_dtypes={self.host_dtypes} "
+        head = (f"seed={self.seed} oracle={self.oracle} host_pinned={self.host_pinned} host_dtypes={self.host_dtypes} "
                 f"dev_dtypes={self.dev_dtypes}")
         return "\n".join([head] + [f"  {i:3d}: {op}" for i, op in enumerate(self.ops)])
 
@@ -150,6 +153,15 @@ def h2d_reads_host_now(host_view: tuple, dev_view: tuple, non_blocking: bool, ho
             _dense_layout(host_view) == _dense_layout(dev_view)):
         return False
     return _dense_layout(host_view) != "contiguous"  # a contiguous source is its own temporary
+
+
+def d2h_fresh_fills_on_host(view: tuple, non_blocking: bool, src_dtype: str, dtype: str | None) -> bool:
+    """Whether torch's ``src_view.to("cpu", dtype, non_blocking=True)`` writes its result on the host at the call.
+
+    The result keeps a dense source's layout; a transposed result with another dtype goes through a pageable
+    contiguous temporary that torch copies into the pinned result before it returns (issue 27 item 2).
+    """
+    return non_blocking and view == ("t",) and dtype is not None and dtype != src_dtype
 
 
 FRESH_FORMS = 4  # H2D_FRESH forms: .to(device), .to(device="cuda"), .cuda(), .to(device, memory_format=contiguous)
@@ -238,6 +250,15 @@ class Model:
         self.hst = [_Buf(write=("host", 0), dtype=spec.host_dtypes[i]) for i in range(N_HOST)]
         self.pinned = list(spec.host_pinned)
         self.part: dict | None = None  # while generating one body of a CONCURRENT block: its resources
+        # The "cc" oracle (CC without the shim): the same GPU ordering, but a non_blocking host<->device copy has
+        # finished when its call returns, except that under the shim a non_blocking D2H on a D2H stream may be
+        # offloaded. Its host write is then a *job*, ("job", (stream, n)), known finished only after a call that
+        # covers it by the seed's rule (docs/cc.md): a synchronize of, or a wait on, an event recorded after it;
+        # a wait_stream; a synchronize of an ordinary stream, of its own D2H stream, or of the device.
+        self.cc = spec.oracle == "cc"
+        self.jobs: dict[tuple, str] = {}  # uncovered jobs -> their D2H stream
+        self.job_count = dict.fromkeys(STREAMS, 0)
+        self.event_jobs: dict[int, frozenset] = dict.fromkeys(range(N_EVENTS), frozenset())
 
     def clone(self) -> Model:
         other = Model.__new__(Model)
@@ -248,18 +269,38 @@ class Model:
         other.hst = [b.clone() for b in self.hst]
         other.pinned = list(self.pinned)
         other.part = self.part
+        other.cc = self.cc
+        other.jobs = dict(self.jobs)
+        other.job_count = dict(self.job_count)
+        other.event_jobs = dict(self.event_jobs)
         return other
+
+    def _cover(self, jobs) -> None:
+        for job in list(jobs):
+            self.jobs.pop(job, None)
+
+    def _new_job(self, s: str) -> tuple:
+        self.job_count[s] += 1
+        job = (s, self.job_count[s])
+        self.jobs[job] = s
+        return ("job", job)
 
     # ordering predicates
     def _stream_sees(self, s: str, prior: tuple) -> bool:
         who, tick = prior
+        if who == "job":
+            return tick not in self.jobs
         return who == "host" or self.vc[s].get(who, 0) >= tick or self.host.get(who, 0) >= tick
 
     def _host_sees(self, prior: tuple) -> bool:
         who, tick = prior
+        if who == "job":
+            return tick not in self.jobs
         return who == "host" or self.host.get(who, 0) >= tick
 
     def _need(self, ctx: str, prior: tuple) -> tuple | None:
+        if prior[0] == "job":  # a pending offloaded write: only a covering call orders anything after it
+            return None if prior[1] not in self.jobs else ("job", prior[1])
         if ctx == "host":
             return None if self._host_sees(prior) else ("host", prior[0], prior[1])
         return None if self._stream_sees(ctx, prior) else ("stream", ctx, prior[0], prior[1])
@@ -284,7 +325,7 @@ class Model:
             buf.write, buf.reads = at, []
         else:
             buf.reads.append(at)
-        if at[0] != "host":
+        if at[0] not in ("host", "job"):
             buf.used_on[at[0]] = at[1]
 
     def _sync_host(self, clock: dict) -> None:
@@ -332,8 +373,8 @@ class Model:
             self._check(s, buf, True, needs)
             self._raise(needs, op)
             self._access(buf, self._tick(s), True)
-        elif k == "H2D":  # (s, h, hview, g, gview, nb)
-            s, h, hview, g, gview, nb = a
+        elif k == "H2D":  # (s, h, hview, g, gview, nb[, via]): via only spells a blocking copy differently
+            s, h, hview, g, gview, nb = a[:6]
             hb, gb = self.hst[h], self._dev(g)
             if gb.registered:
                 self._check("host", gb, True, needs)  # the in-place promise: nothing touches the target now
@@ -341,6 +382,8 @@ class Model:
             # the call is made (it makes a contiguous or converted copy first); otherwise the copy reads h in s's
             # order (a blocking one too).
             reads_now = h2d_reads_host_now(hview, gview, nb, hb.dtype, gb.dtype)
+            # cc: the shim reads a non_blocking H2D's source at the call (staged), CC without it by the call's return
+            reads_now = reads_now or (self.cc and nb)
             self._check("host" if reads_now else s, hb, False, needs)
             self._check(s, gb, True, needs)
             self._raise(needs, op)
@@ -354,23 +397,26 @@ class Model:
             hb = self.hst[h]
             hv = a[6]
             reads_now = h2d_reads_host_now(hv, fresh_result_view(hv, a[4]), nb, hb.dtype, a[5] or hb.dtype)
+            reads_now = reads_now or (self.cc and nb)  # as for H2D
             self._check("host" if reads_now else s, hb, False, needs)
             self._raise(needs, op)
             at = self._tick(s)
             self._access(hb, at if nb and not reads_now else ("host", 0), False)
             dtype = a[5] or hb.dtype
             self.dev[g] = _Buf(write=at, alloc=s, used_on={s: at[1]}, dtype=dtype)
-        elif k == "D2H":  # (s, g, gview, h, hview, nb)
-            s, g, _, h, _, nb = a
+        elif k == "D2H":  # (s, g, gview, h, hview, nb[, via])
+            s, g, _, h, _, nb = a[:6]
             gb, hb = self._dev(g), self.hst[h]
             self._check(s, gb, False, needs)
             self._check(s, hb, True, needs)
             self._raise(needs, op)
             at = self._tick(s)
             self._access(gb, at, False)
-            if nb:
+            if nb and self.cc and s.startswith("D"):
+                self._access(hb, self._new_job(s), True)  # maybe offloaded: done only once covered
+            elif nb and not self.cc:
                 self._access(hb, at, True)
-            else:  # torch: cudaMemcpyAsync then cudaStreamSynchronize of s
+            else:  # torch: cudaMemcpyAsync then cudaStreamSynchronize of s (cc: CC's copy drains s the same way)
                 self._sync_host(self.vc[s])
                 self._access(hb, ("host", 0), True)
         elif k == "BLOCKING_READ":  # (s, g, form): dev[g].cpu() / .item() / .tolist() with s current
@@ -381,8 +427,9 @@ class Model:
             at = self._tick(s)
             self._access(gb, at, False)
             self._sync_host(self.vc[s])  # torch returns once s has reached the read: all of s before it is done
-        elif k == "D2H_FRESH":  # (s, g, h, nb, dtype)
-            s, g, h, nb, dtype = a
+        elif k == "D2H_FRESH":  # (s, g, h, nb, dtype[, source view])
+            s, g, h, nb, dtype = a[:5]
+            view = a[5] if len(a) > 5 else ("full",)
             gb, hb = self._dev(g), self.hst[h]
             self._check(s, gb, False, needs)
             self._check("host", hb, True, needs)  # the old host tensor is dropped: let nothing use it still
@@ -390,8 +437,12 @@ class Model:
             at = self._tick(s)
             self._access(gb, at, False)
             new = _Buf(dtype=dtype or gb.dtype)
-            if nb:
+            if nb and self.cc and s.startswith("D") and not d2h_fresh_fills_on_host(view, nb, gb.dtype, dtype):
+                self._access(new, self._new_job(s), True)
+            elif nb and not self.cc and not d2h_fresh_fills_on_host(view, nb, gb.dtype, dtype):
                 self._access(new, at, True)
+            elif nb and not self.cc:
+                new.write = ("host", 0)  # torch fills it on the host before returning (its stream is not drained)
             else:
                 self._sync_host(self.vc[s])
                 new.write = ("host", 0)
@@ -413,8 +464,10 @@ class Model:
             for key, v in self.vc[producer].items():
                 if self.vc[waiter].get(key, 0) < v:
                     self.vc[waiter][key] = v
+            self._cover(self.jobs)  # it records an event on b now and waits on it: that covers every job so far
         elif k == "RECORD":  # (e, s, form)
             self.events[a[0]] = dict(self.vc[a[1]])
+            self.event_jobs[a[0]] = frozenset(self.jobs)  # the any-event rule: it covers every job so far
         elif k == "WAIT_EVENT":  # (s, e, form)
             clock = self.events[a[1]]
             if clock is None:
@@ -422,18 +475,23 @@ class Model:
             for key, v in clock.items():
                 if self.vc[a[0]].get(key, 0) < v:
                     self.vc[a[0]][key] = v
+            self._cover(self.event_jobs[a[1]])
         elif k in ("EVENT_SYNC", "EVENT_SPIN"):  # (e,)
             clock = self.events[a[0]]
             if clock is None:
                 raise Illegal("synchronizing an event never recorded", [])
             self._sync_host(clock)
+            self._cover(self.event_jobs[a[0]])
         elif k == "EVENT_QUERY":
             pass
         elif k == "STREAM_SYNC":  # (s,)
             self._sync_host(self.vc[a[0]])
+            # an ordinary stream's synchronize covers every job; a D2H stream's, its own
+            self._cover([j for j, d in self.jobs.items() if d == a[0] or not a[0].startswith("D")])
         elif k == "DEVICE_SYNC":  # (form,)
             for s in STREAMS:
                 self._sync_host(self.vc[s])
+            self._cover(self.jobs)
         elif k == "HOST_READ":  # (h, view)
             self._check("host", self.hst[a[0]], False, needs)
             self._raise(needs, op)
@@ -494,9 +552,20 @@ class Model:
                 self.hst[i], self.pinned[i] = trial.hst[i], trial.pinned[i]
             for e in part["events"]:
                 self.events[e] = trial.events[e]
+                self.event_jobs[e] = trial.event_jobs[e]
+            for s in part["streams"]:
+                self.job_count[s] = trial.job_count[s]
             for k, v in trial.host.items():
                 host[k] = max(host.get(k, 0), v)
         self.host = host
+        # A job from before stays uncovered unless a body covered it; a body's own jobs stay as it left them.
+        before = self.jobs
+        jobs = {}
+        for trial in results:
+            for job, d in trial.jobs.items():
+                if job not in before or all(job in other.jobs for other in results):
+                    jobs[job] = d
+        self.jobs = jobs
 
     @staticmethod
     def _raise(needs: list, op: Op) -> None:

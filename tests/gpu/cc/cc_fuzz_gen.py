@@ -3,7 +3,9 @@
 Each step proposes an operation from a weighted table; if the model forbids
 it, the generator inserts one of torch's ways to order it (a ``wait_stream``,
 an event record and wait, a synchronize, a ``record_stream``) and tries
-again, or drops it. A few programs get long sleeps, to open race windows
+again, or drops it. Half the programs are generated for the plain-torch
+oracle, half for the cc oracle (CC without the shim: ``Model``'s ``cc``
+rules). A few programs get long sleeps, to open race windows
 wide; some get blocks on a second host thread, or two threads at once.
 """
 
@@ -33,11 +35,13 @@ from cc_fuzz import (
 class Generator:
     """Random legal programs, reproducible from a seed."""
 
-    def __init__(self, seed: int, n_ops: tuple[int, int] = (10, 32)):
+    def __init__(self, seed: int, n_ops: tuple[int, int] = (10, 32), oracle: str | None = None):
         self.seed = seed
         self.rng = random.Random(seed)
         self.n_ops = n_ops
         self.long_sleeps = self.rng.random() < 0.03
+        # Half the programs are correct for each oracle (a stream of its own, so a seed's draw stays the same).
+        self.oracle = oracle or ("cc" if random.Random(seed * 7919 + 17).random() < CC_SHARE else "torch")
 
     def program(self) -> ProgramSpec:
         rng = self.rng
@@ -46,6 +50,7 @@ class Generator:
             host_pinned=tuple(rng.random() < 0.7 for _ in range(N_HOST)),
             host_dtypes=tuple(rng.choice(DTYPES) for _ in range(N_HOST)),
             dev_dtypes=tuple(rng.choice(DTYPES) for _ in range(N_DEV)),
+            oracle=self.oracle,
         )
         model = Model(spec)
         target = rng.randint(*self.n_ops)
@@ -130,12 +135,36 @@ class Generator:
             return [Op("RECORD", (e, p, rng.randrange(3))), Op("WAIT_EVENT", (s, e, rng.randrange(3)))]
         if need[0] == "host":
             return self._host_sync_for(need[1], model)
+        if need[0] == "job":
+            return self._cover_job(need[1], model)
         if need[0] == "free":
             _, g, who, _ = need
             if who != INIT and rng.random() < 0.7:
                 return [Op("RECORD_STREAM", (g, who))]
             return self._host_sync_for(who, model)
         return None
+
+    def _cover_job(self, job: tuple, model: Model) -> list[Op]:
+        """Ops that cover offloaded job ``job`` (its D2H stream, its number) by the seed's rule (cc oracle only)."""
+        rng = self.rng
+        streams = model.part["streams"] if model.part else STREAMS
+        d = job[0]
+        roll = rng.random()
+        if roll < 0.1:
+            return [Op("DEVICE_SYNC", (rng.randrange(2),))]
+        if roll < 0.25:
+            return [Op("STREAM_SYNC", (rng.choice([d] + [x for x in streams if not x.startswith("D")]),))]
+        if roll < 0.4:
+            a, b = rng.sample(list(streams), 2)
+            return [Op("WAIT_STREAM", (a, b))]
+        e = self._event(model)
+        record = Op("RECORD", (e, rng.choice(streams), rng.randrange(3)))  # on any stream: the any-event rule
+        if roll < 0.55:
+            return [record, Op("WAIT_EVENT", (rng.choice(streams), e, rng.randrange(3)))]
+        ops = [record, Op("EVENT_SPIN" if rng.random() < 0.3 else "EVENT_SYNC", (e,))]
+        if rng.random() < 0.1:
+            return [Op("THREAD", (), tuple(ops))]
+        return ops
 
     def _event(self, model: Model) -> int:
         return self.rng.choice(model.part["events"]) if model.part else self.rng.randrange(N_EVENTS)
@@ -151,6 +180,16 @@ class Generator:
         if rng.random() < 0.1:  # the wait happens on the second host thread
             return [Op("THREAD", (), ops)]
         return list(ops)
+
+    def _via(self, nb: bool, host_view: tuple, dev_view: tuple, host_dtype: str, dev_dtype: str) -> str:
+        """How a host<->device copy is spelled: ``copy_``, or a blocking copy that bypasses the wrappers (issue 27
+        item 1): ``dst[...] = src`` (``Tensor.__setitem__``), or ``UntypedStorage.copy_`` of whole buffers of one
+        dtype."""
+        if nb or self.rng.random() < 0.7:
+            return "copy_"
+        if host_view == dev_view == ("full",) and host_dtype == dev_dtype and self.rng.random() < 0.5:
+            return "storage"
+        return "setitem"
 
     def _sleep_cycles(self) -> int:
         if self.long_sleeps and self.rng.random() < 0.3:
@@ -183,7 +222,9 @@ class Generator:
             return Op("FILL", (rng.choice(plain), g, view, rng.randint(-100, 100)))
         if roll < 0.36 and live:
             gv, hv = random_view_pair(rng)
-            return Op("H2D", (s, h, hv, rng.choice(live), gv, rng.random() < 0.8))
+            g = rng.choice(live)
+            nb = rng.random() < 0.8
+            return Op("H2D", (s, h, hv, g, gv, nb, self._via(nb, hv, gv, model.hst[h].dtype, model.dev[g].dtype)))
         if roll < 0.42 and empty:
             dtype = rng.choice((None, None) + DTYPES)
             hv = ("t",) if rng.random() < 0.3 else ("full",)
@@ -193,10 +234,15 @@ class Generator:
             hv, gv = random_view_pair(rng)
             # Mostly on D2H streams: that is where the worker takes the copy.
             s2 = rng.choice(d2h_streams) if rng.random() < 0.7 else s
-            return Op("D2H", (s2, rng.choice(live), gv, h, hv, rng.random() < 0.85))
+            g = rng.choice(live)
+            nb = rng.random() < 0.85
+            return Op("D2H", (s2, g, gv, h, hv, nb, self._via(nb, hv, gv, model.hst[h].dtype, model.dev[g].dtype)))
         if roll < 0.63 and live:
             s2 = rng.choice(d2h_streams) if rng.random() < 0.7 else s
-            return Op("D2H_FRESH", (s2, rng.choice(live), h, rng.random() < 0.85, rng.choice((None, None) + DTYPES)))
+            # A transposed source with another dtype: torch fills the result on the host (issue 27 item 2).
+            view = ("t",) if rng.random() < 0.3 else ("full",)
+            return Op("D2H_FRESH", (s2, rng.choice(live), h, rng.random() < 0.85, rng.choice((None, None) + DTYPES),
+                                    view))
         if roll < 0.68 and len(live) >= 2:
             g1, g2 = rng.sample(live, 2)
             v2, v1 = random_view_pair(rng)
@@ -233,6 +279,12 @@ class Generator:
         return None
 
 
-def program_for(seed: int, n_ops: tuple[int, int] = (10, 32)) -> ProgramSpec:
-    """The program of ``seed`` (the same on every machine and Python of the same version)."""
-    return Generator(seed, n_ops).program()
+CC_SHARE = 0.5  # the share of programs generated for the cc oracle
+
+
+def program_for(seed: int, n_ops: tuple[int, int] = (10, 32), oracle: str | None = None) -> ProgramSpec:
+    """The program of ``seed`` (the same on every machine and Python of the same version).
+
+    ``oracle``: "torch" or "cc" forces the oracle it is generated for (None: the seed decides, half each).
+    """
+    return Generator(seed, n_ops, oracle).program()

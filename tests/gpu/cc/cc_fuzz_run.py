@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from cc_fuzz import (DTYPES, N_DEV, N_EVENTS, N_HOST, SIDE, STREAMS, Op, ProgramSpec, apply_view, fresh_result_view,
-                     h2d_reads_host_now)
+from cc_fuzz import (DTYPES, N_DEV, N_EVENTS, N_HOST, SIDE, STREAMS, Op, ProgramSpec, apply_view,
+                     d2h_fresh_fills_on_host, fresh_result_view, h2d_reads_host_now)
 
 
 def digest(t: Any) -> str:
@@ -277,6 +277,8 @@ class Runner:
             self.host.append(b.pin(t) if spec.host_pinned[i] else t)
         self.dev = [b.to_device(values(gen, getattr(torch, spec.dev_dtypes[i]))) for i in range(N_DEV)]
         self.reads: list[str] = []
+        # The simulator plays CC without the shim for a cc-oracle program: every host<->device copy drains its stream.
+        self.cc_mode = spec.oracle == "cc"
         b.device_sync(0)  # the initial state is settled before the program starts (the model's INIT)
         for op in spec.ops:
             self._run(op)
@@ -314,15 +316,15 @@ class Runner:
             with b.current(a[0]):
                 b.launch(a[0], lambda: target.fill_(a[3]))
         elif k == "H2D":
-            s, h, hv, g, gv, nb = a
+            s, h, hv, g, gv, nb = a[:6]
             src = apply_view(self.host[h], hv)
             if self.b.simulated and h2d_reads_host_now(hv, gv, nb, str(self.host[h].dtype)[6:],
                                                            str(self.dev[g].dtype)[6:]):
                 src = src.clone()  # as torch does, the host is read now (see h2d_reads_host_now)
-            self._copy(s, apply_view(self.dev[g], gv), src, nb)
+            self._copy(s, apply_view(self.dev[g], gv), src, nb, a[6] if len(a) > 6 else "copy_")
         elif k == "D2H":
-            s, g, gv, h, hv, nb = a
-            self._copy(s, apply_view(self.host[h], hv), apply_view(self.dev[g], gv), nb)
+            s, g, gv, h, hv, nb = a[:6]
+            self._copy(s, apply_view(self.host[h], hv), apply_view(self.dev[g], gv), nb, a[6] if len(a) > 6 else "copy_")
         elif k == "D2D":
             s, g1, v1, g2, v2, nb = a
             dst, src = apply_view(self.dev[g2], v2), apply_view(self.dev[g1], v1)
@@ -379,15 +381,21 @@ class Runner:
         else:
             raise ValueError(f"unknown op kind {k!r}")
 
-    def _copy(self, s: str, dst: Any, src: Any, nb: bool) -> None:
-        """A host<->device copy on ``s``."""
+    def _copy(self, s: str, dst: Any, src: Any, nb: bool, via: str = "copy_") -> None:
+        """A host<->device copy on ``s``, spelled ``via`` (``copy_``; blocking ``setitem`` or ``storage`` copies, which
+        torch runs in C++ without the patched ``copy_``: cc_fuzz_gen's ``_via``)."""
         b = self.b
         if not b.simulated:
-            b.launch(s, lambda: dst.copy_(src, non_blocking=nb))
+            if via == "setitem":
+                b.launch(s, lambda: dst.__setitem__(Ellipsis, src))
+            elif via == "storage":
+                b.launch(s, lambda: dst.untyped_storage().copy_(src.untyped_storage()))
+            else:
+                b.launch(s, lambda: dst.copy_(src, non_blocking=nb))
             return
         b.launch(s, lambda: dst.copy_(src))
-        if not nb:
-            b.stream_sync(s)  # torch's blocking copy: cudaMemcpyAsync then cudaStreamSynchronize
+        if not nb or self.cc_mode:
+            b.stream_sync(s)  # torch's blocking copy: cudaMemcpyAsync then cudaStreamSynchronize (and CC's copy)
 
     def _h2d_fresh(self, s: str, h: int, g: int, nb: bool, form: int, dtype: str | None, hv: tuple) -> None:
         torch, b = self.torch, self.b
@@ -400,6 +408,8 @@ class Runner:
                 src = src.clone()  # as torch does, the host is read now (see h2d_reads_host_now)
             target = out.t() if transposed_result else out  # the slot holds what the real run's slot holds
             b.launch(s, lambda: target.copy_(src))
+            if self.cc_mode and nb:
+                b.stream_sync(s)  # CC's copy returns once its stream has drained
             self.dev[g] = out
             return
         elif form == 3:
@@ -432,18 +442,24 @@ class Runner:
             value = b.launch(s, lambda: src.cpu() if form == 0 else src[0, 0].item() if form == 1 else src[0].tolist())
         sink.append(digest(value) if form == 0 else repr(value))
 
-    def _d2h_fresh(self, s: str, g: int, h: int, nb: bool, dtype: str | None) -> None:
-        torch, b, src = self.torch, self.b, self.dev[g]
+    def _d2h_fresh(self, s: str, g: int, h: int, nb: bool, dtype: str | None, view: tuple = ("full",)) -> None:
+        torch, b = self.torch, self.b
+        src = apply_view(self.dev[g], view)
         if b.simulated:
             out = torch.empty(tuple(src.shape), dtype=src.dtype if dtype is None else getattr(torch, dtype))
-            b.launch(s, lambda: out.copy_(src))
-            if not nb:
-                b.stream_sync(s)
+            target = out.t() if view == ("t",) else out  # the slot holds what the real run's slot holds
+            b.launch(s, lambda: target.copy_(src))
+            if not nb or self.cc_mode or d2h_fresh_fills_on_host(view, nb, str(src.dtype)[6:], dtype):
+                b.stream_sync(s)  # blocking, CC's drain, or torch's pageable temporary (the host waits for it)
+            self.host[h] = out
+            return
         elif dtype is None:
             out = b.launch(s, lambda: src.to("cpu", non_blocking=nb))
         else:
             out = b.launch(s, lambda: src.to("cpu", dtype=getattr(torch, dtype), non_blocking=nb))
-        self.host[h] = out
+        # A transposed source gives a transposed result; the slot keeps its transpose, a contiguous view of the same
+        # memory holding dev[g]'s values, so later views of the slot stay SIDE x SIDE (as for H2D_FRESH).
+        self.host[h] = out.t() if view == ("t",) else out
 
     def _run_thread(self, op: Op) -> None:
         if self.b.simulated:  # the simulator is single-threaded; the order is the same

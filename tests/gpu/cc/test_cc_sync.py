@@ -63,16 +63,16 @@ def test_d2h_on_registered_stream_returns_before_data_is_ready(emulated_cc, cycl
 
 @pytest.mark.parametrize("kind", ["cuda", "torch"])
 def test_event_synchronize_and_query_cover_pending_d2h(emulated_cc, cycles_per_ms, kind):
-    """An event recorded on the D2H stream after the copy covers it; one on an unrelated idle stream does not.
-
-    torch orders an event on another stream after the copy only through a wait on the D2H stream (which
-    syncless turns into a host wait), so the idle event is done at once, as it is without syncless.
-    """
+    """An event recorded on the D2H stream after the copy covers it; so does one on an unrelated idle stream
+    (the seed's any-event rule: under CC without the shim the copy had finished at its call), while one recorded
+    on that idle stream before the copy's call is done at once, as it is without syncless."""
     import torch
 
+    before, _ = _idle_event(kind)
     out, expected, _ = _pending_d2h(emulated_cc, cycles_per_ms)
+    assert before.query() is True
     idle, _ = _idle_event(kind)
-    assert idle.query() is True
+    assert idle.query() is False  # recorded after the copy's call: it covers the copy
     d2h = _pending_d2h.last_stream
     event = torch.cuda.Event() if kind == "cuda" else torch.Event(device="cuda")
     event.record(d2h)

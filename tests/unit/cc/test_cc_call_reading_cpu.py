@@ -94,8 +94,8 @@ def test_event_record_stamps_only_forms_torch_reads(monkeypatch):
     from syncless.cc import _d2h
 
     d2h = object()
-    monkeypatch.setattr(_d2h, "_streams_by_key", {(0, 1): _FakeRecord()})
-    monkeypatch.setattr(_d2h, "lookup", lambda stream: _FakeRecord() if stream is d2h else None)
+    monkeypatch.setattr(_d2h, "_PENDING", [1])  # a copy is pending: every event recorded now covers it
+    monkeypatch.setattr(_d2h, "_COVER", [((_FakeRecord.worker, 5),)])
     passed_on = []
     record = _sync_patches._wrap_event_record(lambda *args, **kwargs: passed_on.append((args, kwargs)))
 
@@ -108,7 +108,7 @@ def test_event_record_stamps_only_forms_torch_reads(monkeypatch):
         event = an_event()
         record(event, *args, **kwargs)
         assert passed_on[-1] == ((event, *args), kwargs)  # untouched
-        expected = (_FakeRecord.worker, 5) if (args, kwargs) in understood else None
+        expected = ((_FakeRecord.worker, 5),) if (args, kwargs) in understood else None
         assert getattr(event, _sync_patches._MARK, None) == expected
 
 

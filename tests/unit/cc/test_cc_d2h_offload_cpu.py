@@ -35,6 +35,14 @@ class _Ready:
         self.name = f"R{_Ready.count}"
 
 
+@pytest.fixture(autouse=True)
+def _offloading_open():
+    """These tests call the offload directly, without ``install()``, which is what opens it after an uninstall."""
+    _d2h.resume_offloading()
+    yield
+    _d2h.resume_offloading()
+
+
 @pytest.fixture
 def gpu_calls(monkeypatch):
     """Replace the thin CUDA helpers by recorders; return the shared log."""
@@ -104,7 +112,7 @@ def test_the_copy_reads_the_source_as_it_was_at_the_call(gpu_calls, monkeypatch)
 def test_no_room_for_the_snapshot_offloads_nothing(gpu_calls, monkeypatch):
     log, worker = gpu_calls
 
-    def no_room(src):
+    def no_room(src, dst):
         raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
 
     monkeypatch.setattr(_d2h, "snapshot", no_room)
@@ -113,10 +121,15 @@ def test_no_room_for_the_snapshot_offloads_nothing(gpu_calls, monkeypatch):
     assert worker.submitted == 0 and record.last_job == 0 and log == []  # the caller runs torch's own copy
 
 
-def test_failed_copy_surfaces_and_still_counts_as_finished(gpu_calls):
+def test_failed_copy_surfaces_and_still_counts_as_finished(gpu_calls, monkeypatch):
     log, worker = gpu_calls
+
+    def driver_fails(stream):
+        raise RuntimeError("cuStreamSynchronize failed (stand-in)")
+
+    monkeypatch.setattr(_streams, "wait_stream_raw", driver_fails)  # the worker's wait for its copy fails
     record = _d2h_stream()
-    seq = _d2h.offload(record, torch.empty(3), torch.randn(5), "bad copy")  # the worker's copy_ raises
+    seq = _d2h.offload(record, torch.empty(5), torch.randn(5), "bad copy")
     with pytest.raises(D2HCopyError, match="bad copy"):
         worker.wait_and_raise(seq, timeout_s=5.0)
     assert not worker.is_pending(seq)  # a host wait ordered after it never hangs
@@ -154,11 +167,8 @@ def test_waiting_on_an_event_stamped_by_a_d2h_stream_waits_for_its_copies(gpu_ca
     monkeypatch.setattr(_streams, "wait_event_raw", lambda event: hold.wait(5))  # the copy's producer still runs
     seq = _d2h.offload(record, torch.empty(4), torch.randn(4), "copy")
     event = SimpleNamespace()
-    _sync_patches._mark(event, record.stream)
-    assert getattr(event, _sync_patches._MARK) == (record.worker, seq)
-    plain = SimpleNamespace()
-    _sync_patches._mark(plain, SimpleNamespace(name="P"))  # an ordinary stream: no stamp
-    assert getattr(plain, _sync_patches._MARK, None) is None
+    _sync_patches._mark(event)  # recorded (on any stream) after the copy's call
+    assert getattr(event, _sync_patches._MARK) == ((record.worker, seq),)
     released = threading.Timer(0.2, hold.set)
     released.start()
     _sync_patches._wait_before_gpu_wait(event)  # P.wait_event(e) / P.wait_stream(D): the host waits first
@@ -173,14 +183,14 @@ def test_new_d2h_stream_without_cuda_is_a_clear_error(monkeypatch):
 
 
 _SOURCES_4D = ["contiguous", "channels_last", "channels_last slice", "channels_last, one channel"]
+_SOURCES_2D = ["transposed", "column transposed", "empty"]
 
 
-# channels_last is asked of the 4-dim sources only (torch refuses it for other ranks): no skipped cases.
-@pytest.mark.parametrize("source, memory_format", [
+@pytest.mark.parametrize(("source", "memory_format"), [
     (source, memory_format)
-    for source in [*_SOURCES_4D, "transposed", "column transposed", "empty"]
-    for memory_format in [None, torch.preserve_format, torch.contiguous_format, torch.channels_last]
-    if memory_format is not torch.channels_last or source in _SOURCES_4D
+    for source in _SOURCES_4D + _SOURCES_2D
+    for memory_format in (None, torch.preserve_format, torch.contiguous_format, torch.channels_last)
+    if memory_format is not torch.channels_last or source in _SOURCES_4D  # channels_last asks for 4 dims
 ])
 def test_an_offloaded_to_result_has_torchs_layout_and_is_pinned(monkeypatch, source, memory_format):
     """``x.to("cpu", non_blocking=True)``'s result: the strides torch's own copy gives, in pinned memory.
@@ -209,8 +219,6 @@ def test_an_offloaded_to_result_has_torchs_layout_and_is_pinned(monkeypatch, sou
         "column transposed": torch.randn(1, 6).t(),
         "empty": torch.randn(0, 3).t(),
     }[source]
-    if memory_format is torch.channels_last and x.dim() != 4:
-        raise ValueError(f"{source!r} has {x.dim()} dims; channels_last is only asked of the 4-dim sources")
     kwargs = {} if memory_format is None else {"memory_format": memory_format}
     result = _d2h.pinned_like(x, torch.float64, memory_format)
     expected = x.to("meta", torch.float64, **kwargs)  # torch's own _to_copy layout
@@ -296,3 +304,289 @@ def test_a_conjugate_view_destination_gets_torchs_values(gpu_calls):
     seq = _d2h.offload(_d2h_stream(), view, src, "copy")
     worker.wait_and_raise(seq, timeout_s=5.0)
     assert torch.equal(view, src) and torch.equal(host, src.conj())
+
+
+
+class _Sync:
+    """The patched torch.cuda.Event record/synchronize/query/wait, over stand-in events whose GPU side is done.
+
+    Made while ``gpu_calls`` has replaced torch.cuda.Event by ``_Ready``, so the wrappers take ``_Ready`` events.
+    """
+
+    def __init__(self):
+        from syncless.cc import _sync_patches
+
+        self.record = _sync_patches._wrap_event_record(lambda event, stream=None: None)
+        self.synchronize = _sync_patches._wrap_event_synchronize(lambda event: None)
+        self.query = _sync_patches._wrap_event_query(lambda event: True)
+        self.gpu_waits = []
+        self.wait = _sync_patches._wrap_event_wait(lambda event, stream=None: self.gpu_waits.append(stream))
+
+
+@pytest.mark.parametrize("how", ["synchronize", "query", "wait"])
+def test_an_event_recorded_on_an_ordinary_stream_after_the_copy_covers_it(gpu_calls, monkeypatch, how):
+    """Issue 24 item 3: the seed's rule. An event recorded on any stream after an offloaded copy's call covers the
+    copy at synchronize, query and a wait on it (under CC without the shim the copy had finished at the call).
+    Before the fix only events recorded on the D2H stream were stamped, and this one returned before the copy."""
+    log, worker = gpu_calls
+    hold = threading.Event()
+    monkeypatch.setattr(_streams, "wait_event_raw", lambda event: hold.wait(5))  # the copy's producer still runs
+    record = _d2h_stream()
+    monkeypatch.setattr(_d2h, "_streams_by_key", {(0, 7): record})
+    sync = _Sync()
+    dst, src = torch.full((16,), float("nan")), torch.randn(16)
+    seq = _d2h.offload(record, dst, src, "copy")
+    event = _Ready()
+    sync.record(event, SimpleNamespace(name="S0"))  # an ordinary stream, after the copy's call
+    if how == "query":
+        assert sync.query(event) is False  # the copy is not done: the event must not say it is
+        hold.set()
+        worker.wait_for(seq, timeout_s=5.0)
+        assert sync.query(event) is True and torch.equal(dst, src)
+        return
+    releaser = threading.Timer(0.2, hold.set)
+    releaser.start()
+    if how == "synchronize":
+        sync.synchronize(event)
+    else:
+        sync.wait(event, "P")  # P.wait_event(e): the host waits for the copy before the GPU wait
+        assert sync.gpu_waits == ["P"]
+    assert not worker.is_pending(seq) and torch.equal(dst, src)
+    releaser.join()
+
+
+def test_an_event_recorded_before_the_copy_does_not_wait_for_it(gpu_calls, monkeypatch):
+    """Only copies issued before the record are covered: an older event stays torch's own."""
+    log, worker = gpu_calls
+    hold = threading.Event()
+    monkeypatch.setattr(_streams, "wait_event_raw", lambda event: hold.wait(5))
+    record = _d2h_stream()
+    monkeypatch.setattr(_d2h, "_streams_by_key", {(0, 7): record})
+    sync = _Sync()
+    event = _Ready()
+    sync.record(event, SimpleNamespace(name="S0"))
+    try:
+        seq = _d2h.offload(record, torch.empty(4), torch.randn(4), "copy")
+        assert sync.query(event) is True  # recorded before the copy's call
+        sync.synchronize(event)
+        assert worker.is_pending(seq)
+    finally:
+        hold.set()
+
+
+def test_an_offload_racing_uninstall_is_refused_even_after_uninstall_returns(gpu_calls, monkeypatch):
+    """Issue 27 item 3: a thread inside a wrapper, held in the pinned allocation while uninstall() ran from start to
+    end, used to submit its job afterwards (uninstall cleared the closing flag again); torch's own synchronizes were
+    back by then and none covered the job. Now offloading stays refused until the next install()."""
+    log, worker = gpu_calls
+    entered, release = threading.Event(), threading.Event()
+    real_snapshot = _d2h.snapshot
+
+    def held_snapshot(src, dst):
+        entered.set()
+        release.wait(5)  # "blocked in the pinned allocation"
+        return real_snapshot(src, dst)
+
+    monkeypatch.setattr(_d2h, "snapshot", held_snapshot)
+    results = []
+    caller = threading.Thread(target=lambda: results.append(
+        _d2h.offload(_d2h_stream(), torch.empty(4), torch.randn(4), "copy")))
+    caller.start()
+    assert entered.wait(5)
+    cc.uninstall(timeout_s=5.0)  # the whole of it, while the caller is held
+    release.set()
+    caller.join(5)
+    assert results == [0] and worker.submitted == 0  # declined: the caller runs torch's own copy
+
+
+def test_an_offload_after_the_worker_shut_down_at_exit_is_torchs_own_copy(gpu_calls):
+    """Issue 27 item 5: atexit runs the last registered first, so a D2H in an atexit handler registered before the
+    worker's ran after the worker's shutdown, and Tensor.to raised "...shut down" where torch would copy."""
+    log, worker = gpu_calls
+    worker.shutdown(1.0)
+    assert _d2h.offload(_d2h_stream(), torch.empty(4), torch.randn(4), "copy") == 0
+    assert worker.submitted == 0
+
+
+def test_a_capture_begins_after_the_queued_copies_and_nothing_is_offloaded_while_it_is_open(gpu_calls, monkeypatch):
+    """Issue 27 item 7: jobs pending at a direct ``CUDAGraph.capture_begin()``, or an offload while another thread
+    (or the capturing one, on a D2H stream outside the capture) captures, made the worker synchronize during a global
+    capture, which invalidates it. Now capture_begin first waits for the queued copies, and while any capture is
+    open no copy is offloaded (the caller runs torch's own) and the emulator makes no wait."""
+    from syncless.cc import _sync_patches
+
+    log, worker = gpu_calls
+    hold = threading.Event()
+    monkeypatch.setattr(_streams, "wait_event_raw", lambda event: hold.wait(5))
+    record = _d2h_stream()
+    monkeypatch.setattr(_d2h, "_streams_by_key", {(0, 7): record})
+    seq = _d2h.offload(record, torch.empty(4), torch.randn(4), "copy")
+    began = []
+    begin = _sync_patches._wrap_capture_begin(lambda graph: began.append(worker.is_pending(seq)))
+    end = _sync_patches._wrap_capture_end(lambda graph: None)
+    graph = object()
+    releaser = threading.Timer(0.2, hold.set)
+    releaser.start()
+    try:
+        begin(graph)
+        assert began == [False]  # the capture began only once the queued copy was done
+        assert _streams.any_current_capture(0)  # a capture is open (on any thread): the shim leaves copies alone
+        assert _d2h.offload(record, torch.empty(4), torch.randn(4), "copy") == 0
+        end(graph)
+        assert not _streams.CAPTURES[0]
+        assert _d2h.offload(record, torch.empty(4), torch.randn(4), "copy") == seq + 1
+    finally:
+        releaser.join()
+        _streams.forget_captures()
+
+
+@pytest.mark.parametrize("via", ["setitem", "new_tensor", "storage_copy"])
+def test_a_copy_that_bypasses_the_wrappers_on_a_d2h_stream_waits_for_its_offloaded_copies(gpu_calls, monkeypatch,
+                                                                                           via):
+    """Issue 27 item 1: ``h.copy_(a, non_blocking=True); h[:] = b`` on a D2H stream. torch runs ``h[:] = b`` in
+    D's order after the first copy, so h is b; with the shim the worker wrote a later (``h[:] = b`` goes through
+    torch's C++ copy, not the patched ``copy_``). It now waits for D's offloaded copies first."""
+    from syncless.cc import _bypass
+
+    log, worker = gpu_calls
+    hold = threading.Event()
+    monkeypatch.setattr(_streams, "wait_event_raw", lambda event: hold.wait(5))  # the first copy is late
+    stream = SimpleNamespace(name="D", device=torch.device("cuda", 0), cuda_stream=7)
+    record = _d2h._D2HStream(stream)
+    monkeypatch.setattr(_d2h, "_streams_by_key", {(0, 7): record})
+    monkeypatch.setattr(_streams, "current_stream", lambda index: stream)  # D is current
+    monkeypatch.setattr(_bypass, "_crosses", lambda a, b: True)  # "b is on the GPU" (a CPU build has no GPU)
+    a, b = torch.randn(64), torch.randn(64)
+    h = torch.full((64,), float("nan"))
+    _d2h.offload(record, h, a, "h.copy_(a, non_blocking=True)")
+    releaser = threading.Timer(0.2, hold.set)
+    releaser.start()
+    if via == "setitem":
+        _bypass._wrap_setitem(torch.Tensor.__setitem__)(h, slice(None), b)
+    elif via == "new_tensor":
+        made = _bypass._wrap_settling(torch.Tensor.new_tensor)(b, h)  # reads h: after the first copy wrote it
+        assert torch.equal(made, a)
+        h.copy_(b)
+    else:
+        _bypass._wrap_settling(torch.UntypedStorage.copy_)(h.untyped_storage(), b.untyped_storage())
+    releaser.join()
+    worker.wait_for(worker.submitted, timeout_s=5.0)
+    assert torch.equal(h, b), "the offloaded copy landed after the later copy"
+    from syncless.cc._stats import COUNTERS
+    assert COUNTERS.snapshot().bypass_waits >= 1
+
+
+def test_an_assignment_that_stays_on_one_side_never_waits():
+    from syncless.cc import _bypass
+
+    assert not _bypass._crosses(torch.zeros(2), torch.ones(2))
+    assert not _bypass._crosses(torch.zeros(2), 1.0)
+
+
+def test_a_d2h_stream_can_be_closed_and_gives_back_what_it_held(gpu_calls, monkeypatch):
+    """Issue 27 item 8: each new_d2h_stream() kept a stream, a context retain, an OS thread and an atexit entry
+    forever; one per request grew without bound. close_d2h_stream() waits for its copies and releases them all."""
+    import atexit
+
+    log, worker = gpu_calls
+    made = SimpleNamespace(name="D", device=torch.device("cuda", 0), cuda_stream=31)
+    destroyed, unregistered = [], []
+    monkeypatch.setattr(_d2h, "_require_cuda", lambda: None)
+    monkeypatch.setattr(_streams, "device_index", lambda device: 0)
+    copy_stream = SimpleNamespace(name="W'", device=torch.device("cuda", 0), cuda_stream=32)
+    created = iter([made, copy_stream])
+    monkeypatch.setattr(_streams, "create_private_stream", lambda index: next(created))
+    monkeypatch.setattr(_streams, "destroy_private_stream", destroyed.append)
+    monkeypatch.setattr(_streams, "current_stream", lambda index: SimpleNamespace(cuda_stream=1))
+    real_unregister = atexit.unregister
+    monkeypatch.setattr(atexit, "unregister", lambda fn: (unregistered.append(fn), real_unregister(fn)))
+    monkeypatch.setattr(_d2h, "_streams_by_key", {})
+    stream = cc.new_d2h_stream()
+    record = _d2h.lookup(stream)
+    hold = threading.Event()
+    monkeypatch.setattr(_streams, "wait_event_raw", lambda event: hold.wait(5))
+    dst, src = torch.full((8,), float("nan")), torch.randn(8)
+    seq = _d2h.offload(record, dst, src, "copy")
+    assert worker._thread.is_alive()
+    releaser = threading.Timer(0.2, hold.set)
+    releaser.start()
+    cc.close_d2h_stream(stream)
+    releaser.join()
+    assert not worker.is_pending(seq) and torch.equal(dst, src)  # its copies finished first
+    assert not cc.is_d2h_stream(stream) and destroyed == [made, copy_stream]
+    assert not worker._thread.is_alive() and worker.shutdown in unregistered
+    assert _d2h.offload(record, torch.empty(4), torch.randn(4), "copy") == 0  # a late caller: torch's own copy
+    with pytest.raises(ValueError, match="not an open stream"):
+        cc.close_d2h_stream(stream)
+
+
+def test_closing_the_current_d2h_stream_is_refused(monkeypatch):
+    stream = SimpleNamespace(device=torch.device("cuda", 0), cuda_stream=41)
+    monkeypatch.setattr(_d2h, "_streams_by_key", {(0, 41): _d2h._D2HStream(stream)})
+    monkeypatch.setattr(_streams, "current_stream", lambda index: stream)
+    with pytest.raises(ValueError, match="is the current stream"):
+        cc.close_d2h_stream(stream)
+    with pytest.raises(TypeError, match="timeout_s"):
+        cc.close_d2h_stream(stream, timeout_s="x")
+
+
+@pytest.mark.parametrize("kind", ["conj", "neg", "conj+neg"])
+def test_a_conjugate_or_negative_destination_gets_torchs_values_and_one_version_bump(gpu_calls, kind):
+    """docs/cc.md review: such a destination was written through itself, so its version was bumped twice (at the
+    call, and by the worker's write); torch bumps it once."""
+    log, worker = gpu_calls
+    host = torch.zeros(8, dtype=torch.complex64)
+    view = host
+    if "conj" in kind:
+        view = view.conj()
+    if "neg" in kind:
+        view = torch._neg_view(view)
+    src = torch.randn(8, dtype=torch.complex64)
+    expected_host = host.clone()
+    expected_view = expected_host.conj() if "conj" in kind else expected_host
+    if "neg" in kind:
+        expected_view = torch._neg_view(expected_view)
+    expected_view.copy_(src)  # torch's own copy into the same kind of view
+    before = view._version
+    seq = _d2h.offload(_d2h_stream(), view, src, "copy")
+    worker.wait_and_raise(seq, timeout_s=5.0)
+    assert torch.equal(host, expected_host) and torch.equal(view.resolve_conj().resolve_neg(), src)
+    assert view._version == before + 1
+
+
+def test_each_d2h_stream_copies_on_a_stream_of_its_own(gpu_calls, monkeypatch):
+    """docs/cc.md review: one worker stream per GPU was shared by every worker, so a job's wait for its copy (and
+    under CC the driver's copy) waited for other D2H streams' transfers too."""
+    log, worker = gpu_calls
+    made = iter([SimpleNamespace(name=name, device=torch.device("cuda", 0), cuda_stream=number)
+                 for number, name in enumerate(["D", "W-D", "E", "W-E"], 50)])
+    monkeypatch.setattr(_d2h, "_require_cuda", lambda: None)
+    monkeypatch.setattr(_streams, "device_index", lambda device: 0)
+    monkeypatch.setattr(_streams, "create_private_stream", lambda index: next(made))
+    monkeypatch.setattr(_d2h, "_streams_by_key", {})
+    for stream in (cc.new_d2h_stream(), cc.new_d2h_stream()):
+        seq = _d2h.offload(_d2h.lookup(stream), torch.empty(4), torch.randn(4), "copy")
+        worker.wait_and_raise(seq, timeout_s=5.0)
+    assert [entry for entry in log if entry[0] == "worker drains"] == [("worker drains", "W-D"),
+                                                                        ("worker drains", "W-E")]
+
+
+def test_the_snapshot_is_converted_and_broadcast_on_the_d2h_stream(gpu_calls, monkeypatch):
+    """Issue 27 item 4's realistic cause: the worker converted a bf16 source to fp32 itself, and a GPU temporary
+    that found no room failed the copy late. The snapshot now has the destination's dtype and layout (its
+    allocation is the one the no-room fallback covers), so the worker's copy is one plain block."""
+    log, worker = gpu_calls
+    copied = []
+    real_make_job = _d2h.make_job
+
+    def spy(index, ready, dst, src, copy_stream=None):
+        copied.append((src.dtype, tuple(src.shape), src.stride()))
+        return real_make_job(index, ready, dst, src, copy_stream)
+
+    monkeypatch.setattr(_d2h, "make_job", spy)
+    dst = torch.full((4, 8), float("nan"))
+    src = torch.randn(8).to(torch.bfloat16)  # broadcast over the rows, converted to fp32
+    seq = _d2h.offload(_d2h_stream(), dst, src, "copy")
+    worker.wait_and_raise(seq, timeout_s=5.0)
+    assert copied == [(torch.float32, (4, 8), (8, 1))]
+    assert torch.equal(dst, src.float().expand(4, 8))

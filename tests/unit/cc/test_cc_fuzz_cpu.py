@@ -231,3 +231,81 @@ def test_model_reads_a_fresh_h2ds_host_source_when_the_shim_does(monkeypatch):
                     if model != shim:
                         differ.append((hv, form, host_dtype, dtype, model))
     assert not differ, differ[:5]
+
+
+def _d2h_then(ops_after, oracle="cc"):
+    spec = _spec([Op("D2H", ("D2", 0, ("full",), 0, ("full",), True))] + ops_after + [Op("DEVICE_SYNC", (0,))])
+    spec.oracle = oracle
+    return spec
+
+
+@pytest.mark.parametrize("cover", [
+    [Op("RECORD", (0, "S0", 0)), Op("EVENT_SYNC", (0,))],           # any stream's event recorded after the copy
+    [Op("RECORD", (1, "S1", 2)), Op("EVENT_SPIN", (1,))],
+    [Op("RECORD", (0, "S1", 1)), Op("WAIT_EVENT", ("S0", 0, 0))],    # a wait on it
+    [Op("WAIT_STREAM", ("S0", "S1"))],                              # records one on S1 and waits on it
+    [Op("STREAM_SYNC", ("S0",))], [Op("STREAM_SYNC", ("D2",))], [Op("DEVICE_SYNC", (0,))],
+])
+def test_cc_model_orders_a_host_read_of_an_offloaded_copy_after_any_covering_call(cover):
+    """The cc oracle (CC without the shim): a host read of a D2H stream's non_blocking result needs a call that
+    covers the copy by the seed's rule; any event recorded after the copy's call does, on any stream."""
+    assert not fuzz.is_legal(_d2h_then([Op("HOST_READ", (0, ("full",)))]))
+    assert fuzz.is_legal(_d2h_then(cover + [Op("HOST_READ", (0, ("full",)))])), cover
+
+
+@pytest.mark.parametrize("not_cover", [
+    [Op("STREAM_SYNC", ("D3",))],                                  # another D2H stream's synchronize
+    [Op("EVENT_QUERY", (0,))],
+])
+def test_cc_model_refuses_calls_that_do_not_cover_the_copy(not_cover):
+    spec = _spec([Op("RECORD", (0, "S0", 0)), Op("D2H", ("D2", 0, ("full",), 0, ("full",), True))] + not_cover
+                 + [Op("EVENT_SYNC", (0,)), Op("HOST_READ", (0, ("full",))), Op("DEVICE_SYNC", (0,))])
+    spec.oracle = "cc"
+    assert not fuzz.is_legal(spec)  # the event was recorded before the copy's call: it does not cover it
+
+
+def test_cc_model_lets_a_host_read_follow_an_ordinary_streams_copy_at_once():
+    """Under CC a non_blocking D2H on an ordinary stream has finished when its call returns (plain torch: a race)."""
+    ops = [Op("KERNEL", ("S0", 0, ("full",), 1, 0)), Op("D2H", ("S0", 0, ("full",), 0, ("full",), True)),
+           Op("HOST_READ", (0, ("full",))), Op("DEVICE_SYNC", (0,))]
+    spec = _spec(ops)
+    assert not fuzz.is_legal(spec)
+    spec.oracle = "cc"
+    assert fuzz.is_legal(spec)
+
+
+def test_both_oracles_get_programs_and_the_cc_ones_rely_on_cc():
+    """Half the programs are for each oracle, and many cc ones would race under plain torch: the second oracle
+    checks what the first cannot."""
+    specs = [program_for(seed) for seed in range(400)]
+    cc_specs = [s for s in specs if s.oracle == "cc"]
+    assert 120 < len(cc_specs) < 280
+    racy_under_torch = [s for s in cc_specs if not fuzz.is_legal(
+        fuzz.ProgramSpec(s.seed, s.host_pinned, s.host_dtypes, s.dev_dtypes, list(s.ops), "torch"))]
+    assert len(racy_under_torch) > len(cc_specs) // 5
+
+
+def test_the_transposed_converting_d2h_is_generated_and_read_at_once():
+    """Issue 27 item 2 in the generator: a transposed source to another dtype, whose result torch fills on the
+    host, so the model lets the host read it right after the call."""
+    spec = _spec([Op("D2H_FRESH", ("D2", 0, 1, True, "float64", ("t",))), Op("HOST_READ", (1, ("full",))),
+                  Op("DEVICE_SYNC", (0,))])
+    assert fuzz.is_legal(spec)
+    seen = [op for seed in range(400) for op in program_for(seed).ops if op.kind == "D2H_FRESH" and op.args[5] == ("t",)]
+    assert seen
+
+
+def test_the_generator_spells_blocking_copies_that_bypass_the_wrappers():
+    """Issue 27 item 1 in the generator: ``dst[...] = src`` and ``UntypedStorage.copy_``, both ways."""
+    seen = set()
+
+    def walk(ops):
+        for op in ops:
+            if op.kind in ("H2D", "D2H"):
+                seen.add((op.kind, op.args[6]))
+                assert op.args[6] == "copy_" or not op.args[5], op  # only blocking copies are spelled otherwise
+            walk(op.body)
+
+    for seed in range(3000):
+        walk(program_for(seed).ops)
+    assert {(k, via) for k in ("H2D", "D2H") for via in ("copy_", "setitem", "storage")} <= seen

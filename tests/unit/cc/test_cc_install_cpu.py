@@ -161,3 +161,60 @@ def test_install_refuses_bindings_that_hold_the_gil(monkeypatch):
     with pytest.raises(MissingDependencyError, match=r"cuda-bindings 12\.6\.0 is installed.*GIL"):
         cc.install("on")
     assert not cc.is_installed()
+
+
+@pytest.mark.parametrize("bad", ["x", None, [1.0], True])
+def test_uninstall_refuses_a_timeout_that_is_not_a_number(bad):
+    """Issue 28 item 9: ``cc.uninstall("x")`` raised "unsupported operand type(s) for +: 'float' and 'str'"."""
+    cc.install("on")
+    with pytest.raises(TypeError, match=r"uninstall\(timeout_s=\.\.\.\) must be a number of seconds"):
+        cc.uninstall(bad)
+    assert cc.is_installed()  # refused before anything was restored
+
+
+@pytest.mark.parametrize("bad", [-1, -0.5, float("nan")])
+def test_uninstall_refuses_a_negative_timeout(bad):
+    """Issue 28 item 9: ``cc.uninstall(-1)`` was accepted silently."""
+    cc.install("on")
+    with pytest.raises(ValueError, match=r"timeout_s=\.\.\.\) must be >= 0"):
+        cc.uninstall(bad)
+    assert cc.is_installed()
+    cc.uninstall(0)  # zero is a valid bound (nothing is queued)
+    assert not cc.is_installed()
+
+
+def test_emulate_without_cuda_patches_nothing_and_says_so(monkeypatch, caplog):
+    """Issue 28 item 9: on a CPU, ``cc.emulate()`` patched ``Tensor.to`` without the warning install("emulate") gives."""
+    from syncless._core import logs
+
+    monkeypatch.setattr(cc, "_cuda_available", lambda: False)
+    monkeypatch.setattr(logs, "_seen_keys", set())
+    before = _snapshot()
+    with caplog.at_level("WARNING", logger="syncless.cc"):
+        handle = cc.emulate()
+        with cc.emulate() as inner:
+            assert not inner.started
+    assert not handle.started and not cc.is_emulating()
+    assert all(_snapshot()[k] is before[k] for k in before)
+    assert "emulate() needs a CUDA GPU" in caplog.text and "torch.cuda.is_available() is False" in caplog.text
+    handle.stop()
+
+
+def test_install_without_cuda_bindings_says_so_at_install(monkeypatch):
+    """docs/cc.md says cuda-bindings is required: without it install() returned True, and the error came from
+    inside the first staged Tensor.to."""
+    from importlib import metadata
+
+    from syncless._core.errors import MissingDependencyError
+
+    real = metadata.version
+
+    def version(name):
+        if name == "cuda-bindings":
+            raise metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(metadata, "version", version)
+    with pytest.raises(MissingDependencyError, match=r"needs cuda-bindings >= 12\.9\.1.*pip install"):
+        cc.install("on")
+    assert not cc.is_installed()

@@ -40,24 +40,41 @@ def _one_d2h_stream(monkeypatch, last_job, worker=None):
     return d2h, record.worker
 
 
-def test_event_record_goes_to_the_stream_asked_for_and_only_a_d2h_stream_stamps_it(monkeypatch):
+@pytest.fixture
+def no_unraised_failures():
+    """No failure left by another test waits to be raised (it would keep every record stamping)."""
+    from syncless.cc import _worker
+
+    saved = _worker.UNRAISED[0]
+    _worker.UNRAISED[0] = 0
+    yield
+    _worker.UNRAISED[0] = saved
+
+
+def test_event_record_goes_to_the_stream_asked_for_and_any_stream_stamps_it(monkeypatch, no_unraised_failures):
+    """While a copy is pending, an event recorded on any stream covers it (the seed's rule, issue 24 item 3)."""
+    from syncless.cc import _d2h
+
     recorded_on = []
     record = _sync_patches._wrap_event_record(lambda event, stream=None: recorded_on.append(stream))
-    # seven copies submitted so far on D's worker, its last one from D is #5
     d2h, worker = _one_d2h_stream(monkeypatch, last_job=5, worker=_worker_with_submitted(7))
+    worker._completed = worker._settled = 4  # job 5 (D's last) is still pending
+    monkeypatch.setattr(_d2h, "_PENDING", [1])
+    monkeypatch.setattr(_d2h, "_COVER", [((worker, 7),)])
     other = object()
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: other)
     stamps = []
     for stream in (d2h, other, None):
         event = _a_cuda_event()
         record(event, stream)
         stamps.append(getattr(event, _sync_patches._MARK, None))
-    assert stamps == [(worker, 5), None, None]  # an ordinary stream is ordered after D's copies only through a wait
+    assert stamps == [((worker, 7),)] * 3  # an ordinary stream's event, and the current stream's, cover it too
     assert recorded_on == [d2h, other, None]  # nothing redirected: torch's own semantics
     event = _a_cuda_event()
-    record(event, d2h)
-    record(event, other)  # re-recorded on an ordinary stream: the old stamp goes
+    record(event, other)
+    monkeypatch.setattr(_d2h, "_PENDING", [0])
+    record(event, other)  # re-recorded once nothing is pending: the old stamp goes
     assert getattr(event, _sync_patches._MARK, None) is None
+    worker._completed = worker._settled = 7  # done: the teardown's uninstall finds nothing to wait for
 
 
 def test_torch_event_subclass_records_where_asked(monkeypatch):
@@ -67,12 +84,16 @@ def test_torch_event_subclass_records_where_asked(monkeypatch):
         def record(self, stream=None):
             seen.append(stream)
 
+    from syncless.cc import _d2h
+
     event_type = _sync_patches._wrap_torch_event(FakeTorchEvent)
     d2h, worker = _one_d2h_stream(monkeypatch, last_job=3)
+    monkeypatch.setattr(_d2h, "_PENDING", [1])
+    monkeypatch.setattr(_d2h, "_COVER", [((worker, 3),)])
     event = event_type()
     event.record(d2h)
     assert seen == [d2h]
-    assert getattr(event, _sync_patches._MARK) == (worker, 3)
+    assert getattr(event, _sync_patches._MARK) == ((worker, 3),)
 
 
 def test_ordering_goes_through_the_event_and_stream_methods_stay_torchs():
@@ -90,12 +111,46 @@ def test_a_wait_on_a_stamped_event_waits_on_the_host_before_the_gpu_wait(monkeyp
         def is_pending(self, seq):
             return seq == 4
 
-        def wait_for(self, seq, timeout_s=None):
+        def wait_and_raise(self, seq, timeout_s=None, any_thread=False):
             order.append(("host waits for job", seq))
 
     wait = _sync_patches._wrap_event_wait(lambda event, stream=None: order.append(("gpu wait", stream)))
     stamped, plain = _a_cuda_event(), _a_cuda_event()
-    setattr(stamped, _sync_patches._MARK, (Worker(), 4))
+    setattr(stamped, _sync_patches._MARK, ((Worker(), 4),))
     wait(stamped, "P")
     wait(plain, "P")
     assert order == [("host waits for job", 4), ("gpu wait", "P"), ("gpu wait", "P")]
+
+
+def _failed_worker():
+    """A worker whose job #1 failed on this thread (finished, its error not raised yet)."""
+    worker = OrderedWorker("test-failed")
+
+    def fail():
+        raise RuntimeError("bf16 temporary: out of memory (stand-in)")
+
+    worker.submit(fail, "copy")
+    worker.wait_for(1)
+    return worker
+
+
+@pytest.mark.parametrize("how", ["query", "wait", "synchronize"])
+def test_every_covering_call_on_the_issuing_thread_raises_a_failed_copy(how):
+    """Issue 27 item 4: ``query()`` said True for a failed job, and ``e.wait(P)`` / ``P.wait_event(e)`` waited with
+    errors kept back; each now raises the failure on the thread that issued the copy."""
+    from syncless.cc._worker import D2HCopyError
+
+    worker = _failed_worker()
+    try:
+        event = _a_cuda_event()
+        setattr(event, _sync_patches._MARK, ((worker, 1),))
+        call = {
+            "query": lambda: _sync_patches._wrap_event_query(lambda e: True)(event),
+            "wait": lambda: _sync_patches._wrap_event_wait(lambda e, stream=None: None)(event, "P"),
+            "synchronize": lambda: _sync_patches._wrap_event_synchronize(lambda e: None)(event),
+        }[how]
+        with pytest.raises(D2HCopyError, match="out of memory"):
+            call()
+        assert worker.failures_pending() == 0
+    finally:
+        worker.shutdown(5.0)

@@ -168,7 +168,10 @@ def test_settled_wait_does_not_take_the_lock(worker):
 
 
 def test_unraised_failure_still_takes_the_slow_path(worker):
-    worker.submit(_fail, "kept")                 # 1
+    # issued by a thread that has ended, so the waiting thread below raises it
+    threading_submit = threading.Thread(target=lambda: worker.submit(_fail, "kept"))  # 1
+    threading_submit.start()
+    threading_submit.join(10)
     ok = worker.submit(lambda: None)             # 2
     worker.wait_for(ok)
     early, raised = _wait_while_lock_is_held(worker, ok)
@@ -209,3 +212,109 @@ def test_a_waiter_wakes_when_its_job_finishes_not_at_its_next_poll(worker):
     gate.set()
     thread.join(20.0)
     assert woke and woke[0] - released < 15.0
+
+
+def _in_thread(fn):
+    """Run ``fn`` on a new host thread; return what it returned or raised."""
+    out = []
+
+    def run():
+        try:
+            out.append(("ok", fn()))
+        except BaseException as err:  # noqa: BLE001 - handed back to the test
+            out.append(("raised", err))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(10)
+    return out[0]
+
+
+def test_a_failure_reaches_the_issuing_threads_covering_call_not_an_unrelated_one(worker, caplog):
+    """Issue 27 item 4: an unrelated thread's torch.cuda.synchronize() (which covers every job) used to get thread
+    A's error and forget it, so A's own ``ready.synchronize()`` returned normally."""
+    issued = threading.Event()
+    finish = threading.Event()
+    seqs = []
+
+    def thread_a():
+        seqs.append(worker.submit(_fail, "A's copy"))
+        issued.set()
+        finish.wait(10)
+        worker.wait_and_raise(seqs[0])  # A's own covering call
+
+    a = threading.Thread(target=lambda: seqs.append(_in_thread_result(thread_a)))
+    a.start()
+    assert issued.wait(10)
+    worker.wait_for(seqs[0])
+    with caplog.at_level("WARNING", logger="syncless.cc._worker"):
+        worker.wait_and_raise(worker.submitted)  # an unrelated thread: waits, does not raise A's error
+        worker.wait_and_raise(worker.submitted)
+    assert caplog.text.count("A's copy (#1) failed") == 1  # said once, not silently
+    assert worker.failures_pending() == 1
+    finish.set()
+    a.join(10)
+    kind, err = seqs[1]
+    assert kind == "raised" and isinstance(err, D2HCopyError) and "A's copy" in str(err)
+    assert worker.failures_pending() == 0
+
+
+def _in_thread_result(fn):
+    try:
+        return ("ok", fn())
+    except BaseException as err:  # noqa: BLE001 - handed back to the test
+        return ("raised", err)
+
+
+def test_a_failure_of_a_thread_that_has_ended_is_raised_by_any_covering_call(worker):
+    seq = _in_thread(lambda: worker.submit(_fail, "orphan"))[1]
+    worker.wait_for(seq)
+    with pytest.raises(D2HCopyError, match="orphan"):
+        worker.wait_and_raise(seq)
+
+
+def test_uninstall_raises_every_threads_failure(worker):
+    """``drain`` (what ``uninstall()`` calls) raises whatever is left, whichever thread issued it."""
+    hold = threading.Event()
+    done = threading.Event()
+
+    def issue_and_stay():
+        worker.submit(_fail, "kept")
+        done.set()
+        hold.wait(10)
+
+    thread = threading.Thread(target=issue_and_stay)
+    thread.start()
+    try:
+        assert done.wait(10)
+        worker.wait_for(1)
+        worker.wait_and_raise(1)  # not this thread's
+        with pytest.raises(D2HCopyError, match="kept"):
+            worker.wait_and_raise(1, any_thread=True)
+    finally:
+        hold.set()
+        thread.join(10)
+
+
+def test_a_failed_jobs_error_lets_go_of_what_its_frames_held(worker):
+    """Issue 27 item 4: until it was raised, the error's traceback kept the snapshot and the pinned destination
+    alive (the frames of the wrappers the copy went through hold them)."""
+    import gc
+    import weakref
+
+    class Big:
+        pass
+
+    refs = []
+
+    def job():
+        big = Big()
+        refs.append(weakref.ref(big))
+        raise RuntimeError("out of memory (stand-in)")
+
+    seq = worker.submit(job, "copy")
+    worker.wait_for(seq)
+    gc.collect()
+    assert refs[0]() is None, "the failed job's locals are still alive"
+    with pytest.raises(D2HCopyError, match="out of memory"):
+        worker.wait_and_raise(seq)

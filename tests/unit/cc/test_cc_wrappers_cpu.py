@@ -197,3 +197,49 @@ def test_wrappers_restore_on_uninstall():
     assert all(torch.Tensor.__dict__.get(name) is not fn for name, fn in before.items())
     cc.uninstall()
     assert all(torch.Tensor.__dict__.get(name) is fn for name, fn in before.items())
+
+
+@pytest.mark.parametrize(("source", "dtype", "offloaded"), [
+    ("channels_last", torch.float32, False),  # torch fills the non-contiguous pinned result on the host
+    ("channels_last", None, True),            # same dtype and strides: one block, in stream order
+    ("contiguous", torch.float32, True),      # a contiguous result: converted on the GPU, then one block
+    ("transposed", torch.float32, False),
+])
+def test_a_to_whose_result_torch_fills_on_the_host_is_left_to_torch(monkeypatch, source, dtype, offloaded):
+    """Issue 27 item 2: ``x.to("cpu", dtype, non_blocking=True)`` of a channels_last bf16 source. torch copies
+    through a pageable contiguous temporary and fills the pinned result before returning; the shim offloaded it,
+    so a read right after the call saw what the worker had not yet written."""
+    from syncless.cc import _d2h, _routing
+
+    cc.install("on")
+    offloads = []
+    monkeypatch.setattr(_shim, "_decide", lambda *a, **k: (_routing.OFFLOAD, "", object()))  # "on a D2H stream"
+    monkeypatch.setattr(_d2h, "offload", lambda record, dst, src, what: offloads.append(dst) or 1)
+    real_empty_strided = torch.empty_strided
+    monkeypatch.setattr(torch, "empty_strided",
+                        lambda *a, pin_memory=False, **k: real_empty_strided(*a, **k))  # no pinned memory here
+    base = torch.randn(2, 3, 4, 5).to(torch.bfloat16)
+    x = {"channels_last": base.contiguous(memory_format=torch.channels_last), "contiguous": base,
+         "transposed": base[0, 0].t()}[source]
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    result = x.to("cpu", non_blocking=True, **kwargs)
+    assert bool(offloads) is offloaded
+    if not offloaded:
+        assert torch.equal(result, x.to(dtype or x.dtype)) and result.stride() == x.to("meta", **kwargs).stride()
+        assert cc.stats().left_alone.get("noncontiguous_target") == 1
+
+
+def test_a_quantized_tensors_d2h_is_left_to_torch(monkeypatch):
+    """Issue 27 item 6: a quantized CUDA tensor's ``.to("cpu", non_blocking=True)`` on a D2H stream was offloaded,
+    and the pinned ``empty_strided`` of a quantized dtype fails. It is torch's own copy now (reason ``layout``)."""
+    from syncless.cc import _routing, _streams
+
+    monkeypatch.setattr(_streams, "any_current_capture", lambda index: False)
+    monkeypatch.setattr(_shim, "_d2h_record", lambda src: object())  # "issued on a D2H stream"
+    q = torch.quantize_per_tensor(torch.randn(8), 0.1, 0, torch.qint8)
+    route, reason, _ = _shim._decide(q, "cpu", 0, into_existing=False, registered=False, dtype_changes=False,
+                                     autograd=False, src_type="cuda")
+    assert (route, reason) == (_routing.ORIGINAL, "layout")
+    plain = torch.randn(8)
+    assert _shim._decide(plain, "cpu", 0, into_existing=False, registered=False, dtype_changes=False,
+                         autograd=False, src_type="cuda")[0] == _routing.OFFLOAD
