@@ -315,6 +315,7 @@ def run(args: argparse.Namespace) -> int:
     syncs.set_mode("record")
     syncs.reset()
     restore: list[tuple[object, str, object]] = []
+    interrupted: _Interrupted | None = None
     try:
         sys.path.insert(0, target.path_entry)
         try:
@@ -335,7 +336,6 @@ def run(args: argparse.Namespace) -> int:
         except MissingDependencyError as err:
             print(f"syncless trace: error: {err}", file=sys.stderr)
             return 2
-        interrupted: _Interrupted | None = None
         try:
             status = _run_as_main(code, target, script_args)
         except _Interrupted as stop:
@@ -364,7 +364,14 @@ def run(args: argparse.Namespace) -> int:
         if not was_enabled or getattr(args, 'backend', None) is not None:
             syncs.disable()
         if getattr(args, 'backend', None) is not None:
-            syncs.set_backend(previous_backend)
-            if was_enabled:
-                syncs.enable()
+            try:
+                syncs.set_backend(previous_backend)
+            except RuntimeError:
+                if interrupted is None:
+                    raise
+                # Ctrl-C landed inside a region's own bookkeeping (enter or exit), which then never closed it. The
+                # script is over and the report printed; the exit status must still say "interrupted".
+            else:
+                if was_enabled:
+                    syncs.enable()
         syncs.set_mode(previous_mode)
