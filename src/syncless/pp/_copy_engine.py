@@ -177,7 +177,7 @@ from syncless.pp._base import Transport, refuse_graph_capture
 from syncless.pp._copy_engine_auto import AutoCalls
 from syncless.pp._copy_engine_end import CopyEngineEnding, release_dropped, write_release
 from syncless.pp._group import StageMap
-from syncless.pp._layout import Ring, StepCheck, dense_spans
+from syncless.pp._layout import Ring, StepCheck, dense_spans, received_views, rows_are_valid
 from syncless.pp._teardown import Teardown
 from syncless.pp._watchdog import Bracket, Watchdog
 
@@ -456,14 +456,19 @@ class CopyEngineTransport(AutoCalls, CopyEngineEnding, Transport):
                      spans: Any) -> tuple[list[torch.Tensor], list[tuple[int, int, int]]]:
         """``(dense, copies)`` of one step: ``(destination, source, nbytes)`` per tensor with bytes, in layout order.
 
-        A non-contiguous input becomes a contiguous temporary (a copy kernel on the current stream), kept
-        in ``dense`` until the caller has enqueued the copies.
+        A non-contiguous input, or a conjugate or negative view (whose bytes are not its values: torch
+        applies the flag lazily, and ``contiguous()`` returns such a view itself), becomes a temporary
+        with its values in memory (a copy kernel on the current stream), kept in ``dense`` until the
+        caller has enqueued the copies.
         """
         dense: list[torch.Tensor] = []
         copies: list[tuple[int, int, int]] = []
         for name, destination, (_, nbytes) in zip(self._send_names, destinations, spans):
             if nbytes:
-                tensor = tensors[name].contiguous()
+                tensor = tensors[name]
+                if tensor.is_conj() or tensor.is_neg():
+                    tensor = tensor.resolve_conj().resolve_neg()
+                tensor = tensor.contiguous()
                 dense.append(tensor)
                 copies.append((destination, tensor.data_ptr(), nbytes))
         return dense, copies
@@ -543,7 +548,7 @@ class CopyEngineTransport(AutoCalls, CopyEngineEnding, Transport):
     def _recv_enqueue(self, step: int, meta: tuple[int, ...]) -> dict[str, torch.Tensor]:
         layout = self._recv_layout
         rows = meta[1:]
-        if meta[0] != step or not all(0 <= r <= spec.max_rows for r, spec in zip(rows, layout.specs.values())):
+        if meta[0] != step or not rows_are_valid(rows, layout.specs):
             self._failure = TransportFailedError(
                 f"{self._recv_what.format(step)}: the peer's metadata {meta} does not match (protocol error)"
             )
@@ -587,5 +592,4 @@ class CopyEngineTransport(AutoCalls, CopyEngineEnding, Transport):
         self._last_recv_stream = stream
         self._watchdog.watch(Bracket(stream, pre, post, self._recv_what, step))
         self._recv_step = step
-        persistent = self._persistent
-        return {name: persistent[name][:count] for name, count in zip(self._recv_layout.specs, rows)}
+        return received_views(self._persistent, self._recv_layout.names, rows)

@@ -43,7 +43,7 @@ import torch
 
 from syncless._core.errors import PeerTimeoutError, TransportFailedError
 from syncless.pp._auto import AutoReceiver, AutoSender, PostedLog
-from syncless.pp._layout import dense_spans
+from syncless.pp._layout import dense_spans, rows_are_valid
 from syncless.pp._watchdog import Bracket
 
 _log = logging.getLogger(__name__)
@@ -234,9 +234,7 @@ class AutoCalls:
         """Check the step's metadata, then enqueue its path's half on the stream of its entry write."""
         layout = self._recv_layout
         path, rows = meta[1], meta[2:]
-        valid = meta[0] == step and path in (0, 1) and all(
-            0 <= r <= spec.max_rows for r, spec in zip(rows, layout.specs.values())
-        )
+        valid = meta[0] == step and path in (0, 1) and rows_are_valid(rows, layout.specs)
         direct = path == 1
         if not valid or (direct and not (self._direct_in and self._posted_step == step)):
             why = ("a direct step it may not send: this stage " + (

@@ -39,7 +39,7 @@ from syncless._core.errors import PeerTimeoutError, TransportFailedError
 from syncless.pp import _faults
 from syncless.pp._base import Transport, refuse_graph_capture
 from syncless.pp._group import StageMap, recv_meta
-from syncless.pp._layout import StepCheck, TensorSpec
+from syncless.pp._layout import StepCheck, TensorSpec, received_views, rows_are_valid
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ class TorchDistTransport(Transport):
         # The data first: an out-of-memory error or an interrupt here sends nothing and uses no step number.
         payloads = []
         for name, count in zip(self._send_specs, rows):
-            if count:
+            if count > 0:  # not 0 rows nor a key left out of the step (ABSENT)
                 source = tensors[name]
                 if self._stage_via_host:
                     payloads.append(source.to("cpu", copy=True).contiguous())
@@ -200,7 +200,7 @@ class TorchDistTransport(Transport):
                     f"{what}: interrupted while receiving its metadata ({err!r}); this transport is unusable")
             raise
         rows = dict(zip(names, meta[1:]))
-        if meta[0] != step or any(not 0 <= r <= self._recv_specs[n].max_rows for n, r in rows.items()):
+        if meta[0] != step or not rows_are_valid(meta[1:], self._recv_specs):
             self._failure = TransportFailedError(f"{what}: the peer's metadata {meta} does not match (protocol error)")
             raise self._failure
         try:
@@ -214,7 +214,7 @@ class TorchDistTransport(Transport):
     def _recv_data(self, step: int, what: str, names: list[str], rows: dict[str, int]) -> dict[str, torch.Tensor]:
         import torch.distributed as dist
 
-        targets = [self._persistent[n][: rows[n]] for n in names if rows[n]]
+        targets = [self._persistent[n][: rows[n]] for n in names if rows[n] > 0]
         if self._stage_via_host:
             landing = [torch.empty(t.shape, dtype=t.dtype) for t in targets]
         else:
@@ -233,7 +233,7 @@ class TorchDistTransport(Transport):
             for target, landed in zip(targets, landing):
                 target.copy_(landed)
         self._recv_step = step
-        return {n: self._persistent[n][: rows[n]] for n in names}
+        return received_views(self._persistent, names, [rows[n] for n in names])
 
     def _post(self, op: Any, tensors: list[torch.Tensor], peer: int) -> list[Any]:
         import torch.distributed as dist

@@ -254,7 +254,7 @@ def validation(rank, world, kind, backend, other_device=None):
             raise AssertionError("seed gives an empty step")
         h = good["hidden"]
         cases = [
-            ({k: v for k, v in good.items() if k != "ids"}, ValueError, "missing ['ids']"),
+            ({"hidden": h, "bogus2": h}, ValueError, "unknown ['bogus2']"),  # a subset is fine, a stranger not
             ({**good, "bogus": h}, ValueError, "unknown ['bogus']"),
             ({**good, "hidden": h.float()}, ValueError, "expected dtype torch.bfloat16, got torch.float32"),
             ({**good, "hidden": torch.zeros((2, 95), dtype=torch.bfloat16, device=device)}, ValueError,
@@ -287,6 +287,77 @@ def validation(rank, world, kind, backend, other_device=None):
     dist.barrier()
     transport.close()
     return messages
+
+
+SUBSET_SPEC = {"hidden": (torch.bfloat16, (96,)), "ids": (torch.int64, ()), "z": (torch.complex64, (3,))}
+
+
+def _subset_step(seed, step, max_rows, device):
+    """A random subset of SUBSET_SPEC's keys (empty and full included) with random rows; every third step
+    sends conjugate and negative views (whose raw bytes are not their values)."""
+    rng = random.Random(seed * 7919 + step)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed * 1_000_003 + step)
+    pick = rng.random()
+    names = [] if pick < 0.1 else list(SUBSET_SPEC) if pick < 0.2 else [n for n in SUBSET_SPEC if rng.random() < 0.5]
+    out = {}
+    for name in names:
+        dtype, row = SUBSET_SPEC[name]
+        shape = (rng.randint(0, max_rows), *row)
+        if dtype == torch.int64:
+            out[name] = torch.randint(-(2**40), 2**40, shape, generator=gen, device=device)
+        else:
+            out[name] = torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype) \
+                if dtype != torch.complex64 else torch.randn(shape, generator=gen, device=device, dtype=dtype)
+    if step % 3 == 0:
+        if "z" in out:
+            out["z"] = out["z"].conj() if step % 2 else torch._neg_view(out["z"])
+        if "hidden" in out:
+            out["hidden"] = torch._neg_view(out["hidden"])
+    return out
+
+
+def _value_bytes(t):
+    return t.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+
+
+def subset_steps(rank, world, kind, backend, depth, steps, max_rows=16, seed=77, timeout_s=30):
+    """Stage 0 sends random subsets of the keys (and conj/neg views); stage 1 must get exactly those keys,
+    bit-exact; returns the count of wrong steps and of each kind of step seen."""
+    device = _device(kind)
+    persistent = None
+    if rank == 1:
+        shapes = {n: ((max_rows, *row), dtype) for n, (dtype, row) in SUBSET_SPEC.items()}
+        if kind == "cuda" and depth in (0, "auto"):
+            from syncless.pp import alloc_persistent
+
+            persistent = alloc_persistent(shapes, device)
+        else:
+            persistent = {n: torch.empty(shape, dtype=dtype, device=device) for n, (shape, dtype) in shapes.items()}
+    transport = make_transport(None, persistent, backend=backend, depth=depth, timeout_s=timeout_s, device=device)
+    say(f"stage {rank}: {transport.backend} depth {depth!r}")
+    wrong, partial, empty = 0, 0, 0
+    for step in range(1, steps + 1):
+        data = _subset_step(seed, step, max_rows, device)
+        if rank == 0:
+            transport.send(data)
+            continue
+        for t in persistent.values():
+            t.view(torch.uint8).fill_(0xA5)
+        out = transport.recv()
+        if sorted(out) != sorted(data) or any(
+            out[n].shape != data[n].shape or not torch.equal(_value_bytes(out[n]), _value_bytes(data[n])) for n in data
+        ):
+            wrong += 1
+        partial += 0 < len(data) < len(SUBSET_SPEC)
+        empty += not data
+        if step % 50 == 0 or step == steps:
+            say(f"stage 1: {step}/{steps} steps, {wrong} wrong")
+    if kind == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()
+    transport.close()
+    return {"backend": transport.backend, "wrong": wrong, "partial": partial, "empty": empty, "steps": steps}
 
 
 def depth_checks(rank, world, kind):
