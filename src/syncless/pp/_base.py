@@ -49,12 +49,22 @@ class Transport(abc.ABC):
             this stage sends every step through a slot; None otherwise.
         direct_steps_sent: with the copy-engine transport and ``depth="auto"``, how many steps this
             stage sent straight into the next stage's persistent tensors; 0 otherwise.
+        depth: the ``depth`` every stage passed to ``make_transport`` (an int, or ``"auto"``). The
+            torch.distributed transport keeps the value but queues its sends in its backend.
+        auto_slots: with the copy-engine transport and ``depth="auto"``, the slots per link
+            (``SYNCLESS_PP_AUTO_SLOTS``); 0 otherwise.
+        batched_copies: whether send() issues a step's tensors as one batched copy-engine operation
+            (copy-engine transport only; False on the torch.distributed transport).
+        error, leaked_nbytes: the failure model's properties (below).
     """
 
     backend: str = ""
     fallback_reason: str | None = None
     direct_unavailable_reason: str | None = None
     direct_steps_sent: int = 0
+    depth: int | str = 2
+    auto_slots: int = 0
+    batched_copies: bool = False
     device: torch.device
     #: what every later call raises once set (a timeout, a failed step, abort()); set by the implementations
     _failure: BaseException | None = None

@@ -222,4 +222,5 @@ def make_transport(
         timeout_s=timeout,
         fallback_reason=fallback_reason,
         setup_leaked_nbytes=setup_leaked_nbytes,
+        depth=my_depth,
     )

@@ -80,8 +80,10 @@ class TorchDistTransport(Transport):
         timeout_s: float,
         fallback_reason: str | None,
         setup_leaked_nbytes: int = 0,
+        depth: int | str = 2,
     ):
         self.device = device
+        self.depth = depth  # agreed by every stage and kept for the caller; the backend queues the sends itself
         self.fallback_reason = fallback_reason
         self._setup_leaked_nbytes = setup_leaked_nbytes
         self._group = group
