@@ -76,6 +76,14 @@ class Transport(abc.ABC):
         """The error that made this transport unusable (raised again by every later call); None while healthy."""
         return self._failure
 
+    def _release_side_group(self) -> None:
+        """Destroy this transport's private gloo group (at the end of ``close()``; never in ``abort()``)."""
+        from syncless.pp._group import release_cpu_group
+
+        side = getattr(self, "_side_group", None)
+        self._side_group = None
+        release_cpu_group(side, self._stages.name())
+
     def _check_usable(self) -> None:
         """Raise the recorded failure, or :class:`~syncless.TransportClosedError` once closed or aborted."""
         if self._failure is not None:

@@ -25,8 +25,9 @@ recv(N):
 A receiver posts only while this process has no link *to* the process it receives
 from (``_auto``'s module docstring says why: a cycle through a slot wait). The
 links of this process are kept by the peer's process id, read from the metadata
-sockets; a link back makes both links slot-only at this end, and the peer, which
-sees the same pair the other way round, stops posting too.
+sockets (the torch.distributed transport's from set-up); every send link counts,
+whatever its backend or depth. A link back makes both links slot-only at this
+end, and the peer, which sees the same pair the other way round, stops posting too.
 """
 
 from __future__ import annotations
@@ -75,6 +76,16 @@ def _drop_link(table: collections.Counter, pid: int | None) -> None:
                 del table[pid]
 
 
+def record_send_link(owner: object, sends_to: int | None) -> weakref.finalize:
+    """Count a send link of this process to process ``sends_to`` for as long as ``owner`` lives (any backend,
+    any depth: an ``"auto"`` link that receives from that process must see it); return the finalizer that
+    drops it (``close()`` calls it)."""
+    _add_link(_sends_to, sends_to)
+    forget = weakref.finalize(owner, _forget, sends_to, None)
+    forget.atexit = False
+    return forget
+
+
 def links_back_to(pid: int | None) -> bool:
     """Whether this process also sends to ``pid`` (the process one of its auto links receives from).
 
@@ -97,11 +108,14 @@ class AutoCalls:
         self._auto_recv = None
         self.direct_steps_sent = 0
         self._receives_from_pid = None
-        if not auto:
-            return
         parts = self._parts
         stages = self._stages
         sends_to = parts.meta_out.peer_pid() if parts.meta_out is not None else None
+        if not auto:
+            # Every send link counts, whatever its depth: a fixed-depth link back to the process an "auto"
+            # link of this process receives from closes the same cycle through a slot wait (_auto).
+            self._forget_links = record_send_link(self, sends_to)
+            return
         receives_from = parts.meta_in.peer_pid() if parts.meta_in is not None else None
         _add_link(_sends_to, sends_to)
         _add_link(_receives_from, receives_from)

@@ -112,6 +112,7 @@ class CopyEngineEnding:
         if forget_links is not None:
             forget_links()
         if self._teardown.finished:
+            self._release_side_group()  # after an abort(), which leaves it: no process group in a signal handler
             return
         if self._teardown.running:  # called again from a signal handler that interrupted close() itself
             return
@@ -129,6 +130,8 @@ class CopyEngineEnding:
         if _faults.hook is not None:
             _faults.hook("close")
         self._finish(collective=True)
+        if self._teardown.finished:  # its barrier ran: the private gloo group is no longer needed
+            self._release_side_group()
 
     def abort(self) -> int:
         """Stop now, on this stage only; return the bytes kept by design (also :attr:`leaked_nbytes`).

@@ -38,6 +38,7 @@ import torch
 from syncless._core.errors import PeerTimeoutError, TransportFailedError
 from syncless.pp import _faults
 from syncless.pp._base import Transport, refuse_graph_capture
+from syncless.pp._copy_engine_auto import record_send_link
 from syncless.pp._group import StageMap, recv_meta
 from syncless.pp._layout import StepCheck, TensorSpec, received_views, rows_are_valid
 
@@ -81,6 +82,7 @@ class TorchDistTransport(Transport):
         fallback_reason: str | None,
         setup_leaked_nbytes: int = 0,
         depth: int | str = 2,
+        next_pid: int | None = None,
     ):
         self.device = device
         self.depth = depth  # agreed by every stage and kept for the caller; the backend queues the sends itself
@@ -113,6 +115,9 @@ class TorchDistTransport(Transport):
         # batch_isend_irecv must be the group's first P2P call on every rank when it is
         # the group's first collective; with exactly two ranks every rank takes part.
         self._batch = len(stages.ranks) == 2
+        # A depth="auto" copy-engine link of this process that receives from the next stage's process must
+        # know about this link back to it (_copy_engine_auto: a cycle through a slot wait).
+        self._forget_links = record_send_link(self, next_pid if send_specs is not None else None)
 
     def send(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Send one step to the next stage.
@@ -306,7 +311,7 @@ class TorchDistTransport(Transport):
         """Finish this stage's sends, then refuse further calls; never waits for the peer to call close().
 
         Blocks the host until every posted send completed (at most the
-        timeout each); after
+        timeout each), then destroys the transport's private gloo group; after
         a failure, or once one send did not complete, it waits for none (their
         buffers are dropped: the backend holds what it still needs). Local: no
         collective. Resumable: an interrupted close() is finished by the next.
@@ -323,6 +328,10 @@ class TorchDistTransport(Transport):
             self._drop_sent(works)
         if _faults.hook is not None:
             _faults.hook("close")
+        self._forget_links()
+        # Last: what was posted on it is done or dropped. Local (destroying a gloo group is no collective).
+        self._group = None
+        self._release_side_group()
 
     def abort(self) -> int:
         """Refuse every later call on this stage (local, no collective; waits for nothing); return :attr:`leaked_nbytes`.

@@ -746,3 +746,128 @@ def attributes(rank, world, depth, names):
     dist.barrier()
     transport.close()
     return {"class": type(transport).__name__, **values}
+
+
+def _refused(build, expect_type, words):
+    """Run ``build()``; return its error's message after checking its type, words and that it came at once."""
+    start = time.monotonic()
+    try:
+        build()
+    except expect_type as err:
+        took = time.monotonic() - start
+        if words not in str(err):
+            raise AssertionError(f"message {str(err)!r} lacks {words!r}") from err
+        if took > 3.0:
+            raise AssertionError(f"the refusal took {took:.1f} s (a peer timeout, not an agreed refusal?)") from err
+        return str(err)
+    raise AssertionError(f"make_transport accepted it ({words})")
+
+
+def mismatched_arguments(rank, world):
+    """Stages passing different arguments, or a malformed ``persistent``: the same clear error on every stage,
+    at once; a correct make_transport on the same group then works. Returns every message, in order."""
+    from syncless.pp import _make
+
+    cpu = torch.device("cpu")
+    max_rows = 8
+
+    def persistent():
+        return None if rank == 0 else _persistent(cpu, max_rows)
+
+    def build(**kwargs):
+        return lambda: make_transport(None, persistent(), **{"timeout_s": 20, **kwargs})
+
+    messages = []
+    say(f"rank {rank}: backend")
+    messages.append(_refused(build(backend="auto" if rank == 0 else "torch_distributed"), ValueError,
+                             "every stage must pass the same backend (or SYNCLESS_PP_TRANSPORT); got stage 0 "
+                             "(rank 0): 'auto', stage 1 (rank 1): 'torch_distributed'"))
+    say(f"rank {rank}: SYNCLESS_PP_TRANSPORT")
+    os.environ["SYNCLESS_PP_TRANSPORT"] = "torch_distributed" if rank == 0 else "auto"
+    try:
+        messages.append(_refused(build(), ValueError, "same backend (or SYNCLESS_PP_TRANSPORT)"))
+    finally:
+        del os.environ["SYNCLESS_PP_TRANSPORT"]
+    say(f"rank {rank}: stage_ranks")
+    messages.append(_refused(build(stage_ranks=[0, 1] if rank == 0 else [1, 0]), ValueError,
+                             "same stage_ranks; got rank 0: (0, 1), rank 1: (1, 0)"))
+    say(f"rank {rank}: depth")
+    messages.append(_refused(build(depth=2 if rank == 0 else "auto"), ValueError, "same depth"))
+    say(f"rank {rank}: data backend")
+    if rank == 1:  # a stage whose persistent tensors are on CUDA over an NCCL group (faked: no GPU here)
+        real = (_make._resolve_device, _make.backend_for)
+        _make._resolve_device = lambda persistent, device: torch.device("cuda", 0)
+        _make.backend_for = lambda group, device_type: "nccl"
+    try:
+        messages.append(_refused(build(), ValueError, "same data backend; got stage 0 (rank 0): 'gloo', "
+                                                      "stage 1 (rank 1): 'nccl' (the device types are stage 0 "
+                                                      "(rank 0): cpu, stage 1 (rank 1): cuda)"))
+    finally:
+        if rank == 1:
+            _make._resolve_device, _make.backend_for = real
+    for bad, expect_type, words in [
+        ([torch.zeros(max_rows, 8)], TypeError, "persistent must be a dict of name -> Tensor (or None); got list"),
+        ({"hidden": 3}, TypeError, "persistent['hidden'] must be a torch.Tensor; got int"),
+        ({"hidden": torch.zeros(())}, ValueError, "persistent['hidden'] needs a leading rows dimension"),
+        ({7: torch.zeros(max_rows, 8)}, TypeError, "persistent keys must be str; got 7 (int)"),
+    ]:
+        say(f"rank {rank}: persistent={bad!r:.40}")
+        messages.append(_refused(lambda bad=bad: make_transport(None, bad if rank == 1 else None, timeout_s=20),
+                                 expect_type, words))
+    say(f"rank {rank}: a correct rebuild on the same group")
+    transport = make_transport(None, persistent(), timeout_s=20)
+    for step in range(1, 21):
+        if rank == 0:
+            transport.send(expected(17, step, max_rows, cpu))
+        elif int(_mismatches(transport.recv(), expected(17, step, max_rows, cpu))) != 0:
+            raise AssertionError(f"step {step} of the rebuilt transport arrived wrong")
+    dist.barrier()
+    transport.close()
+    say(f"rank {rank}: 20 steps ok")
+    return messages
+
+
+def _threads_and_fds():
+    return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
+
+
+def rebuild_rounds(rank, world, rounds):
+    """``rounds`` rounds of make_transport / send / recv / close; the OS threads and open files before the
+    second round and after the last (the first round warms up the world group's own connections)."""
+    import gc
+
+    cpu = torch.device("cpu")
+    seen = []
+    for round_ in range(rounds):
+        transport = make_transport(None, None if rank == 0 else _persistent(cpu, 4), backend="torch_distributed",
+                                   timeout_s=20)
+        if rank == 0:
+            transport.send(expected(3, 1, 4, cpu))
+        elif int(_mismatches(transport.recv(), expected(3, 1, 4, cpu))) != 0:
+            raise AssertionError(f"round {round_}: the step arrived wrong")
+        dist.barrier()
+        transport.close()
+        del transport
+        if round_ in (0, rounds - 1):
+            gc.collect()
+            seen.append(_threads_and_fds())
+        if round_ % 20 == 0:
+            say(f"rank {rank}: round {round_}/{rounds}, threads and fds {_threads_and_fds()}")
+    dist.barrier()
+    return seen
+
+
+def peer_never_arrives(rank, world, timeout_s):
+    """Rank 1 leaves without calling make_transport; rank 0's make_transport must raise PeerTimeoutError
+    within timeout + 2 s. Returns (error type, message, seconds) on rank 0."""
+    if rank == 1:
+        say("rank 1: leaving without make_transport")
+        return None
+    start = time.monotonic()
+    try:
+        make_transport(None, None, backend="torch_distributed", timeout_s=timeout_s, device="cpu")
+    except Exception as err:  # noqa: BLE001 - reported to the parent, which asserts on the type
+        took = time.monotonic() - start
+        say(f"rank 0: {type(err).__name__} after {took:.2f} s")
+        return type(err).__name__, isinstance(err, PeerTimeoutError), str(err), took
+    raise AssertionError("make_transport built a transport without its peer")
