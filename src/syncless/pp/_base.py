@@ -114,12 +114,19 @@ class Transport(abc.ABC):
         """
 
     @abc.abstractmethod
-    def recv(self) -> dict[str, torch.Tensor]:
+    def recv(self, wait: bool = True) -> Mapping[str, torch.Tensor]:
         """Receive the previous stage's next step into the persistent tensors; return views of them.
 
         Blocks the host until the step's metadata arrives (at most the
         timeout); the data lands in stream order on the caller's current
-        stream, so work queued there afterwards sees it.
+        stream, so work queued there afterwards sees it. The keys are the
+        ones the sender sent. With ``wait=False`` the GPU wait is queued at
+        first use of the returned :class:`~syncless.pp.ReceivedStep` instead
+        (input preparation queued in between overlaps the transfer).
+
+        The views are the persistent tensors themselves: the next step
+        overwrites them in place, so consume or copy them before the next
+        ``recv()`` (an async scheduler that keeps a step longer copies it).
         """
 
     @abc.abstractmethod

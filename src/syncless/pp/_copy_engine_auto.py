@@ -244,8 +244,8 @@ class AutoCalls:
             )
         _log.info("%s", self.direct_unavailable_reason)
 
-    def _finish_auto(self, step: int, meta: tuple[int, ...]) -> dict[str, torch.Tensor]:
-        """Check the step's metadata, then enqueue its path's half on the stream of its entry write."""
+    def _check_auto_meta(self, step: int, meta: tuple[int, ...]) -> tuple[bool, tuple[int, ...]]:
+        """Check the step's metadata (the path bit, the row counts); return ``(direct, rows)``."""
         layout = self._recv_layout
         path, rows = meta[1], meta[2:]
         valid = meta[0] == step and path in (0, 1) and rows_are_valid(rows, layout.specs)
@@ -258,19 +258,23 @@ class AutoCalls:
                 f"{self._recv_what.format(step)}: the peer's metadata {meta} {why} (protocol error)"
             )
             raise self._failure
+        return direct, rows
+
+    def _finish_auto(self, step: int, direct: bool, rows: tuple[int, ...]) -> tuple[Any, Any]:
+        """Enqueue the path's half of a checked step on the stream of its entry write; return ``(pre, post)``.
+
+        Always that stream, also when recv(wait=False) deferred it: ``_auto`` argues the step's orderings
+        with its entry write and its half on one stream.
+        """
         spans, _ = dense_spans(self._recv_row_nbytes, rows)
         parts = self._parts
-        stream = self._entered_stream
         pushed = self._binding.enter()
         try:
             pre, post = parts.acquire_event(), parts.acquire_event()
-            self._auto_recv.finish(step, direct, spans, stream, pre, post)
-        except BaseException as err:
-            self._fail_mid_step(f"receiving step {step}", err)
-            raise
+            self._auto_recv.finish(step, direct, spans, self._entered_stream, pre, post)
         finally:
             self._binding.exit(pushed)
-        return self._recv_done(stream, pre, post, step, rows)
+        return pre, post
 
     # Provided by the transport.
     _parts: Any

@@ -88,6 +88,8 @@ class CopyEngineEnding:
         with self._ctx:
             self._release()
 
+    _deferred: Any = None
+
     def close(self) -> None:
         """Wait for this stage's queued transfers, then unmap and free everything; every stage calls it.
 
@@ -107,6 +109,13 @@ class CopyEngineEnding:
         (or ``abort()``) goes on where it stopped; once finished it does
         nothing.
         """
+        deferred = self._deferred
+        if deferred is not None and not deferred.waited and self._failure is None and not self._closed:
+            # A step recv(wait=False) returned that nobody used: consume it, so the sender's steps drain.
+            try:
+                deferred.wait()
+            except Exception as err:  # noqa: BLE001 - recorded as the transport's failure; close() goes on
+                logger.warning("%s: finishing the last received step in close(): %s", self._stages.name(), err)
         self._closed = True
         forget_links = getattr(self, "_forget_links", None)  # depth="auto": this process's links (host-only)
         if forget_links is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -66,14 +67,29 @@ def resolve_stages(group_ranks: Sequence[int], my_rank: int, stage_ranks: Sequen
     """Check ``stage_ranks`` against the group and locate ``my_rank``.
 
     Raises:
-        ValueError: the stage list is not a permutation of the group's ranks,
-            has fewer than two stages, or does not contain ``my_rank``.
+        TypeError: ``stage_ranks`` is not a sequence of ints.
+        ValueError: the stage list is not a permutation of the group's ranks, has fewer than two
+            stages, does not contain ``my_rank``, or names several ranks for one stage (tensor
+            parallelism: one transport per TP rank instead).
     """
     group_sorted = sorted(int(r) for r in group_ranks)
     if stage_ranks is None:
         order = tuple(group_sorted)
     else:
-        order = tuple(int(r) for r in stage_ranks)
+        if isinstance(stage_ranks, (str, bytes)) or not isinstance(stage_ranks, Sequence):
+            raise TypeError(f"stage_ranks must be a list of global ranks, one per stage; got {stage_ranks!r:.80}")
+        several = [r for r in stage_ranks if isinstance(r, (Sequence, set, frozenset)) and not isinstance(r, str)]
+        if several:
+            raise ValueError(
+                f"stage_ranks lists one global rank per stage; got {several[0]!r} for one stage. A stage with "
+                "several ranks (tensor parallelism) is not one transport: build one per tensor-parallel rank, "
+                "over the pipeline group of that rank (the ranks with the same TP index in every stage); "
+                "docs/pp.md: tensor and pipeline parallelism"
+            )
+        try:
+            order = tuple(operator.index(r) for r in stage_ranks)
+        except TypeError:
+            raise TypeError(f"stage_ranks must hold ints (global ranks); got {list(stage_ranks)!r:.80}") from None
         if sorted(order) != group_sorted:
             raise ValueError(
                 f"stage_ranks must list each rank of the group exactly once; expected a permutation of "

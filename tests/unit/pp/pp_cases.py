@@ -871,3 +871,100 @@ def peer_never_arrives(rank, world, timeout_s):
         say(f"rank 0: {type(err).__name__} after {took:.2f} s")
         return type(err).__name__, isinstance(err, PeerTimeoutError), str(err), took
     raise AssertionError("make_transport built a transport without its peer")
+
+
+def deferred_recv(rank, world, kind, backend, depth, steps, max_rows=16, timeout_s=30):
+    """recv(wait=False): keys at once, data at first use (on the current stream), bit-exact; a step never
+    used is finished by the next recv() (and the last one by close()). Returns counts."""
+    device = _device(kind)
+    persistent = None
+    if rank == 1:
+        persistent = _persistent(device, max_rows, own_allocation=depth in (0, "auto"))
+    transport = make_transport(None, persistent, backend=backend, depth=depth, timeout_s=timeout_s, device=device)
+    checked = unused = 0
+    for step in range(1, steps + 1):
+        data = expected(21, step, max_rows, device)
+        if rank == 0:
+            transport.send(data)
+            continue
+        out = transport.recv(wait=False)
+        if out.waited or sorted(out) != sorted(data) or len(out) != len(data) or "bogus" in out:
+            raise AssertionError(f"step {step}: {out!r} before first use")
+        if step % 4 == 0 or step == steps:
+            unused += 1
+            continue
+        if int(_mismatches(dict(out.items()), data)) != 0:
+            raise AssertionError(f"step {step} arrived wrong")
+        checked += 1
+        if step % 50 == 0:
+            say(f"stage 1: {step}/{steps}")
+    if kind == "cuda":
+        torch.cuda.synchronize()
+    transport.close()  # finishes the last, unused step
+    dist.barrier()
+    return {"backend": transport.backend, "checked": checked, "unused": unused}
+
+
+#: The deferred-wait measurement: 64 MiB per step, and input preparation of about the transfer's length.
+DEFER_ROWS, DEFER_WIDTH = 4096, 8192  # bf16: 64 MiB
+DEFER_PREP_CYCLES = 400_000  # ~0.2 ms at H200 clocks
+
+
+def deferred_wait_timing(rank, world, depth, steps=30):
+    """Two stages on one GPU; per step, both start together (host barrier, idle GPU). The receiver records
+    an event, calls recv() (or recv(wait=False)), queues input preparation (a sleep kernel), then a reader
+    of the data, and records an event: the GPU time between them, and the host time recv() took, in each
+    mode. Returns the medians (us) and the mismatches of the data read."""
+    import statistics
+
+    device = _device("cuda")
+    shape = (DEFER_ROWS, DEFER_WIDTH)
+    persistent = None
+    if rank == 1:
+        from syncless.pp import alloc_persistent
+
+        persistent = alloc_persistent({"hidden": (shape, torch.bfloat16)}, device) if depth in (0, "auto") else {
+            "hidden": torch.empty(shape, dtype=torch.bfloat16, device=device)}
+    transport = make_transport(None, persistent, backend="copy_engine", depth=depth, timeout_s=30, device=device)
+    source = torch.randn(shape, device=device).to(torch.bfloat16) if rank == 0 else None
+    want = None
+    result = {"depth": depth}
+    bad = torch.zeros((), dtype=torch.int64, device=device)
+    for mode in ("recv()", "recv(wait=False)", "recv()", "recv(wait=False)"):  # twice each: the first warms up
+        gpu_us, host_us = [], []
+        for step in range(steps):
+            torch.cuda.synchronize()
+            dist.barrier()
+            if rank == 0:
+                source[:1].fill_(step)  # each step's data differs
+                transport.send({"hidden": source})
+                continue
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            t0 = time.perf_counter()
+            out = transport.recv() if mode == "recv()" else transport.recv(wait=False)
+            host_us.append((time.perf_counter() - t0) * 1e6)
+            torch.cuda._sleep(DEFER_PREP_CYCLES)  # input preparation, between recv() and first use
+            first_row = out["hidden"][:1]
+            bad += (first_row.float() != float(step)).sum()  # bf16 holds these small integers exactly
+            end.record()
+            end.synchronize()
+            gpu_us.append(start.elapsed_time(end) * 1e3)
+        if rank == 1:
+            result[mode] = {"gpu_us": round(statistics.median(gpu_us), 1), "host_us": round(statistics.median(host_us), 1)}
+            say(f"depth {depth!r} {mode}: GPU {result[mode]['gpu_us']} us from recv() to the reader's end, "
+                f"host {result[mode]['host_us']} us in recv() (medians of {steps})")
+    torch.cuda.synchronize()
+    dist.barrier()
+    transport.close()
+    if rank == 1:
+        # Alone: the preparation, and the transfer (a plain step with no preparation), for scale.
+        prep_start, prep_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        prep_start.record()
+        torch.cuda._sleep(DEFER_PREP_CYCLES)
+        prep_end.record()
+        prep_end.synchronize()
+        result["prep_alone_us"] = round(prep_start.elapsed_time(prep_end) * 1e3, 1)
+        say(f"input preparation alone: {result['prep_alone_us']} us")
+    result["mismatches"] = int(bad)
+    return result

@@ -156,3 +156,92 @@ def test_conjugate_and_negative_views_go_out_as_their_values(depth, kept):
     assert any(t.is_conj() for step in sent for t in step.values())
     assert all(t.is_neg() or t.is_conj() for step in sent for t in step.values())
     assert [same(got, want) for got, want in zip(log, sent)] == [True] * 6
+
+
+class SimStream:
+    """What ``ReceivedStep.wait(stream)`` reads of a ``torch.cuda.Stream``: its raw handle."""
+
+    def __init__(self, handle: int):
+        self.cuda_stream = handle
+
+
+def _drain(gpu) -> None:
+    while gpu.step():
+        pass
+    assert not gpu.busy(), [q[0] for q in gpu.queues.values() if q]
+
+
+def _full_waits(queue, address) -> list[int]:
+    return [i for i, op in enumerate(queue) if op[0] == "wait" and op[1] == address]
+
+
+@pytest.mark.parametrize("depth", DEPTHS)
+def test_recv_wait_false_queues_the_gpu_wait_at_first_use_behind_the_input_preparation(depth, kept):
+    gpu = sim.SimGPU(random.Random(2))
+    link = sim.Link(gpu, depth=depth, persistent=persistent_tensors())
+    send_stream, recv_stream = gpu.stream(), gpu.stream()
+    try:
+        data = subset_step(11, 7) or {"ids": torch.arange(3)}
+        sim._current.stream = send_stream
+        link.sender.send(data)
+        sim._current.stream = recv_stream
+        step = link.receiver.recv(wait=False)
+        assert sorted(step) == sorted(data) and len(step) == len(data) and not step.waited
+        queue = gpu.queues[recv_stream]
+        assert _full_waits(queue, link.receiver._full) == []  # recv() queued no wait for the data
+        prepared = []
+        gpu.enqueue(recv_stream, "call", lambda: prepared.append(len(prepared)))  # input preparation
+        views = {name: step[name] for name in step}  # first use: the wait goes in now, behind the preparation
+        waits = _full_waits(queue, link.receiver._full)
+        assert step.waited and len(waits) == 1
+        assert [op[0] for op in queue].index("call") < waits[0]
+        log = []
+        gpu.enqueue(recv_stream, "call", lambda: log.append({n: t.clone() for n, t in views.items()}))
+        _drain(gpu)
+        assert prepared == [0] and same(log[0], data)
+    finally:
+        link.close()
+
+
+@pytest.mark.parametrize("depth", DEPTHS)
+def test_deferred_steps_stream_bit_exact_whether_used_on_another_stream_or_never(depth, kept):
+    gpu = sim.SimGPU(random.Random(4))
+    link = sim.Link(gpu, depth=depth, persistent=persistent_tensors())
+    steps = 30
+    log: dict = {}
+    sent: list = []
+    rng = random.Random(8)
+
+    def sender():
+        for step in range(1, steps + 1):
+            sim.pause(rng)
+            data = subset_step(5, step)
+            sent.append(data)
+            link.sender.send(data)
+
+    def receiver():
+        other = gpu.stream()
+        for step in range(1, steps + 1):
+            out = link.receiver.recv(wait=False)
+            if step % 5 == 0:
+                log[step] = None  # never used: the next recv() enqueues it first
+                continue
+            if step % 3 == 0:  # used on another stream: that stream waits for the step's end
+                views, stream = out.wait(SimStream(other)), other
+            else:
+                views, stream = out.tensors, sim._current.stream
+            gpu.enqueue(stream, "call", lambda v=views, k=step: log.__setitem__(k, {n: t.clone() for n, t in v.items()}))
+            # the next recv() must not overwrite before this reader: order it on the receiving stream
+            if stream != sim._current.stream:
+                event = sim.Event()
+                sim.SimHot(gpu).record(event, stream)
+                sim.SimHot(gpu).wait_event(event, sim._current.stream)
+
+    try:
+        sim.run_hosts(gpu, [sender, receiver], [link])
+    finally:
+        link.close()
+    assert sorted(log) == list(range(1, steps + 1))
+    assert [k for k, g in log.items() if g is None] == list(range(5, steps + 1, 5))
+    wrong = [k for k, g in log.items() if g is not None and not same(g, sent[k - 1])]
+    assert wrong == []

@@ -176,3 +176,15 @@ def test_validate_step_type_errors():
     step["ids"] = [1, 2]
     with pytest.raises(TypeError, match="'ids'"):
         validate_step(specs, step, torch.device("cpu"), "stage 1")
+
+
+def test_a_stage_of_several_ranks_is_refused_with_the_tp_x_pp_pairing():
+    from syncless.pp._group import resolve_stages
+
+    with pytest.raises(ValueError, match=r"one global rank per stage; got \[0, 1\].*one per tensor-parallel rank"):
+        resolve_stages([0, 1, 2, 3], 0, [[0, 1], [2, 3]])
+    with pytest.raises(TypeError, match="must hold ints"):
+        resolve_stages([0, 1], 0, ["0", 1.5])
+    with pytest.raises(TypeError, match="a list of global ranks"):
+        resolve_stages([0, 1], 0, "01")
+    assert resolve_stages([0, 2], 2, [2, 0]).index == 0  # one TP rank's pipeline group: ranks 2 -> 0

@@ -85,3 +85,8 @@ def test_a_step_may_carry_any_subset_of_the_keys_and_conj_neg_views_arrive_as_va
     )
     assert results[1]["wrong"] == 0 and results[1]["steps"] == 60, results[1]
     assert results[1]["partial"] > 0 and results[1]["empty"] > 0, results[1]
+
+
+def test_recv_wait_false_gives_the_keys_at_once_and_the_data_at_first_use():
+    results = run_ranks(cases.deferred_recv, 2, args=("cpu", "torch_distributed", 2, 40), timeout_s=60)
+    assert results[1] == {"backend": "torch_distributed", "checked": 30, "unused": 10}
