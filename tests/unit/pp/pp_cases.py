@@ -968,3 +968,23 @@ def deferred_wait_timing(rank, world, depth, steps=30):
         say(f"input preparation alone: {result['prep_alone_us']} us")
     result["mismatches"] = int(bad)
     return result
+
+
+def views_are_overwritten(rank, world):
+    """The lifetime docs/pp.md states: a received view is the persistent tensor, rewritten by the next step."""
+    cpu = torch.device("cpu")
+    transport = make_transport(None, None if rank == 0 else {"h": torch.zeros(4, 2)}, timeout_s=20)
+    if rank == 0:
+        transport.send({"h": torch.full((3, 2), 1.0)})
+        transport.send({"h": torch.full((3, 2), 2.0)})
+        result = None
+    else:
+        first = transport.recv()["h"]
+        kept = first.clone()  # what an async scheduler keeps
+        before = (first.data_ptr(), first[0, 0].item())
+        second = transport.recv()["h"]
+        result = {"before": before[1], "after": first[0, 0].item(), "same_memory": second.data_ptr() == before[0],
+                  "kept": kept[0, 0].item()}
+    dist.barrier()
+    transport.close()
+    return result

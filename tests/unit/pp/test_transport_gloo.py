@@ -90,3 +90,8 @@ def test_a_step_may_carry_any_subset_of_the_keys_and_conj_neg_views_arrive_as_va
 def test_recv_wait_false_gives_the_keys_at_once_and_the_data_at_first_use():
     results = run_ranks(cases.deferred_recv, 2, args=("cpu", "torch_distributed", 2, 40), timeout_s=60)
     assert results[1] == {"backend": "torch_distributed", "checked": 30, "unused": 10}
+
+
+def test_a_received_view_is_overwritten_by_the_next_step_as_the_docs_say():
+    result = run_ranks(cases.views_are_overwritten, 2, timeout_s=60)[1]
+    assert result == {"before": 1.0, "after": 2.0, "same_memory": True, "kept": 1.0}
