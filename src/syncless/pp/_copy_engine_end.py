@@ -175,8 +175,14 @@ class CopyEngineEnding:
         for endpoint in (self._parts.meta_in, self._parts.meta_out):
             if endpoint is not None:
                 endpoint.shutdown()
-        self._watchdog.stop(join=threading.current_thread() is not self._watchdog.thread)
-        if self._in_call or self._draining or self._teardown.running:
+        busy = self._in_call or self._draining or self._teardown.running
+        # Never join the watchdog while a call runs: a signal handler may have interrupted that call (on
+        # this very thread) inside `with watchdog._lock`, and the watchdog thread would then wait on that
+        # lock forever, and this join with it. With no call running, nothing of this transport holds the
+        # lock here; the join is bounded all the same.
+        self._watchdog.stop(join=not busy and threading.current_thread() is not self._watchdog.thread,
+                            timeout_s=1.0)
+        if busy:
             return self.leaked_nbytes  # the running call owns the GPU objects now; close() finishes later
         if not self._drained:
             self._gpu_idle = self._watchdog.wait_idle(deadline_s=1.0)
