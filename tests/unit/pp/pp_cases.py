@@ -734,18 +734,22 @@ def fallback_after_a_leaky_set_up(rank, world, kind, region_rows):
     return result
 
 
-def attributes(rank, world, depth, names):
-    """Build the CPU transport (torch.distributed, what ``backend="auto"`` gives here) and read every name."""
-    transport = make_transport(None, None if rank == 0 else _persistent(torch.device("cpu"), 4), depth=depth,
-                               timeout_s=20)
-    say(f"stage {rank}: {transport.backend}, reading {len(names)} attributes")
-    values = {}
-    for name in names:
-        value = getattr(transport, name)  # AttributeError here is the bug under test
-        values[name] = "callable" if callable(value) else value
-    dist.barrier()
-    transport.close()
-    return {"class": type(transport).__name__, **values}
+def attributes(rank, world, depths, names):
+    """For each depth, build the CPU transport (torch.distributed, what ``backend="auto"`` gives here) and
+    read every name; one result per depth."""
+    results = []
+    for depth in depths:
+        transport = make_transport(None, None if rank == 0 else _persistent(torch.device("cpu"), 4), depth=depth,
+                                   timeout_s=20)
+        say(f"stage {rank}: {transport.backend} at depth {depth!r}, reading {len(names)} attributes")
+        values = {}
+        for name in names:
+            value = getattr(transport, name)  # AttributeError here is the bug under test
+            values[name] = "callable" if callable(value) else value
+        dist.barrier()
+        transport.close()
+        results.append({"class": type(transport).__name__, **values})
+    return results
 
 
 def _refused(build, expect_type, words):

@@ -83,14 +83,15 @@ def test_the_copy_engine_transport_reports_them_over_a_simulated_gpu(depth):
         link.close()
 
 
-@pytest.mark.parametrize("depth", [0, 2, "auto"])
-def test_the_torch_distributed_transport_has_every_documented_attribute(depth):
+def test_the_torch_distributed_transport_has_every_documented_attribute():
     names = documented_names()
-    results = run_ranks(cases.attributes, 2, args=(depth, names), timeout_s=60)
-    for values in results:
-        assert values["class"] == "TorchDistTransport"
-        assert sorted(set(values) - {"class"}) == names
-        assert values["backend"] == "torch_distributed" and values["depth"] == depth
-        assert values["auto_slots"] == 0 and values["batched_copies"] is False
-        assert values["direct_steps_sent"] == 0 and values["direct_unavailable_reason"] is None
-        assert values["error"] is None and values["leaked_nbytes"] == 0
+    depths = [0, 2, "auto"]
+    results = run_ranks(cases.attributes, 2, args=(depths, names), timeout_s=60)
+    for per_depth in results:
+        for depth, values in zip(depths, per_depth):
+            assert values["class"] == "TorchDistTransport"
+            assert sorted(set(values) - {"class"}) == names
+            assert values["backend"] == "torch_distributed" and values["depth"] == depth
+            assert values["auto_slots"] == 0 and values["batched_copies"] is False
+            assert values["direct_steps_sent"] == 0 and values["direct_unavailable_reason"] is None
+            assert values["error"] is None and values["leaked_nbytes"] == 0
