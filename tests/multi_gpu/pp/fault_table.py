@@ -356,7 +356,8 @@ def judge_setup(row: dict[str, Any]) -> dict[str, Any]:
     """Verdict of a set-up row: the expected error on every stage that took part, in time; a rebuild that works."""
     ranks = row.get("ranks")
     if ranks is None:
-        row.update(survivor_raised="(harness failed)", verdict="FAIL", problems=["harness: " + row["harness_error"][-300:]])
+        row.update(survivor_raised="(harness failed)", verdict="FAIL",
+                   problems=["harness: " + row["harness_error"][-300:]])
         return row
     expected = SETUP_FAULTS[row["fault"]]
     taking_part = [0] if row["fault"] == "peer never arrives" else [0, 1]
@@ -482,8 +483,9 @@ def run_row(row: dict[str, Any], timeout_s: float, steps: int) -> dict[str, Any]
     plan = {**row, "timeout_s": timeout_s, "sync_dir": sync_dir, "steps": steps, "backend": backend}
     started = time.monotonic()
     try:
-        results = run_ranks(setup_row if setup else fault_row, world, args=(plan,), backend=backend, init="file", devices=devices,
-                            timeout_s=45 + 6 * timeout_s, may_die={victim} if row["fault"] == "sigkill" else (),
+        results = run_ranks(setup_row if setup else fault_row, world, args=(plan,), backend=backend, init="file",
+                            devices=devices, timeout_s=45 + 6 * timeout_s,
+                            may_die={victim} if row["fault"] == "sigkill" else (),
                             load_by_file=True, progress=True, env={"PYTHONUNBUFFERED": "1"})
         outcome = {"ranks": results}
     except RankFailed as err:

@@ -955,7 +955,8 @@ def deferred_wait_timing(rank, world, depth, steps=30):
             end.synchronize()
             gpu_us.append(start.elapsed_time(end) * 1e3)
         if rank == 1:
-            result[mode] = {"gpu_us": round(statistics.median(gpu_us), 1), "host_us": round(statistics.median(host_us), 1)}
+            result[mode] = {"gpu_us": round(statistics.median(gpu_us), 1),
+                            "host_us": round(statistics.median(host_us), 1)}
             say(f"depth {depth!r} {mode}: GPU {result[mode]['gpu_us']} us from recv() to the reader's end, "
                 f"host {result[mode]['host_us']} us in recv() (medians of {steps})")
     torch.cuda.synchronize()

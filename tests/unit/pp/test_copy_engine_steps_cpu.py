@@ -230,7 +230,10 @@ def test_deferred_steps_stream_bit_exact_whether_used_on_another_stream_or_never
                 views, stream = out.wait(SimStream(other)), other
             else:
                 views, stream = out.tensors, sim._current.stream
-            gpu.enqueue(stream, "call", lambda v=views, k=step: log.__setitem__(k, {n: t.clone() for n, t in v.items()}))
+            def read(v=views, k=step):
+                log[k] = {n: t.clone() for n, t in v.items()}
+
+            gpu.enqueue(stream, "call", read)
             # the next recv() must not overwrite before this reader: order it on the receiving stream
             if stream != sim._current.stream:
                 event = sim.Event()
