@@ -909,9 +909,10 @@ def deferred_recv(rank, world, kind, backend, depth, steps, max_rows=16, timeout
     return {"backend": transport.backend, "checked": checked, "unused": unused}
 
 
-#: The deferred-wait measurement: 64 MiB per step, and input preparation of about the transfer's length.
-DEFER_ROWS, DEFER_WIDTH = 4096, 8192  # bf16: 64 MiB
-DEFER_PREP_CYCLES = 400_000  # ~0.2 ms at H200 clocks
+#: The deferred-wait measurement: 256 MiB per step (a transfer of a few hundred microseconds on one GPU, most
+#: of it still running when the receiver's recv() returns), and input preparation of about that length.
+DEFER_ROWS, DEFER_WIDTH = 16384, 8192  # bf16: 256 MiB
+DEFER_PREP_CYCLES = 600_000  # ~0.3 ms at H200 clocks
 
 
 def deferred_wait_timing(rank, world, depth, steps=30):
