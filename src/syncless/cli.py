@@ -107,18 +107,27 @@ def _one_line(err: BaseException) -> str:
 
 
 def _report_failure(command: str, err: BaseException) -> None:
+    """One line per failure; the --debug hint only where a traceback exists that says more than the line.
+
+    A ``SynclessError`` is a message written for the user ("needs a CUDA GPU"), and a stage that was killed
+    or timed out left no traceback: for those the hint would send the user to nothing.
+    """
     from syncless._core.launch import RankFailed
 
+    has_traceback = False
     if isinstance(err, RankFailed) and getattr(err, "failures", None):
         for rank, story in sorted(err.failures.items()):
             print(f"syncless {command}: error: stage {rank}: {_one_line(Exception(story))}", file=sys.stderr)
+            has_traceback = has_traceback or "Traceback (most recent" in story
         if err.stopped:
             print(f"syncless {command}: stages {err.stopped} were stopped after that", file=sys.stderr)
     elif isinstance(err, SynclessError):
         print(f"syncless {command}: error: {_one_line(err)}", file=sys.stderr)
     else:
         print(f"syncless {command}: error: {type(err).__name__}: {_one_line(err)}", file=sys.stderr)
-    print(f"syncless {command}: run with --debug (or SYNCLESS_DEBUG=1) for the traceback", file=sys.stderr)
+        has_traceback = True
+    if has_traceback:
+        print(f"syncless {command}: run with --debug (or SYNCLESS_DEBUG=1) for the traceback", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -21,8 +21,10 @@ BENCHMARKS = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``bench`` subcommand's arguments."""
-    parser.add_argument("which", choices=[*BENCHMARKS, "all"],
-                        help="which benchmark to run (all: each one this machine can run; cc and pp need GPUs)")
+    # metavar: argparse's errors name the argument by it ("argument BENCHMARK: invalid choice: 'foo'").
+    parser.add_argument("which", choices=[*BENCHMARKS, "all"], metavar="BENCHMARK",
+                        help=f"which benchmark to run: {', '.join(BENCHMARKS)} or all (all: each one this machine "
+                             "can run; cc and pp need GPUs)")
     parser.add_argument("--out", type=Path, default=Path("bench-out"),
                         help="directory for JSON, markdown and (with matplotlib) PNG files (default: bench-out)")
     parser.add_argument("--quick", action="store_true",
