@@ -3,6 +3,7 @@
     transport = make_transport(pp_group, persistent)   # collective over the group
     transport.send({"hidden": h, "residual": r})       # stage i
     out = transport.recv()                             # stage i+1: views of `persistent`
+    step = transport.recv(wait=False)                  # or: the GPU wait queued at first use (docs/pp.md)
     transport.backend, transport.fallback_reason
     transport.error, transport.abort(), transport.leaked_nbytes   # failure model: docs/pp.md
 
@@ -22,10 +23,12 @@ from syncless.pp._eligibility import describe_local_choice
 from syncless.pp._layout import TensorSpec
 from syncless.pp._make import make_transport
 from syncless.pp._persistent import alloc_persistent
+from syncless.pp._received import ReceivedStep
 
 __all__ = [
     "CopyEngineUnavailable",
     "PeerTimeoutError",
+    "ReceivedStep",
     "TensorSpec",
     "Transport",
     "TransportClosedError",

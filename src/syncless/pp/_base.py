@@ -49,12 +49,22 @@ class Transport(abc.ABC):
             this stage sends every step through a slot; None otherwise.
         direct_steps_sent: with the copy-engine transport and ``depth="auto"``, how many steps this
             stage sent straight into the next stage's persistent tensors; 0 otherwise.
+        depth: the ``depth`` every stage passed to ``make_transport`` (an int, or ``"auto"``). The
+            torch.distributed transport keeps the value but queues its sends in its backend.
+        auto_slots: with the copy-engine transport and ``depth="auto"``, the slots per link
+            (``SYNCLESS_PP_AUTO_SLOTS``); 0 otherwise.
+        batched_copies: whether send() issues a step's tensors as one batched copy-engine operation
+            (copy-engine transport only; False on the torch.distributed transport).
+        error, leaked_nbytes: the failure model's properties (below).
     """
 
     backend: str = ""
     fallback_reason: str | None = None
     direct_unavailable_reason: str | None = None
     direct_steps_sent: int = 0
+    depth: int | str = 2
+    auto_slots: int = 0
+    batched_copies: bool = False
     device: torch.device
     #: what every later call raises once set (a timeout, a failed step, abort()); set by the implementations
     _failure: BaseException | None = None
@@ -65,6 +75,14 @@ class Transport(abc.ABC):
     def error(self) -> BaseException | None:
         """The error that made this transport unusable (raised again by every later call); None while healthy."""
         return self._failure
+
+    def _release_side_group(self) -> None:
+        """Destroy this transport's private gloo group (at the end of ``close()``; never in ``abort()``)."""
+        from syncless.pp._group import release_cpu_group
+
+        side = getattr(self, "_side_group", None)
+        self._side_group = None
+        release_cpu_group(side, self._stages.name())
 
     def _check_usable(self) -> None:
         """Raise the recorded failure, or :class:`~syncless.TransportClosedError` once closed or aborted."""
@@ -96,12 +114,19 @@ class Transport(abc.ABC):
         """
 
     @abc.abstractmethod
-    def recv(self) -> dict[str, torch.Tensor]:
+    def recv(self, wait: bool = True) -> Mapping[str, torch.Tensor]:
         """Receive the previous stage's next step into the persistent tensors; return views of them.
 
         Blocks the host until the step's metadata arrives (at most the
         timeout); the data lands in stream order on the caller's current
-        stream, so work queued there afterwards sees it.
+        stream, so work queued there afterwards sees it. The keys are the
+        ones the sender sent. With ``wait=False`` the GPU wait is queued at
+        first use of the returned :class:`~syncless.pp.ReceivedStep` instead
+        (input preparation queued in between overlaps the transfer).
+
+        The views are the persistent tensors themselves: the next step
+        overwrites them in place, so consume or copy them before the next
+        ``recv()`` (an async scheduler that keeps a step longer copies it).
         """
 
     @abc.abstractmethod

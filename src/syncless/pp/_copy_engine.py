@@ -176,6 +176,7 @@ from syncless.pp import _faults, _fork
 from syncless.pp._base import Transport, refuse_graph_capture
 from syncless.pp._copy_engine_auto import AutoCalls
 from syncless.pp._copy_engine_end import CopyEngineEnding, release_dropped, write_release
+from syncless.pp._copy_engine_recv import CopyEngineReceiving
 from syncless.pp._group import StageMap
 from syncless.pp._layout import Ring, StepCheck, dense_spans
 from syncless.pp._teardown import Teardown
@@ -204,7 +205,7 @@ def _current_stream(index: int) -> int:
     return torch.cuda.current_stream(index).cuda_stream
 
 
-class CopyEngineTransport(AutoCalls, CopyEngineEnding, Transport):
+class CopyEngineTransport(CopyEngineReceiving, AutoCalls, CopyEngineEnding, Transport):
     """Pipeline transport over copy engines; built by ``make_transport``. See the module docstring.
 
     Attributes:
@@ -456,14 +457,19 @@ class CopyEngineTransport(AutoCalls, CopyEngineEnding, Transport):
                      spans: Any) -> tuple[list[torch.Tensor], list[tuple[int, int, int]]]:
         """``(dense, copies)`` of one step: ``(destination, source, nbytes)`` per tensor with bytes, in layout order.
 
-        A non-contiguous input becomes a contiguous temporary (a copy kernel on the current stream), kept
-        in ``dense`` until the caller has enqueued the copies.
+        A non-contiguous input, or a conjugate or negative view (whose bytes are not its values: torch
+        applies the flag lazily, and ``contiguous()`` returns such a view itself), becomes a temporary
+        with its values in memory (a copy kernel on the current stream), kept in ``dense`` until the
+        caller has enqueued the copies.
         """
         dense: list[torch.Tensor] = []
         copies: list[tuple[int, int, int]] = []
         for name, destination, (_, nbytes) in zip(self._send_names, destinations, spans):
             if nbytes:
-                tensor = tensors[name].contiguous()
+                tensor = tensors[name]
+                if tensor.is_conj() or tensor.is_neg():
+                    tensor = tensor.resolve_conj().resolve_neg()
+                tensor = tensor.contiguous()
                 dense.append(tensor)
                 copies.append((destination, tensor.data_ptr(), nbytes))
         return dense, copies
@@ -486,106 +492,3 @@ class CopyEngineTransport(AutoCalls, CopyEngineEnding, Transport):
             self._watchdog.watch(Bracket(stream, pre, post, self._send_what, step))
             if caller is not None:
                 self._hot.wait_event(post, caller)
-
-    # -- receiving -------------------------------------------------------------------
-
-    def recv(self) -> dict[str, torch.Tensor]:
-        """Receive the next step into the persistent tensors; return views with this step's rows.
-
-        Blocks the host until the step's metadata arrives (at most the
-        timeout), then enqueues on the caller's current stream of this
-        stage's GPU: wait for the data, copy it into the persistent tensors,
-        tell the sender the slot is free. Earlier work on that stream
-        overlaps the transfer; later work sees the data. With depth 0:
-        tell the sender the persistent tensors are free (everything queued
-        before is done), then wait for its copies into them; the transfer
-        starts only then. With ``depth="auto"``: that first write, then a
-        message to the sender that this step is posted (before the metadata
-        is read), then the half the step's path needs (``_copy_engine_auto``).
-
-        Raises:
-            PeerTimeoutError: the previous stage sent nothing within the timeout, or an earlier step timed out.
-            RuntimeError: this is the first stage, the transport is closed, the peer's metadata does not
-                match (protocol error), or an earlier step failed part-way (the transport is unusable).
-        """
-        if self._closed or self._failure is not None:
-            self._check_usable()
-        if self._stages.prev_rank is None:
-            raise RuntimeError(f"{self._stages.name()} is the first stage: it has no previous stage to receive from")
-        refuse_graph_capture(self._stages.name(), "recv")
-        self._in_call = True
-        try:
-            return self._recv()
-        finally:
-            self._in_call = False
-
-    def _recv(self) -> dict[str, torch.Tensor]:
-        step = self._recv_step + 1
-        if self._auto_recv is not None:
-            self._enter_auto(step)  # before the metadata read: see _copy_engine_auto
-        try:
-            meta = self._parts.meta_in.recv(self._timeout_s, self._recv_what.format(step))
-        except BaseException as err:  # an interrupt too: part of a message may have been read
-            if self._failure is None:  # an abort() on another thread may have come first: it stays the error
-                self._failure = err if isinstance(err, PeerTimeoutError) else TransportFailedError(
-                    f"{self._recv_what.format(step)}: interrupted while reading its metadata ({err!r}); "
-                    "this transport is unusable: close() or abort() it"
-                )
-            raise
-        try:
-            if self._auto_recv is not None:
-                return self._finish_auto(step, meta)
-            return self._recv_enqueue(step, meta)
-        except BaseException as err:  # the metadata is consumed: a step left half-done poisons the transport
-            self._fail_mid_step(f"receiving step {step}", err)
-            raise
-
-    def _recv_enqueue(self, step: int, meta: tuple[int, ...]) -> dict[str, torch.Tensor]:
-        layout = self._recv_layout
-        rows = meta[1:]
-        if meta[0] != step or not all(0 <= r <= spec.max_rows for r, spec in zip(rows, layout.specs.values())):
-            self._failure = TransportFailedError(
-                f"{self._recv_what.format(step)}: the peer's metadata {meta} does not match (protocol error)"
-            )
-            raise self._failure
-        spans, _ = dense_spans(self._recv_row_nbytes, rows)
-        parts, hot = self._parts, self._hot
-        slot_base = self._recv_slots[(step - 1) % self.depth] if self.depth else 0
-        pushed = self._binding.enter()
-        try:
-            current = _current_stream(self._index)
-            if self._last_recv_stream not in (None, current):
-                # Slots are freed in order whatever stream each recv() runs on: this step's `empty`
-                # write comes after the previous step's, so `empty` only grows.
-                hot.wait_event(parts.received, current)
-            pre, post = parts.acquire_event(), parts.acquire_event()
-            if self.depth:
-                hot.record(pre, current)
-                hot.wait_geq(current, self._full, step)
-                for target, (offset, nbytes) in zip(self._recv_targets, spans):
-                    if nbytes:
-                        hot.memcpy(target, slot_base + offset, nbytes, current)
-                hot.write(current, self._prev_empty, step)
-            else:
-                # Depth 0: everything queued here before recv(), readers of the last step included, is
-                # done when this write runs, so the sender may copy step N into the persistent tensors.
-                hot.write(current, self._prev_empty, step)
-                hot.record(pre, current)
-                hot.wait_geq(current, self._full, step)
-            hot.record(parts.received, current)
-            hot.record(post, current)
-        except BaseException as err:
-            self._fail_mid_step(f"receiving step {step}", err)
-            raise
-        finally:
-            self._binding.exit(pushed)
-        return self._recv_done(current, pre, post, step, rows)
-
-    def _recv_done(self, stream: int, pre: Any, post: Any, step: int, rows: Any) -> dict[str, torch.Tensor]:
-        """After a step's receive was enqueued on ``stream`` (bracketed by ``pre``/``post``): watch it, count it,
-        and return the views of the persistent tensors with its rows (host-only bookkeeping)."""
-        self._last_recv_stream = stream
-        self._watchdog.watch(Bracket(stream, pre, post, self._recv_what, step))
-        self._recv_step = step
-        persistent = self._persistent
-        return {name: persistent[name][:count] for name, count in zip(self._recv_layout.specs, rows)}

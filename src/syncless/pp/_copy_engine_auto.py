@@ -25,8 +25,9 @@ recv(N):
 A receiver posts only while this process has no link *to* the process it receives
 from (``_auto``'s module docstring says why: a cycle through a slot wait). The
 links of this process are kept by the peer's process id, read from the metadata
-sockets; a link back makes both links slot-only at this end, and the peer, which
-sees the same pair the other way round, stops posting too.
+sockets (the torch.distributed transport's from set-up); every send link counts,
+whatever its backend or depth. A link back makes both links slot-only at this
+end, and the peer, which sees the same pair the other way round, stops posting too.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import torch
 
 from syncless._core.errors import PeerTimeoutError, TransportFailedError
 from syncless.pp._auto import AutoReceiver, AutoSender, PostedLog
-from syncless.pp._layout import dense_spans
+from syncless.pp._layout import dense_spans, rows_are_valid
 from syncless.pp._watchdog import Bracket
 
 _log = logging.getLogger(__name__)
@@ -75,6 +76,16 @@ def _drop_link(table: collections.Counter, pid: int | None) -> None:
                 del table[pid]
 
 
+def record_send_link(owner: object, sends_to: int | None) -> weakref.finalize:
+    """Count a send link of this process to process ``sends_to`` for as long as ``owner`` lives (any backend,
+    any depth: an ``"auto"`` link that receives from that process must see it); return the finalizer that
+    drops it (``close()`` calls it)."""
+    _add_link(_sends_to, sends_to)
+    forget = weakref.finalize(owner, _forget, sends_to, None)
+    forget.atexit = False
+    return forget
+
+
 def links_back_to(pid: int | None) -> bool:
     """Whether this process also sends to ``pid`` (the process one of its auto links receives from).
 
@@ -97,11 +108,14 @@ class AutoCalls:
         self._auto_recv = None
         self.direct_steps_sent = 0
         self._receives_from_pid = None
-        if not auto:
-            return
         parts = self._parts
         stages = self._stages
         sends_to = parts.meta_out.peer_pid() if parts.meta_out is not None else None
+        if not auto:
+            # Every send link counts, whatever its depth: a fixed-depth link back to the process an "auto"
+            # link of this process receives from closes the same cycle through a slot wait (_auto).
+            self._forget_links = record_send_link(self, sends_to)
+            return
         receives_from = parts.meta_in.peer_pid() if parts.meta_in is not None else None
         _add_link(_sends_to, sends_to)
         _add_link(_receives_from, receives_from)
@@ -230,13 +244,11 @@ class AutoCalls:
             )
         _log.info("%s", self.direct_unavailable_reason)
 
-    def _finish_auto(self, step: int, meta: tuple[int, ...]) -> dict[str, torch.Tensor]:
-        """Check the step's metadata, then enqueue its path's half on the stream of its entry write."""
+    def _check_auto_meta(self, step: int, meta: tuple[int, ...]) -> tuple[bool, tuple[int, ...]]:
+        """Check the step's metadata (the path bit, the row counts); return ``(direct, rows)``."""
         layout = self._recv_layout
         path, rows = meta[1], meta[2:]
-        valid = meta[0] == step and path in (0, 1) and all(
-            0 <= r <= spec.max_rows for r, spec in zip(rows, layout.specs.values())
-        )
+        valid = meta[0] == step and path in (0, 1) and rows_are_valid(rows, layout.specs)
         direct = path == 1
         if not valid or (direct and not (self._direct_in and self._posted_step == step)):
             why = ("a direct step it may not send: this stage " + (
@@ -246,19 +258,23 @@ class AutoCalls:
                 f"{self._recv_what.format(step)}: the peer's metadata {meta} {why} (protocol error)"
             )
             raise self._failure
+        return direct, rows
+
+    def _finish_auto(self, step: int, direct: bool, rows: tuple[int, ...]) -> tuple[Any, Any]:
+        """Enqueue the path's half of a checked step on the stream of its entry write; return ``(pre, post)``.
+
+        Always that stream, also when recv(wait=False) deferred it: ``_auto`` argues the step's orderings
+        with its entry write and its half on one stream.
+        """
         spans, _ = dense_spans(self._recv_row_nbytes, rows)
         parts = self._parts
-        stream = self._entered_stream
         pushed = self._binding.enter()
         try:
             pre, post = parts.acquire_event(), parts.acquire_event()
-            self._auto_recv.finish(step, direct, spans, stream, pre, post)
-        except BaseException as err:
-            self._fail_mid_step(f"receiving step {step}", err)
-            raise
+            self._auto_recv.finish(step, direct, spans, self._entered_stream, pre, post)
         finally:
             self._binding.exit(pushed)
-        return self._recv_done(stream, pre, post, step, rows)
+        return pre, post
 
     # Provided by the transport.
     _parts: Any

@@ -88,6 +88,8 @@ class CopyEngineEnding:
         with self._ctx:
             self._release()
 
+    _deferred: Any = None
+
     def close(self) -> None:
         """Wait for this stage's queued transfers, then unmap and free everything; every stage calls it.
 
@@ -107,11 +109,19 @@ class CopyEngineEnding:
         (or ``abort()``) goes on where it stopped; once finished it does
         nothing.
         """
+        deferred = self._deferred
+        if deferred is not None and not deferred.waited and self._failure is None and not self._closed:
+            # A step recv(wait=False) returned that nobody used: consume it, so the sender's steps drain.
+            try:
+                deferred.wait()
+            except Exception as err:  # noqa: BLE001 - recorded as the transport's failure; close() goes on
+                logger.warning("%s: finishing the last received step in close(): %s", self._stages.name(), err)
         self._closed = True
         forget_links = getattr(self, "_forget_links", None)  # depth="auto": this process's links (host-only)
         if forget_links is not None:
             forget_links()
         if self._teardown.finished:
+            self._release_side_group()  # after an abort(), which leaves it: no process group in a signal handler
             return
         if self._teardown.running:  # called again from a signal handler that interrupted close() itself
             return
@@ -129,6 +139,8 @@ class CopyEngineEnding:
         if _faults.hook is not None:
             _faults.hook("close")
         self._finish(collective=True)
+        if self._teardown.finished:  # its barrier ran: the private gloo group is no longer needed
+            self._release_side_group()
 
     def abort(self) -> int:
         """Stop now, on this stage only; return the bytes kept by design (also :attr:`leaked_nbytes`).
@@ -163,8 +175,14 @@ class CopyEngineEnding:
         for endpoint in (self._parts.meta_in, self._parts.meta_out):
             if endpoint is not None:
                 endpoint.shutdown()
-        self._watchdog.stop(join=threading.current_thread() is not self._watchdog.thread)
-        if self._in_call or self._draining or self._teardown.running:
+        busy = self._in_call or self._draining or self._teardown.running
+        # Never join the watchdog while a call runs: a signal handler may have interrupted that call (on
+        # this very thread) inside `with watchdog._lock`, and the watchdog thread would then wait on that
+        # lock forever, and this join with it. With no call running, nothing of this transport holds the
+        # lock here; the join is bounded all the same.
+        self._watchdog.stop(join=not busy and threading.current_thread() is not self._watchdog.thread,
+                            timeout_s=1.0)
+        if busy:
             return self.leaked_nbytes  # the running call owns the GPU objects now; close() finishes later
         if not self._drained:
             self._gpu_idle = self._watchdog.wait_idle(deadline_s=1.0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -66,14 +67,29 @@ def resolve_stages(group_ranks: Sequence[int], my_rank: int, stage_ranks: Sequen
     """Check ``stage_ranks`` against the group and locate ``my_rank``.
 
     Raises:
-        ValueError: the stage list is not a permutation of the group's ranks,
-            has fewer than two stages, or does not contain ``my_rank``.
+        TypeError: ``stage_ranks`` is not a sequence of ints.
+        ValueError: the stage list is not a permutation of the group's ranks, has fewer than two
+            stages, does not contain ``my_rank``, or names several ranks for one stage (tensor
+            parallelism: one transport per TP rank instead).
     """
     group_sorted = sorted(int(r) for r in group_ranks)
     if stage_ranks is None:
         order = tuple(group_sorted)
     else:
-        order = tuple(int(r) for r in stage_ranks)
+        if isinstance(stage_ranks, (str, bytes)) or not isinstance(stage_ranks, Sequence):
+            raise TypeError(f"stage_ranks must be a list of global ranks, one per stage; got {stage_ranks!r:.80}")
+        several = [r for r in stage_ranks if isinstance(r, (Sequence, set, frozenset)) and not isinstance(r, str)]
+        if several:
+            raise ValueError(
+                f"stage_ranks lists one global rank per stage; got {several[0]!r} for one stage. A stage with "
+                "several ranks (tensor parallelism) is not one transport: build one per tensor-parallel rank, "
+                "over the pipeline group of that rank (the ranks with the same TP index in every stage); "
+                "docs/pp.md: tensor and pipeline parallelism"
+            )
+        try:
+            order = tuple(operator.index(r) for r in stage_ranks)
+        except TypeError:
+            raise TypeError(f"stage_ranks must hold ints (global ranks); got {list(stage_ranks)!r:.80}") from None
         if sorted(order) != group_sorted:
             raise ValueError(
                 f"stage_ranks must list each rank of the group exactly once; expected a permutation of "
@@ -100,19 +116,89 @@ def cpu_group(ranks: Sequence[int], timeout_s: float) -> Any:
     a new one (whose rendezvous waits for a peer that never comes). A new
     group per transport keeps every rank's sequence of groups the same,
     whoever saw the failure. Torch names a ``use_local_synchronization``
-    group by its ranks and by how many groups this process holds, so the
-    stages must hold the same number of groups when they call it (as torch
-    requires of any such group); none is destroyed here either, since that
-    would shift the names on one rank only. ``destroy_process_group``
-    destroys them with the rest. Blocks the host for the rendezvous (a few
-    milliseconds over the store; at most ``timeout_s``).
+    group by its ranks and by how many groups over the same ranks this
+    process holds, so the stages must hold the same such groups when they
+    call it (as torch requires of any such group). Each transport destroys
+    its group in ``close()`` (:func:`release_cpu_group`), and a failed
+    ``make_transport`` destroys it before it raises, on every stage alike:
+    so the stages hold the same groups again once every stage closed the
+    transports it closes (``docs/pp.md``: rebuilding), and a job that
+    rebuilds many times keeps no threads or sockets of old groups. Blocks
+    the host for the rendezvous (a few milliseconds over the store; at most
+    ``timeout_s``, plus the store's own polling).
+
+    Raises:
+        PeerTimeoutError: some stage did not join within ``timeout_s`` (it died or never called
+            ``make_transport``, or holds other groups over these ranks).
     """
     import torch.distributed as dist
 
     members = sorted(int(r) for r in ranks)
-    return dist.new_group(
-        ranks=members, backend="gloo", timeout=timedelta(seconds=timeout_s), use_local_synchronization=True
-    )
+    try:
+        return dist.new_group(
+            ranks=members, backend="gloo", timeout=timedelta(seconds=timeout_s), use_local_synchronization=True
+        )
+    except RuntimeError as err:  # torch's store and gloo errors (DistStoreError, "Wait timeout", ...)
+        raise PeerTimeoutError(
+            f"make_transport: ranks {members} did not all join this transport's private gloo group within "
+            f"{timeout_s:g} s: a stage died or has not called make_transport (every stage must call it the same "
+            f"number of times, after closing the same transports), or is only slow (raise timeout_s): {err}"
+        ) from err
+
+
+class _RetiredName:
+    """Holds a destroyed side group's name in torch's registry of group names, so it is never given again.
+
+    Torch names a ``use_local_synchronization`` group after its ranks and how many groups the process
+    holds (2.13: ``len(pg_names)``; earlier: rehashed while the name is held), and its rendezvous keys
+    in the store live under that name. Destroying a group would give its name, and its stale keys, to the
+    next group over the same ranks (measured: ``Gloo connectFullMesh failed ... Connection refused``).
+    torch calls ``shutdown()`` or ``abort()`` on every registered name when the world is destroyed.
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def shutdown(self) -> None:
+        """Nothing to shut down: the group itself is gone."""
+
+    def abort(self) -> None:
+        """Nothing to abort: the group itself is gone."""
+
+
+def _group_names() -> dict[Any, str] | None:
+    """torch's registry of process-group names (a dict in torch 2.11 to 2.13), or None if it is not one."""
+    from torch.distributed import distributed_c10d
+
+    names = getattr(getattr(distributed_c10d, "_world", None), "pg_names", None)
+    return names if type(names) is dict else None
+
+
+def release_cpu_group(side_group: Any, what: str) -> None:
+    """Destroy a transport's private gloo group (its threads and sockets); local, no collective.
+
+    Its name stays taken (:class:`_RetiredName`), so the stages' later groups get the same fresh names
+    whichever stage destroyed first. Does nothing when torch.distributed was torn down already
+    (``destroy_process_group()`` destroyed it with the rest), when the group is gone, or on a torch
+    whose registry of names is not the dict this relies on (the group is then kept, as before). A
+    failure is logged, never raised: it runs at the end of ``close()`` and on a failed set-up, whose
+    own error must not be masked. Blocks the host while gloo joins the group's threads. Not for a
+    signal handler (``abort()`` leaves it to ``close()``).
+    """
+    import torch.distributed as dist
+
+    if side_group is None or not dist.is_available() or not dist.is_initialized():
+        return
+    names = _group_names()
+    if names is None or side_group not in names:
+        return
+    name = names[side_group]
+    try:
+        dist.destroy_process_group(side_group)
+    except (RuntimeError, ValueError, KeyError) as err:  # ValueError: no longer registered
+        logger.debug("%s: destroying the private gloo group: %s", what, err)
+        return
+    names.setdefault(_RetiredName(name), name)
 
 
 # Uniform outcomes ---------------------------------------------------------------

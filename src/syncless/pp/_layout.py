@@ -195,29 +195,30 @@ def persistent_device(persistent: Mapping[str, torch.Tensor] | None) -> torch.de
 def validate_step(
     specs: Mapping[str, TensorSpec], tensors: object, device: torch.device, next_stage: str
 ) -> dict[str, int]:
-    """Check one step's tensors against the next stage's layout; return name -> row count.
+    """Check one step's tensors against the next stage's layout; return name -> row count (sent keys only).
 
-    Called before any GPU work, so a bad step leaves the transport untouched.
+    A step may carry any subset of the layout's keys (the receiver gets
+    exactly those). Called before any GPU work, so a bad step leaves the
+    transport untouched.
 
     Raises:
         TypeError: ``tensors`` is not a dict of str -> Tensor.
-        ValueError: a key is missing or unknown, or a tensor's dtype, row shape,
+        ValueError: a key is not in the layout, or a tensor's dtype, row shape,
             row count or device does not fit; the message names the key, what
             was expected and what came.
     """
     if not isinstance(tensors, Mapping):
         raise TypeError(f"send() takes a dict of name -> Tensor; got {type(tensors).__name__}")
-    got_keys = set(tensors)
-    want_keys = set(specs)
-    if got_keys != want_keys:
-        missing = sorted(want_keys - got_keys, key=str)
-        unknown = sorted(got_keys - want_keys, key=str)
+    unknown = sorted(set(tensors) - set(specs), key=str)
+    if unknown:
         raise ValueError(
-            f"send() keys do not match {next_stage}'s layout: expected {sorted(want_keys)}; "
-            f"missing {missing}, unknown {unknown}"
+            f"send() keys do not match {next_stage}'s layout: it has {sorted(specs)} (a step may carry any subset "
+            f"of them); unknown {unknown}"
         )
     rows: dict[str, int] = {}
     for name, spec in specs.items():
+        if name not in tensors:
+            continue
         tensor = tensors[name]
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"send()[{name!r}] must be a torch.Tensor; got {type(tensor).__name__}")
@@ -236,6 +237,28 @@ def validate_step(
     return rows
 
 
+#: The row count a step's metadata carries for a key the step did not send (the receiver leaves it out).
+ABSENT = -1
+
+
+def sent_rows(rows: Sequence[int]) -> list[int]:
+    """Row counts to move: :data:`ABSENT` (a key not sent) moves nothing, like 0 rows."""
+    return [count if count > 0 else 0 for count in rows]
+
+
+def rows_are_valid(rows: Sequence[int], specs: Mapping[str, TensorSpec]) -> bool:
+    """Whether a step's metadata row counts (one per layout key, :data:`ABSENT` allowed) fit the layout."""
+    return len(rows) == len(specs) and all(
+        ABSENT <= count <= spec.max_rows for count, spec in zip(rows, specs.values())
+    )
+
+
+def received_views(persistent: Mapping[str, torch.Tensor], names: Sequence[str],
+                   rows: Sequence[int]) -> dict[str, torch.Tensor]:
+    """The views a receiver returns: the first ``rows`` rows of each key the step carried (absent keys left out)."""
+    return {name: persistent[name][:count] for name, count in zip(names, rows) if count != ABSENT}
+
+
 def dense_spans(row_nbytes: Sequence[int], rows: Sequence[int]) -> tuple[list[tuple[int, int]], int]:
     """Place one step's rows densely in a slot: ``([(offset, nbytes) per tensor], end)``.
 
@@ -251,7 +274,7 @@ def dense_spans(row_nbytes: Sequence[int], rows: Sequence[int]) -> tuple[list[tu
     spans: list[tuple[int, int]] = []
     cursor = end = 0
     for size, count in zip(row_nbytes, rows):
-        nbytes = size * count
+        nbytes = size * count if count > 0 else 0  # ABSENT (-1): a key not sent takes no bytes
         spans.append((cursor, nbytes))
         if nbytes:
             end = cursor + nbytes
@@ -275,23 +298,29 @@ class StepCheck:
         self._expect = [(name, spec.dtype, torch.Size(spec.row_shape), spec.max_rows) for name, spec in specs.items()]
 
     def rows(self, tensors: object) -> list[int]:
-        """Return the row count of each tensor, in layout order.
+        """Return the row count of each layout key, in layout order (:data:`ABSENT` for a key not sent).
 
         Raises:
             TypeError, ValueError: as :func:`validate_step`.
         """
-        if type(tensors) is dict and len(tensors) == len(self._expect):
+        if type(tensors) is dict:
             device = self.device
             counts: list[int] = []
+            found = 0
             for name, dtype, row_shape, max_rows in self._expect:
                 tensor = tensors.get(name)
+                if tensor is None:
+                    counts.append(ABSENT)
+                    continue
                 if not isinstance(tensor, torch.Tensor) or tensor.dtype != dtype:
                     break
                 shape = tensor.shape
                 if not shape or shape[1:] != row_shape or shape[0] > max_rows or tensor.device != device:
                     break
                 counts.append(shape[0])
+                found += 1
             else:
-                return counts
+                if found == len(tensors):  # every key sent is one of the layout's
+                    return counts
         checked = validate_step(self.specs, tensors, self.device, self.next_stage)
-        return [checked[name] for name in self.specs]
+        return [checked.get(name, ABSENT) for name in self.specs]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -15,9 +16,9 @@ from syncless.pp import _faults
 from syncless.pp import _wire as wire
 from syncless.pp._base import Transport
 from syncless.pp._copy_engine_setup import INJECTABLE_FAILURES, open_copy_engine
-from syncless.pp._group import TRANSPORT_TAG, agree, cpu_group, resolve_stages
+from syncless.pp._group import TRANSPORT_TAG, agree, cpu_group, release_cpu_group, resolve_stages
 from syncless.pp._layout import AUTO_DEPTH, TensorSpec, check_depth, persistent_device, specs_from_persistent
-from syncless.pp._torch_dist import TorchDistTransport
+from syncless.pp._torch_dist import TorchDistTransport, backend_for
 
 logger = logging.getLogger("syncless.pp")
 
@@ -29,9 +30,44 @@ LAYOUT_CHECK = (
         lambda specs: type(specs) is dict and all(type(s) is TensorSpec for s in specs.values()),
         lambda depth: type(depth) is int or depth == AUTO_DEPTH,
         wire.is_int,
+        wire.is_tuple_of(wire.is_str, wire.is_sequence_of(wire.is_int), wire.is_str, wire.is_str, wire.is_int),
     ),
-    'a (dict of name -> TensorSpec, depth (an int or "auto"), auto slots) triple',
+    'a (dict of name -> TensorSpec, depth (an int or "auto"), auto slots, (backend, stage ranks, device type, '
+    "data backend, process id)) tuple",
 )
+
+#: What every stage must pass alike besides ``depth``, in the order of the exchange's fourth item (whose
+#: fifth field, the process id, differs: the torch.distributed transport records its send link by it).
+AGREED = ("backend (or SYNCLESS_PP_TRANSPORT)", "stage_ranks", "device type", "data backend")
+
+
+def _check_agreement(stages: Any, choices: list[tuple[Any, ...]]) -> None:
+    """Raise the same ValueError on every stage when the stages passed different arguments.
+
+    Each stage computed ``choices`` from the same exchange, so every stage raises alike (and none has
+    started anything the others have not: the private group stays as usable as after any set-up error).
+    ``stage_ranks`` is checked first and named by global rank, since the stages' names differ between
+    ranks that disagree on the order.
+    """
+    orders = [tuple(c[1]) for c in choices]
+    if len(set(orders)) > 1:
+        by_rank = sorted(zip(stages.ranks, orders))
+        listing = ", ".join(f"rank {rank}: {order}" for rank, order in by_rank)
+        raise ValueError(f"make_transport: every stage must pass the same stage_ranks; got {listing}")
+    for position in (0, 3, 2):  # the data backend before the device type: it is what would break the link
+        what = AGREED[position]
+        values = [repr(c[position]) for c in choices]
+        if len(set(values)) == 1:
+            continue
+        listing = ", ".join(f"{stages.name(i)}: {v}" for i, v in enumerate(values))
+        extra = ""
+        if what == "data backend":
+            devices = ", ".join(f"{stages.name(i)}: {c[2]}" for i, c in enumerate(choices))
+            extra = (f" (the device types are {devices}): the data of one link must go over one backend, so "
+                     "put every stage's persistent tensors on the same kind of device")
+        elif what == "device type":
+            extra = " (from `persistent`, or `device` on a stage without one): put every stage on one kind of device"
+        raise ValueError(f"make_transport: every stage must pass the same {what}; got {listing}{extra}")
 
 
 def _resolve_device(persistent: Mapping[str, torch.Tensor] | None, device: Any) -> torch.device:
@@ -146,11 +182,24 @@ def make_transport(
         group = dist.group.WORLD
     stages = resolve_stages(dist.get_process_group_ranks(group), dist.get_rank(), stage_ranks)
     side = cpu_group(stages.ranks, timeout)  # a new one for every transport: see cpu_group
+    try:
+        return _build(side, group, stages, persistent, choice, timeout, device, depth, _inject_failure)
+    except BaseException:
+        # Every stage raises here alike (the outcomes are agreed) or after its own timeout: each destroys
+        # its group, so the stages hold the same groups for the next make_transport (see cpu_group).
+        release_cpu_group(side, f"{stages.name()} make_transport")
+        raise
+
+
+def _build(side: Any, group: Any, stages: Any, persistent: Mapping[str, torch.Tensor] | None, choice: str,
+           timeout: float, device: Any, depth: int | str, _inject_failure: str | None) -> Transport:
+    """make_transport's collective part, over this transport's private gloo group ``side``."""
     _faults.reach("setup:layout")
 
     resolved: dict[str, Any] = {}
 
-    def local_layout() -> tuple[dict[str, TensorSpec], int | str, int]:
+    def local_layout() -> tuple[dict[str, TensorSpec], int | str, int, tuple[str, list[int], str, str, int]]:
+        layout = specs_from_persistent(persistent)  # first: a malformed `persistent` is a TypeError naming it
         checked_depth = check_depth(depth)
         try:  # read inside the exchange, so that a bad value is raised alike on every stage
             slots = config.read("SYNCLESS_PP_AUTO_SLOTS") if checked_depth == AUTO_DEPTH else 0
@@ -158,18 +207,20 @@ def make_transport(
             resolved["min_nbytes"] = config.read("SYNCLESS_PP_AUTO_DIRECT_MIN_BYTES") if slots else 0
         except ConfigError as err:  # shared as the ValueError it is (agree passes on ValueError and TypeError)
             raise ValueError(str(err)) from err
-        resolved["device"] = _resolve_device(persistent, device)
-        return specs_from_persistent(persistent), checked_depth, slots
+        chosen = resolved["device"] = _resolve_device(persistent, device)
+        data_backend = "gloo" if chosen.type == "cpu" else backend_for(group, chosen.type)
+        return layout, checked_depth, slots, (choice, list(stages.ranks), chosen.type, data_backend, os.getpid())
 
     shared = agree(side, stages, "make_transport", local_layout, check=LAYOUT_CHECK)
-    specs = [layout for layout, _, _ in shared]
-    depths = [stage_depth for _, stage_depth, _ in shared]
+    _check_agreement(stages, [agreed for _, _, _, agreed in shared])
+    specs = [layout for layout, _, _, _ in shared]
+    depths = [stage_depth for _, stage_depth, _, _ in shared]
     # Every stage sizes its neighbours' slots from its own depth, so all must agree;
     # every rank sees the same list and raises the same error.
     if len(set(map(repr, depths))) > 1:
         listing = ", ".join(f"{stages.name(i)}: {d!r}" for i, d in enumerate(depths))
         raise ValueError(f"make_transport: every stage must pass the same depth; got {listing}")
-    all_slots = [slots for _, _, slots in shared]
+    all_slots = [slots for _, _, slots, _ in shared]
     if len(set(all_slots)) > 1:
         listing = ", ".join(f"{stages.name(i)}: {n}" for i, n in enumerate(all_slots))
         raise ValueError(
@@ -222,4 +273,6 @@ def make_transport(
         timeout_s=timeout,
         fallback_reason=fallback_reason,
         setup_leaked_nbytes=setup_leaked_nbytes,
+        depth=my_depth,
+        next_pid=shared[stages.index + 1][3][4] if stages.next_rank is not None else None,
     )

@@ -99,6 +99,11 @@ _CONTEXT = b"syncless-pp metadata channel, sender answers challenge\0"
 HANDSHAKE_S = 5.0
 #: Most connections waiting for their answer at once; beyond it the oldest is dropped.
 MAX_PENDING = 256
+#: At most this many connections are taken from the kernel's queue per turn of the listener's loop, so
+#: that a sustained flood (of any user) never keeps it from reading the real sender's answer or its stop.
+ACCEPT_BATCH = 32
+#: How long close() waits for the listener's thread (it only polls and closes sockets).
+CLOSE_JOIN_S = 2.0
 #: Refusals logged one by one per listener; the rest are counted and summed up once.
 LOGGED_REFUSALS = 8
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -225,13 +230,15 @@ class Listener:
                 if self._pending:
                     nearest = min(c.deadline for c in self._pending.values())
                     wait_ms = max(0, int((nearest - now) * 1000) + 1)
-                for fd, _ in poller.poll(wait_ms):
-                    if fd == self._wake_read or self._winner is not None:
-                        continue
-                    if fd == self._sock.fileno():
-                        self._accept_all(poller)
-                    elif fd in self._pending:
+                ready = [fd for fd, _ in poller.poll(wait_ms)]
+                # Answers first, then a bounded batch of new connections: a flood cannot starve either.
+                for fd in ready:
+                    if self._stop or self._winner is not None:
+                        break
+                    if fd in self._pending:
                         self._read_answer(poller, fd)
+                if self._sock.fileno() in ready and not self._stop and self._winner is None:
+                    self._accept_some(poller)
         finally:
             why = "the sender was authenticated on another connection" if self._winner else "the listener closed"
             for fd in list(self._pending):
@@ -241,8 +248,11 @@ class Listener:
                 logger.warning("%s: %d connections were refused in all", self._label(), self.refused)
             self._done.set()
 
-    def _accept_all(self, poller: select.poll) -> None:
-        while True:
+    def _accept_some(self, poller: select.poll) -> None:
+        """Take at most ``ACCEPT_BATCH`` connections from the kernel's queue (the rest wait for the next turn)."""
+        for _ in range(ACCEPT_BATCH):
+            if self._stop or self._winner is not None:
+                return
             try:
                 conn, _ = self._sock.accept()
             except (BlockingIOError, InterruptedError):
@@ -337,9 +347,16 @@ class Listener:
             os.write(self._wake_write, b"x")
         except OSError:
             pass  # the pipe is full (or closed): the thread is awake anyway
-        self._thread.join()  # it only polls and closes sockets: it returns at once
-        for fd in (self._wake_read, self._wake_write):
-            os.close(fd)
+        # It only polls and closes sockets, and checks the stop between any two connections it takes:
+        # it returns at once. Should it not, its pipe stays open (closing it under a running poll could
+        # hand its number to another file), and it closes its own listening socket when it ends.
+        self._thread.join(CLOSE_JOIN_S)
+        if self._thread.is_alive():
+            logger.warning("%s: the listener's thread did not stop within %g s; left to end by itself",
+                           self._label(), CLOSE_JOIN_S)
+        else:
+            for fd in (self._wake_read, self._wake_write):
+                os.close(fd)
         if self._winner is not None:  # authenticated but never taken by accept()
             self._winner.close()
             self._winner = None
@@ -362,31 +379,53 @@ class Listener:
 def connect(name: str, token: bytes, length: int, timeout_s: float, what: str) -> Sender:
     """Connect to a :class:`Listener` of this node by its name, answer its challenge; return the sending end.
 
-    Blocks the host for at most ``timeout_s``.
+    Blocks the host for at most ``timeout_s``. A full queue at the listener (``EAGAIN``: a local flood)
+    or a connection it dropped before its challenge (evicted by a flood) is retried, every few
+    milliseconds, until then.
 
     Raises:
         PeerTimeoutError: nobody listens under ``name``, or it sent no challenge in time, or
             something else answered there.
     """
     deadline = time.monotonic() + timeout_s
+    pause_s = 0.001
+    while True:
+        try:
+            return Sender(_handshake(name, token, deadline), length, timeout_s)
+        except (BlockingIOError, _DroppedBeforeChallenge) as err:  # the flood's doing: try again, in time
+            if time.monotonic() + pause_s >= deadline:
+                raise PeerTimeoutError(f"{what}: could not reach the next stage's metadata socket within "
+                                       f"{timeout_s:g} s (its queue stayed full: a local flood?): {err}") from err
+            time.sleep(pause_s)
+            pause_s = min(pause_s * 2, 0.05)
+        except OSError as err:  # socket.timeout and ConnectionError are OSErrors
+            raise PeerTimeoutError(f"{what}: could not reach the next stage's metadata socket: {err}") from err
+
+
+class _DroppedBeforeChallenge(ConnectionError):
+    """The listener closed the connection before its challenge (a flood evicted it): worth a retry."""
+
+
+def _handshake(name: str, token: bytes, deadline: float) -> socket.socket:
+    """One attempt: connect, read the challenge, answer it; return the connected socket (closed on failure)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.settimeout(timeout_s)
+        sock.settimeout(max(deadline - time.monotonic(), 0.001))
         sock.connect(name)
         challenge = b""
         while len(challenge) < CHALLENGE_NBYTES:
             sock.settimeout(max(deadline - time.monotonic(), 0.001))
             chunk = sock.recv(CHALLENGE_NBYTES - len(challenge))
             if not chunk:
-                raise ConnectionError("the listener closed the connection before its challenge")
+                raise _DroppedBeforeChallenge("the listener closed the connection before its challenge")
             challenge += chunk
         if not challenge.startswith(GREETING):
             raise ConnectionError(f"the listener sent {challenge[:len(GREETING)]!r}, not the syncless greeting")
         sock.sendall(expected_answer(token, name, challenge[len(GREETING):]), socket.MSG_NOSIGNAL)
-    except OSError as err:  # socket.timeout and ConnectionError are OSErrors
+    except BaseException:
         sock.close()
-        raise PeerTimeoutError(f"{what}: could not reach the next stage's metadata socket: {err}") from err
-    return Sender(sock, length, timeout_s)
+        raise
+    return sock
 
 
 class _Endpoint:

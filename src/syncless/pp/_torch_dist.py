@@ -26,6 +26,7 @@ queues any number of posted sends itself, and every send owns its clones.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
@@ -38,8 +39,10 @@ import torch
 from syncless._core.errors import PeerTimeoutError, TransportFailedError
 from syncless.pp import _faults
 from syncless.pp._base import Transport, refuse_graph_capture
+from syncless.pp._copy_engine_auto import record_send_link
 from syncless.pp._group import StageMap, recv_meta
-from syncless.pp._layout import StepCheck, TensorSpec
+from syncless.pp._layout import ABSENT, StepCheck, TensorSpec, received_views, rows_are_valid
+from syncless.pp._received import ReceivedStep
 
 logger = logging.getLogger(__name__)
 
@@ -61,10 +64,18 @@ def backend_for(group: Any, device_type: str) -> str:
     return name
 
 
+def _on_stream(device: torch.device, handle: int | None) -> Any:
+    """Make the stream with raw handle ``handle`` current for a block (None: leave the current one)."""
+    if handle is None or device.type != "cuda":
+        return contextlib.nullcontext()
+    return torch.cuda.stream(torch.cuda.ExternalStream(handle, device=device))
+
+
 class TorchDistTransport(Transport):
     """Pipeline transport over torch.distributed point-to-point ops; built by ``make_transport``."""
 
     backend = "torch_distributed"
+    _deferred: ReceivedStep | None = None  # a step recv(wait=False) returned whose wait is not done yet
 
     def __init__(
         self,
@@ -80,8 +91,11 @@ class TorchDistTransport(Transport):
         timeout_s: float,
         fallback_reason: str | None,
         setup_leaked_nbytes: int = 0,
+        depth: int | str = 2,
+        next_pid: int | None = None,
     ):
         self.device = device
+        self.depth = depth  # agreed by every stage and kept for the caller; the backend queues the sends itself
         self.fallback_reason = fallback_reason
         self._setup_leaked_nbytes = setup_leaked_nbytes
         self._group = group
@@ -111,6 +125,9 @@ class TorchDistTransport(Transport):
         # batch_isend_irecv must be the group's first P2P call on every rank when it is
         # the group's first collective; with exactly two ranks every rank takes part.
         self._batch = len(stages.ranks) == 2
+        # A depth="auto" copy-engine link of this process that receives from the next stage's process must
+        # know about this link back to it (_copy_engine_auto: a cycle through a slot wait).
+        self._forget_links = record_send_link(self, next_pid if send_specs is not None else None)
 
     def send(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Send one step to the next stage.
@@ -141,7 +158,7 @@ class TorchDistTransport(Transport):
         # The data first: an out-of-memory error or an interrupt here sends nothing and uses no step number.
         payloads = []
         for name, count in zip(self._send_specs, rows):
-            if count:
+            if count > 0:  # not 0 rows nor a key left out of the step (ABSENT)
                 source = tensors[name]
                 if self._stage_via_host:
                     payloads.append(source.to("cpu", copy=True).contiguous())
@@ -171,13 +188,19 @@ class TorchDistTransport(Transport):
         if _faults.hook is not None:
             _faults.hook("step:after_meta")
 
-    def recv(self) -> dict[str, torch.Tensor]:
+    def recv(self, wait: bool = True) -> dict[str, torch.Tensor] | ReceivedStep:
         """Receive the next step into the persistent tensors; return views with this step's rows.
 
-        Blocks the host until the metadata arrives (at most the timeout).
-        With NCCL the data receive is then ordered on the caller's current
-        stream without blocking the host; with gloo the host waits for it
-        (at most the timeout).
+        Blocks the host until the metadata arrives (at most the timeout),
+        then posts the data receives. With NCCL the wait for them is then
+        ordered on the caller's current stream without blocking the host;
+        with gloo the host waits for them (at most the timeout). With
+        ``wait=False`` the receives are posted the same way (the transfer
+        runs), but that wait happens only at first use of the returned
+        :class:`ReceivedStep` (or its ``wait(stream)``), on the stream current
+        then (or ``stream``). The next ``recv()`` waits for an unused one
+        first. The views are the persistent tensors, which the next step
+        overwrites: consume or copy them before its ``recv()``.
 
         Raises:
             PeerTimeoutError: the previous stage sent nothing within the timeout or its connection broke.
@@ -187,6 +210,8 @@ class TorchDistTransport(Transport):
             raise RuntimeError(f"{self._stages.name()} is the first stage: it has no previous stage to receive from")
         if self.device.type == "cuda":
             refuse_graph_capture(self._stages.name(), "recv")
+        if self._deferred is not None:
+            self._deferred.wait()
         step = self._recv_step + 1
         what = f"{self._stages.name()} receiving step {step}"
         names = list(self._recv_specs)
@@ -200,40 +225,53 @@ class TorchDistTransport(Transport):
                     f"{what}: interrupted while receiving its metadata ({err!r}); this transport is unusable")
             raise
         rows = dict(zip(names, meta[1:]))
-        if meta[0] != step or any(not 0 <= r <= self._recv_specs[n].max_rows for n, r in rows.items()):
+        if meta[0] != step or not rows_are_valid(meta[1:], self._recv_specs):
             self._failure = TransportFailedError(f"{what}: the peer's metadata {meta} does not match (protocol error)")
             raise self._failure
         try:
-            return self._recv_data(step, what, names, rows)
+            finish = self._recv_data(step, what, names, rows)
+            if wait:
+                return finish(None)
         except BaseException as err:
             if self._failure is None:
                 self._failure = TransportFailedError(
                     f"{what}: stopped after its metadata arrived ({err!r}); this transport is unusable")
             raise
+        self._deferred = ReceivedStep([n for n in names if rows[n] != ABSENT], finish)
+        return self._deferred
 
-    def _recv_data(self, step: int, what: str, names: list[str], rows: dict[str, int]) -> dict[str, torch.Tensor]:
+    def _recv_data(self, step: int, what: str, names: list[str], rows: dict[str, int]) -> Any:
+        """Post step ``step``'s data receives; return what waits for them (on a stream, or the host for gloo)."""
         import torch.distributed as dist
 
-        targets = [self._persistent[n][: rows[n]] for n in names if rows[n]]
+        targets = [self._persistent[n][: rows[n]] for n in names if rows[n] > 0]
         if self._stage_via_host:
             landing = [torch.empty(t.shape, dtype=t.dtype) for t in targets]
         else:
             landing = targets
         works = self._post(dist.irecv, landing, self._stages.prev_rank)
-        try:
-            for work in works:
-                if self._host_waits:
-                    work.wait(timeout=timedelta(seconds=self._timeout_s))
-                else:
-                    work.wait()
-        except RuntimeError as err:
-            self._failure = PeerTimeoutError(f"{what}: the data did not arrive within {self._timeout_s:g} s: {err}")
-            raise self._failure from err
-        if self._stage_via_host:
-            for target, landed in zip(targets, landing):
-                target.copy_(landed)
-        self._recv_step = step
-        return {n: self._persistent[n][: rows[n]] for n in names}
+        self._recv_step = step  # posted: the next step's receives go after these
+
+        def finish(stream: int | None) -> dict[str, torch.Tensor]:
+            self._deferred = None
+            if self._failure is not None:
+                raise self._failure
+            try:
+                with _on_stream(self.device, stream):
+                    for work in works:
+                        if self._host_waits:
+                            work.wait(timeout=timedelta(seconds=self._timeout_s))
+                        else:
+                            work.wait()
+                    if self._stage_via_host:
+                        for target, landed in zip(targets, landing):
+                            target.copy_(landed)
+            except RuntimeError as err:
+                self._failure = PeerTimeoutError(f"{what}: the data did not arrive within {self._timeout_s:g} s: {err}")
+                raise self._failure from err
+            return received_views(self._persistent, names, [rows[n] for n in names])
+
+        return finish
 
     def _post(self, op: Any, tensors: list[torch.Tensor], peer: int) -> list[Any]:
         import torch.distributed as dist
@@ -304,11 +342,17 @@ class TorchDistTransport(Transport):
         """Finish this stage's sends, then refuse further calls; never waits for the peer to call close().
 
         Blocks the host until every posted send completed (at most the
-        timeout each); after
+        timeout each), then destroys the transport's private gloo group; after
         a failure, or once one send did not complete, it waits for none (their
         buffers are dropped: the backend holds what it still needs). Local: no
         collective. Resumable: an interrupted close() is finished by the next.
         """
+        deferred = self._deferred
+        if deferred is not None and self._failure is None and not self._closed:
+            try:  # a step recv(wait=False) returned that nobody used: its receives complete before we go
+                deferred.wait()
+            except RuntimeError as err:  # recorded as the failure; close() goes on
+                logger.warning("%s: finishing the last received step in close(): %s", self._stages.name(), err)
         self._closed = True
         while self._pending:
             works, _buffers = self._pending[0]
@@ -321,6 +365,10 @@ class TorchDistTransport(Transport):
             self._drop_sent(works)
         if _faults.hook is not None:
             _faults.hook("close")
+        self._forget_links()
+        # Last: what was posted on it is done or dropped. Local (destroying a gloo group is no collective).
+        self._group = None
+        self._release_side_group()
 
     def abort(self) -> int:
         """Refuse every later call on this stage (local, no collective; waits for nothing); return :attr:`leaked_nbytes`.

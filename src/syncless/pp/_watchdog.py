@@ -153,8 +153,8 @@ class Watchdog:
             time.sleep(poll_s)
         return True
 
-    def stop(self, join: bool = True) -> None:
-        """Stop the thread (wait for it unless ``join`` is False); stopping twice is harmless.
+    def stop(self, join: bool = True, timeout_s: float | None = None) -> None:
+        """Stop the thread (wait for it, at most ``timeout_s``, unless ``join`` is False); twice is harmless.
 
         Brackets stay listed: :meth:`wait_idle` then polls them itself (their events are the
         transport's, destroyed with it).
@@ -163,7 +163,7 @@ class Watchdog:
         if not join:
             return
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join()
+            self._thread.join(timeout_s)
 
     def _run(self) -> None:
         try:

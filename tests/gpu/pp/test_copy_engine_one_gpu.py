@@ -96,3 +96,12 @@ def test_gpu_wait_that_never_ends_is_released_and_reported():
     receiver = results[1]
     assert "waited" in receiver["error"] and "timeout 2 s" in receiver["error"]
     assert receiver["ids_poisoned"], "the released step should read the 0xFF poison, not the late data"
+
+
+@pytest.mark.parametrize("depth", [0, 2, "auto"])
+def test_a_step_may_carry_any_subset_of_the_keys_bit_exact_on_one_gpu(depth):
+    # Random subsets of the layout's keys (none and all included), conj/neg views every third step.
+    results = run_ranks(cases.subset_steps, 2, args=("cuda", "copy_engine", depth, 300), devices=[0, 0], timeout_s=120)
+    assert results[1]["backend"] == "copy_engine"
+    assert results[1]["wrong"] == 0 and results[1]["steps"] == 300, results[1]
+    assert results[1]["partial"] > 0 and results[1]["empty"] > 0, results[1]

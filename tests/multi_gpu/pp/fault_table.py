@@ -19,6 +19,13 @@ between two steps, injected by this harness):
 - ``stall``: the victim sleeps for the timeout + 2 s, then goes on, fails,
   closes and rebuilds.
 
+Set-up rows (phase ``setup:arguments``, stage 1 at fault): ``peer never arrives``
+(stage 1 skips ``make_transport``: stage 0 must raise ``PeerTimeoutError`` within
+the bound; both then rebuild in a new world), ``mismatched arguments`` (stage 1
+passes another backend) and ``malformed persistent`` (stage 1 passes a list):
+both stages must raise the same ``ValueError`` / ``TypeError`` within the bound,
+and a rebuild on the same group must run its steps bit-exact.
+
 Columns: what the survivor raised and how long after the fault (the bound is
 timeout + 2 s); its device memory after ``close()`` against its baseline
 (back to baseline, or what the transport reported as leaked by design);
@@ -51,10 +58,17 @@ SETUP_PHASES_CE = ("setup:check", "setup:allocate", "setup:open", "setup:accept"
 SETUP_PHASES_TD = ("setup:layout",)
 STEP_PHASES = ("step:before_meta", "step:after_meta", "between", "close")
 FAULTS = ("sigkill", "sigint", "stall")
+#: Set-up rows: what stage 1 does wrong at make_transport, and what both stages must raise (within the bound).
+SETUP_FAULTS = {
+    "peer never arrives": "PeerTimeoutError",  # stage 1 never calls make_transport (stage 0 only raises)
+    "mismatched arguments": "ValueError",  # stage 1 passes another backend
+    "malformed persistent": "TypeError",  # stage 1 passes a list for `persistent`
+}
+SETUP_PHASE = "setup:arguments"
 #: Which stage is the victim at each phase (0 sends, 1 receives; only stage 1 accepts a connection).
 VICTIM = {
     "setup:layout": 1, "setup:check": 0, "setup:allocate": 1, "setup:open": 0, "setup:accept": 1,
-    "step:before_meta": 0, "step:after_meta": 0, "between": 1, "close": 0,
+    "step:before_meta": 0, "step:after_meta": 0, "between": 1, "close": 0, SETUP_PHASE: 1,
 }
 #: Steps run before the fault (the fault comes at this step's send or after this step's recv).
 FAULT_STEP = 10
@@ -297,6 +311,75 @@ def fault_row(rank: int, world: int, row: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def setup_row(rank: int, world: int, row: dict[str, Any]) -> dict[str, Any]:
+    """One rank of a set-up row (``SETUP_FAULTS``): stage 1 gets set-up wrong, then both rebuild correctly.
+
+    A peer that never arrived is replaced in a new world (a real one is dead or was never started); the
+    other rows rebuild on the same group, which must still work.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from syncless._core.launch import say
+    from syncless.pp import make_transport
+
+    fault, timeout_s, sync_dir = row["fault"], row["timeout_s"], row["sync_dir"]
+    device = torch.device("cuda", torch.cuda.current_device()) if row["device"] == "cuda" else torch.device("cpu")
+    out: dict[str, Any] = {"rank": rank}
+    persistent = _persistent(torch, device) if rank == 1 else None
+    kwargs = {"backend": row["transport"], "timeout_s": timeout_s, "device": device}
+    raised = None
+    start = time.monotonic()
+    try:
+        if fault == "peer never arrives" and rank == 1:
+            say("stage 1: not taking part in make_transport")
+        else:
+            if fault == "mismatched arguments" and rank == 1:
+                kwargs["backend"] = "torch_distributed" if row["transport"] == "copy_engine" else "auto"
+            if fault == "malformed persistent" and rank == 1:
+                persistent = list(persistent.values())
+            transport = make_transport(None, persistent, **kwargs)
+            transport.close()
+    except BaseException as err:  # noqa: BLE001 - the row records what was raised
+        raised = err
+    out["seconds_in_call"] = round(time.monotonic() - start, 2)
+    out["raised"] = None if raised is None else f"{type(raised).__name__}: {str(raised)[:300]}"
+    out["raised_type"] = None if raised is None else type(raised).__name__
+    say(f"stage {rank}: raised {out['raised']!r} after {out['seconds_in_call']} s")
+    _meet(sync_dir, "rebuild", [0, 1], rank, timeout_s=40)
+    group = _new_world(dist, row, rank) if fault == "peer never arrives" else None
+    out.update(_rebuild(torch, make_transport, group, [0, 1], rank, device, row))
+    return out
+
+
+def judge_setup(row: dict[str, Any]) -> dict[str, Any]:
+    """Verdict of a set-up row: the expected error on every stage that took part, in time; a rebuild that works."""
+    ranks = row.get("ranks")
+    if ranks is None:
+        row.update(survivor_raised="(harness failed)", verdict="FAIL",
+                   problems=["harness: " + row["harness_error"][-300:]])
+        return row
+    expected = SETUP_FAULTS[row["fault"]]
+    taking_part = [0] if row["fault"] == "peer never arrives" else [0, 1]
+    problems = []
+    for index in taking_part:
+        got = ranks[index].get("raised_type")
+        if got != expected:
+            problems.append(f"stage {index} raised {ranks[index].get('raised')!r}, not a {expected}")
+    seconds = max(ranks[i]["seconds_in_call"] for i in taking_part)
+    if seconds > row["timeout_s"] + SLACK_S:
+        problems.append(f"stage 0 took {seconds} s (bound {row['timeout_s'] + SLACK_S:g} s)")
+    rebuilt = [r for r in ranks if "rebuilt_ok" in r]
+    exact = all(r["rebuilt_ok"] for r in rebuilt) and ranks[1].get("rebuilt_mismatches") == 0
+    rebuild = f"{row['steps']} steps bit-exact" if len(rebuilt) == 2 and exact else "; ".join(
+        r.get("rebuilt_error", f"mismatches {r.get('rebuilt_mismatches')}") for r in rebuilt) or "not run"
+    if rebuild != f"{row['steps']} steps bit-exact":
+        problems.append(f"rebuild: {rebuild}")
+    row.update(survivor_raised=", ".join(str(ranks[i].get("raised_type")) for i in taking_part), seconds=seconds,
+               memory="n/a (set-up)", rebuild=rebuild, verdict="ok" if not problems else "FAIL", problems=problems)
+    return row
+
+
 def _new_world(dist: Any, row: dict[str, Any], new_rank: int) -> Any:
     """After a SIGKILL: a new process group of the survivor and the standby (new rank = its stage); returns it.
 
@@ -378,7 +461,11 @@ def rows_for(device: str, transports: list[str], faults: list[str], phases: list
             if phases and phase not in phases:
                 continue
             for fault in faults:
-                rows.append({"device": device, "transport": transport, "fault": fault, "phase": phase})
+                if fault not in SETUP_FAULTS:
+                    rows.append({"device": device, "transport": transport, "fault": fault, "phase": phase})
+        for fault in faults:
+            if fault in SETUP_FAULTS and (not phases or SETUP_PHASE in phases):
+                rows.append({"device": device, "transport": transport, "fault": fault, "phase": SETUP_PHASE})
     return rows
 
 
@@ -387,6 +474,7 @@ def run_row(row: dict[str, Any], timeout_s: float, steps: int) -> dict[str, Any]
     from syncless._core.launch import RankFailed, run_ranks
 
     sync_dir = tempfile.mkdtemp(prefix="syncless-fault-")
+    setup = row["fault"] in SETUP_FAULTS
     world = 3 if row["fault"] == "sigkill" else 2
     victim = VICTIM[row["phase"]]
     cuda = row["device"] == "cuda"
@@ -395,13 +483,16 @@ def run_row(row: dict[str, Any], timeout_s: float, steps: int) -> dict[str, Any]
     plan = {**row, "timeout_s": timeout_s, "sync_dir": sync_dir, "steps": steps, "backend": backend}
     started = time.monotonic()
     try:
-        results = run_ranks(fault_row, world, args=(plan,), backend=backend, init="file", devices=devices,
-                            timeout_s=45 + 6 * timeout_s, may_die={victim} if row["fault"] == "sigkill" else (),
+        results = run_ranks(setup_row if setup else fault_row, world, args=(plan,), backend=backend, init="file",
+                            devices=devices, timeout_s=45 + 6 * timeout_s,
+                            may_die={victim} if row["fault"] == "sigkill" else (),
                             load_by_file=True, progress=True, env={"PYTHONUNBUFFERED": "1"})
         outcome = {"ranks": results}
     except RankFailed as err:
         outcome = {"ranks": None, "harness_error": str(err)[-2000:]}
     outcome["wall_s"] = round(time.monotonic() - started, 1)
+    if setup:
+        return judge_setup({**row, "timeout_s": timeout_s, "steps": steps, **outcome})
     return judge({**row, "timeout_s": timeout_s, "steps": steps, **outcome})
 
 
@@ -474,7 +565,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", type=pathlib.Path)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--transports", default=None, help="comma list: copy_engine, torch_distributed")
-    parser.add_argument("--faults", default=",".join(FAULTS))
+    parser.add_argument("--faults", default=",".join((*FAULTS, *SETUP_FAULTS)),
+                        help="comma list (default: all): " + ", ".join((*FAULTS, *SETUP_FAULTS)))
     parser.add_argument("--phases", default=None, help="comma list of phases (default: all)")
     parser.add_argument("--timeout-s", type=float, default=3.0)
     parser.add_argument("--steps", type=int, default=500)

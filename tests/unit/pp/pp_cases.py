@@ -254,7 +254,7 @@ def validation(rank, world, kind, backend, other_device=None):
             raise AssertionError("seed gives an empty step")
         h = good["hidden"]
         cases = [
-            ({k: v for k, v in good.items() if k != "ids"}, ValueError, "missing ['ids']"),
+            ({"hidden": h, "bogus2": h}, ValueError, "unknown ['bogus2']"),  # a subset is fine, a stranger not
             ({**good, "bogus": h}, ValueError, "unknown ['bogus']"),
             ({**good, "hidden": h.float()}, ValueError, "expected dtype torch.bfloat16, got torch.float32"),
             ({**good, "hidden": torch.zeros((2, 95), dtype=torch.bfloat16, device=device)}, ValueError,
@@ -287,6 +287,77 @@ def validation(rank, world, kind, backend, other_device=None):
     dist.barrier()
     transport.close()
     return messages
+
+
+SUBSET_SPEC = {"hidden": (torch.bfloat16, (96,)), "ids": (torch.int64, ()), "z": (torch.complex64, (3,))}
+
+
+def _subset_step(seed, step, max_rows, device):
+    """A random subset of SUBSET_SPEC's keys (empty and full included) with random rows; every third step
+    sends conjugate and negative views (whose raw bytes are not their values)."""
+    rng = random.Random(seed * 7919 + step)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed * 1_000_003 + step)
+    pick = rng.random()
+    names = [] if pick < 0.1 else list(SUBSET_SPEC) if pick < 0.2 else [n for n in SUBSET_SPEC if rng.random() < 0.5]
+    out = {}
+    for name in names:
+        dtype, row = SUBSET_SPEC[name]
+        shape = (rng.randint(0, max_rows), *row)
+        if dtype == torch.int64:
+            out[name] = torch.randint(-(2**40), 2**40, shape, generator=gen, device=device)
+        else:
+            out[name] = torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype) \
+                if dtype != torch.complex64 else torch.randn(shape, generator=gen, device=device, dtype=dtype)
+    if step % 3 == 0:
+        if "z" in out:
+            out["z"] = out["z"].conj() if step % 2 else torch._neg_view(out["z"])
+        if "hidden" in out:
+            out["hidden"] = torch._neg_view(out["hidden"])
+    return out
+
+
+def _value_bytes(t):
+    return t.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+
+
+def subset_steps(rank, world, kind, backend, depth, steps, max_rows=16, seed=77, timeout_s=30):
+    """Stage 0 sends random subsets of the keys (and conj/neg views); stage 1 must get exactly those keys,
+    bit-exact; returns the count of wrong steps and of each kind of step seen."""
+    device = _device(kind)
+    persistent = None
+    if rank == 1:
+        shapes = {n: ((max_rows, *row), dtype) for n, (dtype, row) in SUBSET_SPEC.items()}
+        if kind == "cuda" and depth in (0, "auto"):
+            from syncless.pp import alloc_persistent
+
+            persistent = alloc_persistent(shapes, device)
+        else:
+            persistent = {n: torch.empty(shape, dtype=dtype, device=device) for n, (shape, dtype) in shapes.items()}
+    transport = make_transport(None, persistent, backend=backend, depth=depth, timeout_s=timeout_s, device=device)
+    say(f"stage {rank}: {transport.backend} depth {depth!r}")
+    wrong, partial, empty = 0, 0, 0
+    for step in range(1, steps + 1):
+        data = _subset_step(seed, step, max_rows, device)
+        if rank == 0:
+            transport.send(data)
+            continue
+        for t in persistent.values():
+            t.view(torch.uint8).fill_(0xA5)
+        out = transport.recv()
+        if sorted(out) != sorted(data) or any(
+            out[n].shape != data[n].shape or not torch.equal(_value_bytes(out[n]), _value_bytes(data[n])) for n in data
+        ):
+            wrong += 1
+        partial += 0 < len(data) < len(SUBSET_SPEC)
+        empty += not data
+        if step % 50 == 0 or step == steps:
+            say(f"stage 1: {step}/{steps} steps, {wrong} wrong")
+    if kind == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()
+    transport.close()
+    return {"backend": transport.backend, "wrong": wrong, "partial": partial, "empty": empty, "steps": steps}
 
 
 def depth_checks(rank, world, kind):
@@ -660,4 +731,266 @@ def fallback_after_a_leaky_set_up(rank, world, kind, region_rows):
     transport = make_transport(None, persistent, backend=None, device=device)
     result = {"backend": transport.backend, "leaked_nbytes": transport.leaked_nbytes}
     result["abort"] = transport.abort()
+    return result
+
+
+def attributes(rank, world, depths, names):
+    """For each depth, build the CPU transport (torch.distributed, what ``backend="auto"`` gives here) and
+    read every name; one result per depth."""
+    results = []
+    for depth in depths:
+        transport = make_transport(None, None if rank == 0 else _persistent(torch.device("cpu"), 4), depth=depth,
+                                   timeout_s=20)
+        say(f"stage {rank}: {transport.backend} at depth {depth!r}, reading {len(names)} attributes")
+        values = {}
+        for name in names:
+            value = getattr(transport, name)  # AttributeError here is the bug under test
+            values[name] = "callable" if callable(value) else value
+        dist.barrier()
+        transport.close()
+        results.append({"class": type(transport).__name__, **values})
+    return results
+
+
+def _refused(build, expect_type, words):
+    """Run ``build()``; return its error's message after checking its type, words and that it came at once."""
+    start = time.monotonic()
+    try:
+        build()
+    except expect_type as err:
+        took = time.monotonic() - start
+        if words not in str(err):
+            raise AssertionError(f"message {str(err)!r} lacks {words!r}") from err
+        if took > 3.0:
+            raise AssertionError(f"the refusal took {took:.1f} s (a peer timeout, not an agreed refusal?)") from err
+        return str(err)
+    raise AssertionError(f"make_transport accepted it ({words})")
+
+
+def mismatched_arguments(rank, world):
+    """Stages passing different arguments, or a malformed ``persistent``: the same clear error on every stage,
+    at once; a correct make_transport on the same group then works. Returns every message, in order."""
+    from syncless.pp import _make
+
+    cpu = torch.device("cpu")
+    max_rows = 8
+
+    def persistent():
+        return None if rank == 0 else _persistent(cpu, max_rows)
+
+    def build(**kwargs):
+        return lambda: make_transport(None, persistent(), **{"timeout_s": 20, **kwargs})
+
+    messages = []
+    say(f"rank {rank}: backend")
+    messages.append(_refused(build(backend="auto" if rank == 0 else "torch_distributed"), ValueError,
+                             "every stage must pass the same backend (or SYNCLESS_PP_TRANSPORT); got stage 0 "
+                             "(rank 0): 'auto', stage 1 (rank 1): 'torch_distributed'"))
+    say(f"rank {rank}: SYNCLESS_PP_TRANSPORT")
+    os.environ["SYNCLESS_PP_TRANSPORT"] = "torch_distributed" if rank == 0 else "auto"
+    try:
+        messages.append(_refused(build(), ValueError, "same backend (or SYNCLESS_PP_TRANSPORT)"))
+    finally:
+        del os.environ["SYNCLESS_PP_TRANSPORT"]
+    say(f"rank {rank}: stage_ranks")
+    messages.append(_refused(build(stage_ranks=[0, 1] if rank == 0 else [1, 0]), ValueError,
+                             "same stage_ranks; got rank 0: (0, 1), rank 1: (1, 0)"))
+    say(f"rank {rank}: depth")
+    messages.append(_refused(build(depth=2 if rank == 0 else "auto"), ValueError, "same depth"))
+    say(f"rank {rank}: data backend")
+    if rank == 1:  # a stage whose persistent tensors are on CUDA over an NCCL group (faked: no GPU here)
+        real = (_make._resolve_device, _make.backend_for)
+        _make._resolve_device = lambda persistent, device: torch.device("cuda", 0)
+        _make.backend_for = lambda group, device_type: "nccl"
+    try:
+        messages.append(_refused(build(), ValueError, "same data backend; got stage 0 (rank 0): 'gloo', "
+                                                      "stage 1 (rank 1): 'nccl' (the device types are stage 0 "
+                                                      "(rank 0): cpu, stage 1 (rank 1): cuda)"))
+    finally:
+        if rank == 1:
+            _make._resolve_device, _make.backend_for = real
+    for bad, expect_type, words in [
+        ([torch.zeros(max_rows, 8)], TypeError, "persistent must be a dict of name -> Tensor (or None); got list"),
+        ({"hidden": 3}, TypeError, "persistent['hidden'] must be a torch.Tensor; got int"),
+        ({"hidden": torch.zeros(())}, ValueError, "persistent['hidden'] needs a leading rows dimension"),
+        ({7: torch.zeros(max_rows, 8)}, TypeError, "persistent keys must be str; got 7 (int)"),
+    ]:
+        say(f"rank {rank}: persistent={bad!r:.40}")
+        messages.append(_refused(lambda bad=bad: make_transport(None, bad if rank == 1 else None, timeout_s=20),
+                                 expect_type, words))
+    say(f"rank {rank}: a correct rebuild on the same group")
+    transport = make_transport(None, persistent(), timeout_s=20)
+    for step in range(1, 21):
+        if rank == 0:
+            transport.send(expected(17, step, max_rows, cpu))
+        elif int(_mismatches(transport.recv(), expected(17, step, max_rows, cpu))) != 0:
+            raise AssertionError(f"step {step} of the rebuilt transport arrived wrong")
+    dist.barrier()
+    transport.close()
+    say(f"rank {rank}: 20 steps ok")
+    return messages
+
+
+def _threads_and_fds():
+    return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
+
+
+def rebuild_rounds(rank, world, rounds):
+    """``rounds`` rounds of make_transport / send / recv / close; the OS threads and open files before the
+    second round and after the last (the first round warms up the world group's own connections)."""
+    import gc
+
+    cpu = torch.device("cpu")
+    seen = []
+    for round_ in range(rounds):
+        transport = make_transport(None, None if rank == 0 else _persistent(cpu, 4), backend="torch_distributed",
+                                   timeout_s=20)
+        if rank == 0:
+            transport.send(expected(3, 1, 4, cpu))
+        elif int(_mismatches(transport.recv(), expected(3, 1, 4, cpu))) != 0:
+            raise AssertionError(f"round {round_}: the step arrived wrong")
+        dist.barrier()
+        transport.close()
+        del transport
+        if round_ in (0, rounds - 1):
+            gc.collect()
+            seen.append(_threads_and_fds())
+        if round_ % 20 == 0:
+            say(f"rank {rank}: round {round_}/{rounds}, threads and fds {_threads_and_fds()}")
+    dist.barrier()
+    return seen
+
+
+def peer_never_arrives(rank, world, timeout_s):
+    """Rank 1 leaves without calling make_transport; rank 0's make_transport must raise PeerTimeoutError
+    within timeout + 2 s. Returns (error type, message, seconds) on rank 0."""
+    if rank == 1:
+        say("rank 1: leaving without make_transport")
+        return None
+    start = time.monotonic()
+    try:
+        make_transport(None, None, backend="torch_distributed", timeout_s=timeout_s, device="cpu")
+    except Exception as err:  # noqa: BLE001 - reported to the parent, which asserts on the type
+        took = time.monotonic() - start
+        say(f"rank 0: {type(err).__name__} after {took:.2f} s")
+        return type(err).__name__, isinstance(err, PeerTimeoutError), str(err), took
+    raise AssertionError("make_transport built a transport without its peer")
+
+
+def deferred_recv(rank, world, kind, backend, depth, steps, max_rows=16, timeout_s=30):
+    """recv(wait=False): keys at once, data at first use (on the current stream), bit-exact; a step never
+    used is finished by the next recv() (and the last one by close()). Returns counts."""
+    device = _device(kind)
+    persistent = None
+    if rank == 1:
+        persistent = _persistent(device, max_rows, own_allocation=depth in (0, "auto"))
+    transport = make_transport(None, persistent, backend=backend, depth=depth, timeout_s=timeout_s, device=device)
+    checked = unused = 0
+    for step in range(1, steps + 1):
+        data = expected(21, step, max_rows, device)
+        if rank == 0:
+            transport.send(data)
+            continue
+        out = transport.recv(wait=False)
+        if out.waited or sorted(out) != sorted(data) or len(out) != len(data) or "bogus" in out:
+            raise AssertionError(f"step {step}: {out!r} before first use")
+        if step % 4 == 0 or step == steps:
+            unused += 1
+            continue
+        if int(_mismatches(dict(out.items()), data)) != 0:
+            raise AssertionError(f"step {step} arrived wrong")
+        checked += 1
+        if step % 50 == 0:
+            say(f"stage 1: {step}/{steps}")
+    if kind == "cuda":
+        torch.cuda.synchronize()
+    transport.close()  # finishes the last, unused step
+    dist.barrier()
+    return {"backend": transport.backend, "checked": checked, "unused": unused}
+
+
+#: The deferred-wait measurement: 256 MiB per step (a transfer of a few hundred microseconds on one GPU, most
+#: of it still running when the receiver's recv() returns), and input preparation of about that length.
+DEFER_ROWS, DEFER_WIDTH = 16384, 8192  # bf16: 256 MiB
+DEFER_PREP_CYCLES = 600_000  # ~0.3 ms at H200 clocks
+
+
+def deferred_wait_timing(rank, world, depth, steps=30):
+    """Two stages on one GPU; per step, both start together (host barrier, idle GPU). The receiver records
+    an event, calls recv() (or recv(wait=False)), queues input preparation (a sleep kernel), then a reader
+    of the data, and records an event: the GPU time between them, and the host time recv() took, in each
+    mode. Returns the medians (us) and the mismatches of the data read."""
+    import statistics
+
+    device = _device("cuda")
+    shape = (DEFER_ROWS, DEFER_WIDTH)
+    persistent = None
+    if rank == 1:
+        from syncless.pp import alloc_persistent
+
+        persistent = alloc_persistent({"hidden": (shape, torch.bfloat16)}, device) if depth in (0, "auto") else {
+            "hidden": torch.empty(shape, dtype=torch.bfloat16, device=device)}
+    transport = make_transport(None, persistent, backend="copy_engine", depth=depth, timeout_s=30, device=device)
+    source = torch.randn(shape, device=device).to(torch.bfloat16) if rank == 0 else None
+    want = None
+    result = {"depth": depth}
+    bad = torch.zeros((), dtype=torch.int64, device=device)
+    for mode in ("recv()", "recv(wait=False)", "recv()", "recv(wait=False)"):  # twice each: the first warms up
+        gpu_us, host_us = [], []
+        for step in range(steps):
+            torch.cuda.synchronize()
+            dist.barrier()
+            if rank == 0:
+                source[:1].fill_(step)  # each step's data differs
+                transport.send({"hidden": source})
+                continue
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            t0 = time.perf_counter()
+            out = transport.recv() if mode == "recv()" else transport.recv(wait=False)
+            host_us.append((time.perf_counter() - t0) * 1e6)
+            torch.cuda._sleep(DEFER_PREP_CYCLES)  # input preparation, between recv() and first use
+            first_row = out["hidden"][:1]
+            bad += (first_row.float() != float(step)).sum()  # bf16 holds these small integers exactly
+            end.record()
+            end.synchronize()
+            gpu_us.append(start.elapsed_time(end) * 1e3)
+        if rank == 1:
+            result[mode] = {"gpu_us": round(statistics.median(gpu_us), 1),
+                            "host_us": round(statistics.median(host_us), 1)}
+            say(f"depth {depth!r} {mode}: GPU {result[mode]['gpu_us']} us from recv() to the reader's end, "
+                f"host {result[mode]['host_us']} us in recv() (medians of {steps})")
+    torch.cuda.synchronize()
+    dist.barrier()
+    transport.close()
+    if rank == 1:
+        # Alone: the preparation, and the transfer (a plain step with no preparation), for scale.
+        prep_start, prep_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        prep_start.record()
+        torch.cuda._sleep(DEFER_PREP_CYCLES)
+        prep_end.record()
+        prep_end.synchronize()
+        result["prep_alone_us"] = round(prep_start.elapsed_time(prep_end) * 1e3, 1)
+        say(f"input preparation alone: {result['prep_alone_us']} us")
+    result["mismatches"] = int(bad)
+    return result
+
+
+def views_are_overwritten(rank, world):
+    """The lifetime docs/pp.md states: a received view is the persistent tensor, rewritten by the next step."""
+    cpu = torch.device("cpu")
+    transport = make_transport(None, None if rank == 0 else {"h": torch.zeros(4, 2)}, timeout_s=20)
+    if rank == 0:
+        transport.send({"h": torch.full((3, 2), 1.0)})
+        transport.send({"h": torch.full((3, 2), 2.0)})
+        result = None
+    else:
+        first = transport.recv()["h"]
+        kept = first.clone()  # what an async scheduler keeps
+        before = (first.data_ptr(), first[0, 0].item())
+        second = transport.recv()["h"]
+        result = {"before": before[1], "after": first[0, 0].item(), "same_memory": second.data_ptr() == before[0],
+                  "kept": kept[0, 0].item()}
+    dist.barrier()
+    transport.close()
     return result

@@ -188,22 +188,24 @@ def persistent_tensors():
 class Link:
     """One auto link: a sending and a receiving transport over a real metadata socket and the simulated GPU."""
 
-    def __init__(self, gpu: SimGPU, *, shared: bool = True):
+    def __init__(self, gpu: SimGPU, *, shared: bool = True, depth: int | str = "auto", persistent=None):
         hot = SimHot(gpu)
-        self.persistent = persistent_tensors()
+        auto = depth == "auto"
+        slots = SLOTS if auto else depth
+        self.persistent = persistent_tensors() if persistent is None else persistent
         specs = specs_from_persistent(self.persistent)
         layout = Layout.from_specs(specs)
-        ring = Ring(layout, SLOTS)
+        ring = Ring(layout, slots)
         self.slots = torch.zeros(ring.nbytes, dtype=torch.uint8)
         self.flags = torch.zeros(4, dtype=torch.int64)  # [receiver's full, sender's W]
         full, w = self.flags.data_ptr(), self.flags.data_ptr() + 8
         listener = meta_channel.Listener()
-        fields = 2 + len(specs)
+        fields = (2 if auto else 1) + len(specs)
         meta_out = meta_channel.connect(listener.name, listener.token, fields, 5.0, "test")
         meta_in = listener.accept(fields, 5.0, "test")
         listener.close()
         self.endpoints = (meta_out, meta_in)
-        slot_addresses = [self.slots.data_ptr() + ring.slot_offset(k) for k in range(SLOTS)]
+        slot_addresses = [self.slots.data_ptr() + ring.slot_offset(k) for k in range(slots)]
         targets = [self.persistent[name].data_ptr() for name in layout.specs]
 
         send_parts = Parts()
@@ -219,7 +221,8 @@ class Link:
             _next_slots=slot_addresses, _parts=send_parts, _hot=hot, _binding=Binding(), _index=0, _empty=w,
             _next_full=full, _last_send_stream=None, _watchdog=Watchdog(), _send_what="send step {} to stage 1",
         )
-        self.sender._set_up_auto(True, SLOTS, 0)
+        self.sender.depth = depth
+        self.sender._set_up_auto(auto, slots, 0)
 
         recv_parts = Parts()
         recv_parts.meta_in = meta_in
@@ -233,7 +236,8 @@ class Link:
             _persistent=self.persistent, _binding=Binding(), _hot=hot, _watchdog=Watchdog(), _last_recv_stream=None,
             _index=0,
         )
-        self.receiver._set_up_auto(True, SLOTS, 0)
+        self.receiver.depth = depth
+        self.receiver._set_up_auto(auto, slots, 0)
 
     def close(self):
         for endpoint in self.endpoints:

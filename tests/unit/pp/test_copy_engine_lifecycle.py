@@ -9,6 +9,7 @@ leaves the GPU objects to a call that is still running.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -50,7 +51,7 @@ class Dog:
             raise KeyboardInterrupt
         return self.idle
 
-    def stop(self, join=True):
+    def stop(self, join=True, timeout_s=None):
         self.stops.append(join)
 
 
@@ -217,3 +218,27 @@ def test_abort_during_the_drain_of_close_leaves_the_tear_down_to_close():
     assert transport.leaked_nbytes == BUFFER_NBYTES and transport._finalizer.detached
     with pytest.raises(TransportFailedError, match="aborted"):
         transport._check_usable()
+
+
+def test_abort_during_a_call_that_holds_the_watchdog_lock_returns_at_once():
+    """A signal handler's abort() on the thread of a call interrupted inside ``with watchdog._lock``: the
+    watchdog thread then waits on that lock, so abort() must not join it (it did, and never returned)."""
+    from syncless.pp._watchdog import Watchdog
+
+    log = []
+    transport = _transport(log)
+    dog = Watchdog(1.0, lambda what, waited: None, lambda event: None, lambda: None)
+    transport._watchdog = dog
+    transport._in_call = True  # the interrupted send() or recv()
+    dog._lock.acquire()  # ... was inside watch() when the signal came
+    try:
+        time.sleep(0.05)  # the watchdog thread now waits on the lock in its poll
+        done = threading.Event()
+        aborter = threading.Thread(target=lambda: (transport.abort(), done.set()), daemon=True)
+        aborter.start()
+        assert done.wait(3.0), "abort() hung joining the watchdog"
+    finally:
+        dog._lock.release()
+    dog.stop()
+    assert not dog.thread.is_alive()
+    assert isinstance(transport.error, TransportFailedError)

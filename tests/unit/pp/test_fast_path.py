@@ -91,7 +91,7 @@ class _Frozen(dict):
 @pytest.mark.parametrize(
     "mutate",
     [
-        lambda s: s.pop("ids"),
+        lambda s: (s.pop("ids"), s.update(extra=torch.zeros(1))),
         lambda s: s.update(extra=torch.zeros(1)),
         lambda s: s.update(hidden=torch.randn(3, 5)),
         lambda s: s.update(stats=torch.randn(3, 2, 3)),

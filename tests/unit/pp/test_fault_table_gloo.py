@@ -50,3 +50,19 @@ def test_rows_cover_every_fault_and_phase_of_both_transports():
     assert {p for t, p in phases if t == "copy_engine"} == set(table.SETUP_PHASES_CE + table.STEP_PHASES)
     assert {p for t, p in phases if t == "torch_distributed"} == set(table.SETUP_PHASES_TD + table.STEP_PHASES)
     assert len(rows) == 3 * (len(table.SETUP_PHASES_CE) + len(table.SETUP_PHASES_TD) + 2 * len(table.STEP_PHASES))
+
+
+@pytest.mark.parametrize("fault", list(table.SETUP_FAULTS))
+def test_gloo_set_up_row(fault):
+    row = table.run_row({"device": "cpu", "transport": "torch_distributed", "fault": fault,
+                         "phase": table.SETUP_PHASE}, TIMEOUT_S, steps=50)
+    print(row.get("ranks"))
+    assert row["verdict"] == "ok", row["problems"]
+    assert row["survivor_raised"].startswith(table.SETUP_FAULTS[fault])
+    assert row["rebuild"] == "50 steps bit-exact"
+
+
+def test_set_up_rows_are_in_the_table_for_both_transports():
+    rows = table.rows_for("cuda", ["copy_engine", "torch_distributed"], [*table.FAULTS, *table.SETUP_FAULTS], None)
+    setup = {(r["transport"], r["fault"]) for r in rows if r["phase"] == table.SETUP_PHASE}
+    assert setup == {(t, f) for t in ("copy_engine", "torch_distributed") for f in table.SETUP_FAULTS}

@@ -143,3 +143,14 @@ def test_metadata_that_never_comes_raises_peer_timeout(groups, monkeypatch):
     with pytest.raises(PeerTimeoutError, match="rank 1 sent nothing within 7.75 s"):
         recv_meta(side, 1, 1000, 3, TIMEOUT_S, "stage 1 receiving step 4")
 
+
+
+@pytest.mark.parametrize("raw", ["Wait timeout", "Gloo connectFullMesh failed with [...] Connection refused"])
+def test_a_side_group_whose_peer_never_joins_raises_a_peer_timeout_naming_the_ranks(monkeypatch, raw):
+    def new_group(**kwargs):
+        raise RuntimeError(raw)  # what torch raises when a stage never reaches its rendezvous
+
+    monkeypatch.setattr(dist, "new_group", new_group)
+    with pytest.raises(PeerTimeoutError, match=r"ranks \[0, 1\] did not all join .* within 5 s") as info:
+        cpu_group([1, 0], 5.0)
+    assert raw in str(info.value) and isinstance(info.value.__cause__, RuntimeError)

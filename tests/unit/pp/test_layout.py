@@ -6,11 +6,14 @@ import pytest
 import torch
 
 from syncless.pp._layout import (
+    ABSENT,
     SLOT_ALIGN_BYTES,
     Layout,
     Ring,
+    StepCheck,
     TensorSpec,
     check_depth,
+    dense_spans,
     persistent_device,
     specs_from_persistent,
     validate_step,
@@ -131,10 +134,25 @@ def test_validate_step_returns_rows_and_accepts_zero_and_max():
     assert validate_step(specs, noncontiguous, cpu, "stage 1")["stats"] == 2
 
 
+def test_a_step_may_carry_any_subset_of_the_layout_keys():
+    specs = specs_from_persistent(_persistent())
+    cpu = torch.device("cpu")
+    step = _good_step(3)
+    del step["stats"]
+    assert validate_step(specs, step, cpu, "stage 1") == {"hidden": 3, "ids": 3}
+    assert validate_step(specs, {}, cpu, "stage 1") == {}
+    check = StepCheck(specs, cpu, "stage 1")
+    assert check.rows(step) == [3, ABSENT, 3]  # layout order, ABSENT for the key left out
+    assert check.rows({}) == [ABSENT] * 3
+    assert dense_spans([2, 4, 8], [3, ABSENT, 0]) == dense_spans([2, 4, 8], [3, 0, 0])
+    with pytest.raises(TypeError, match=r"\['ids'\] must be a torch.Tensor"):
+        check.rows({"ids": None})
+
+
 @pytest.mark.parametrize(
     "mutate, pattern",
     [
-        (lambda s: s.pop("ids"), r"missing \['ids'\]"),
+        (lambda s: (s.pop("ids"), s.update(extra=torch.zeros(1))), r"any subset of them\); unknown \['extra'\]"),
         (lambda s: s.update(extra=torch.zeros(1)), r"unknown \['extra'\]"),
         (lambda s: s.update(hidden=torch.randn(3, 5)), r"'hidden'.*expected dtype torch.bfloat16, got torch.float32"),
         (lambda s: s.update(stats=torch.randn(3, 2, 3)), r"'stats'.*expected shape \(rows, \*\(3, 2\)\), got \(3, 2, 3\)"),
@@ -158,3 +176,15 @@ def test_validate_step_type_errors():
     step["ids"] = [1, 2]
     with pytest.raises(TypeError, match="'ids'"):
         validate_step(specs, step, torch.device("cpu"), "stage 1")
+
+
+def test_a_stage_of_several_ranks_is_refused_with_the_tp_x_pp_pairing():
+    from syncless.pp._group import resolve_stages
+
+    with pytest.raises(ValueError, match=r"one global rank per stage; got \[0, 1\].*one per tensor-parallel rank"):
+        resolve_stages([0, 1, 2, 3], 0, [[0, 1], [2, 3]])
+    with pytest.raises(TypeError, match="must hold ints"):
+        resolve_stages([0, 1], 0, ["0", 1.5])
+    with pytest.raises(TypeError, match="a list of global ranks"):
+        resolve_stages([0, 1], 0, "01")
+    assert resolve_stages([0, 2], 2, [2, 0]).index == 0  # one TP rank's pipeline group: ranks 2 -> 0

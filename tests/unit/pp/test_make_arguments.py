@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import pathlib
 
 import pytest
 import torch
 
 from support.ranks import run_ranks
 from syncless.pp import make_transport
+
+_spec = importlib.util.spec_from_file_location("pp_cases", pathlib.Path(__file__).with_name("pp_cases.py"))
+cases = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cases)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -48,3 +54,10 @@ def test_bad_backend_timeout_or_device_raise_value_errors_naming_them():
                                "seconds (one day)")
     assert "stage 1 (rank 1)" in device and "device=cuda:0 but the persistent tensors are on cpu" in device
     assert results[1] == results[0]  # the device refusal, found on stage 1, is raised on stage 0 too
+
+
+def test_stages_passing_different_arguments_or_a_malformed_persistent_fail_alike_and_a_rebuild_works():
+    results = run_ranks(cases.mismatched_arguments, 2, backend="gloo", timeout_s=90)
+    assert results[0] == results[1]  # the same message on both stages, each raised within 3 s
+    assert len(results[0]) == 9
+    assert all("stage 1 (rank 1)" in message for message in results[0][5:])  # the stage that passed it

@@ -322,3 +322,71 @@ def test_a_program_started_by_the_sender_does_not_inherit_its_socket():
         child.kill()
         child.wait()
     receiver.close()
+
+
+def _flooders(name, count, seconds):
+    """Fork ``count`` processes that connect to ``name`` and hang up, as fast as they can, for ``seconds``."""
+    children = []
+    for _ in range(count):
+        child = os.fork()
+        if child == 0:  # pragma: no cover - runs in the child
+            end = time.monotonic() + seconds
+            try:
+                while time.monotonic() < end:
+                    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    sock.setblocking(False)
+                    try:
+                        sock.connect(name)
+                    except OSError:
+                        pass
+                    sock.close()
+            finally:
+                os._exit(0)
+        children.append(child)
+    return children
+
+
+def _reap(children):
+    for child in children:
+        try:
+            os.kill(child, 9)
+        except ProcessLookupError:
+            pass
+        os.waitpid(child, 0)
+
+
+@pytest.mark.parametrize("foreign", [False, True])
+def test_a_sustained_flood_delays_neither_set_up_nor_close(foreign):
+    """Flooders that connect and hang up without pause, of this user or (stand-in) another one: the real
+    sender still gets in well within the timeout, and close() returns at once while the flood goes on."""
+    me = os.getpid()
+
+    def credentials(conn):
+        pid, uid, gid = meta_channel.peer_credentials(conn)
+        return (pid, uid + 1, gid) if foreign and pid != me else (pid, uid, gid)
+
+    listener = meta_channel.Listener(credentials=credentials)
+    children = _flooders(listener.name, 3, 20.0)
+    try:
+        time.sleep(0.5)  # the flood is on
+        start = time.monotonic()
+        sender = meta_channel.connect(listener.name, listener.token, 2, 10.0, "test")
+        receiver = listener.accept(2, 10.0, "test")
+        took = time.monotonic() - start
+        assert took < FAST_S, f"set-up took {took:.1f} s under the flood"
+        _steps_flow(sender, receiver, 5)
+        assert listener.refused > 0  # the flood did reach the listener
+        second = meta_channel.Listener(credentials=credentials)
+        more = _flooders(second.name, 3, 20.0)
+        try:
+            time.sleep(0.5)
+            start = time.monotonic()
+            second.close()  # nobody will connect: it must stop at once, flood or not
+            assert time.monotonic() - start < 1.5
+            assert not second._thread.is_alive()
+        finally:
+            _reap(more)
+    finally:
+        _reap(children)
+    for sock in (sender, receiver, listener):
+        sock.close()

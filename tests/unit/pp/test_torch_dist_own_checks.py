@@ -118,7 +118,7 @@ def test_a_step_out_of_order_is_a_protocol_error_and_the_transport_stays_failed(
     assert again.value is first.value and wire.meta_calls == 2
 
 
-@pytest.mark.parametrize("rows", [MAX_ROWS + 1, -1])
+@pytest.mark.parametrize("rows", [MAX_ROWS + 1, -2])  # -1 (ABSENT) means "not sent"
 def test_a_row_count_outside_the_region_is_a_protocol_error(wire, rows):
     receiver = _receiver()
     wire.metas.append([1, rows])

@@ -76,3 +76,23 @@ def test_send_buffers_do_not_pile_up():
 def test_a_fallback_reports_what_the_failed_copy_engine_set_up_kept():
     results = run_ranks(cases.fallback_after_a_leaky_set_up, 2, args=("cpu", 8), timeout_s=60)
     assert results == [{"backend": "torch_distributed", "leaked_nbytes": 2 << 20, "abort": 2 << 20}] * 2
+
+
+def test_a_step_may_carry_any_subset_of_the_keys_and_conj_neg_views_arrive_as_values():
+    # torch.distributed keeps `depth` but does not use it; the copy-engine depths are in
+    # test_copy_engine_steps_cpu.py (simulated GPU) and tests/gpu/pp (one GPU).
+    results = run_ranks(
+        cases.subset_steps, 2, args=("cpu", "torch_distributed", 2, 60), timeout_s=60
+    )
+    assert results[1]["wrong"] == 0 and results[1]["steps"] == 60, results[1]
+    assert results[1]["partial"] > 0 and results[1]["empty"] > 0, results[1]
+
+
+def test_recv_wait_false_gives_the_keys_at_once_and_the_data_at_first_use():
+    results = run_ranks(cases.deferred_recv, 2, args=("cpu", "torch_distributed", 2, 40), timeout_s=60)
+    assert results[1] == {"backend": "torch_distributed", "checked": 30, "unused": 10}
+
+
+def test_a_received_view_is_overwritten_by_the_next_step_as_the_docs_say():
+    result = run_ranks(cases.views_are_overwritten, 2, timeout_s=60)[1]
+    assert result == {"before": 1.0, "after": 2.0, "same_memory": True, "kept": 1.0}
