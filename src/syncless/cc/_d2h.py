@@ -201,32 +201,47 @@ def new_d2h_stream(device: Any = None) -> Any:
     it). Enqueues nothing and does not block the host.
 
     Returns:
-        a ``torch.cuda.ExternalStream``. It keeps a CUDA stream, a retain of
-        the device's primary context, a worker thread (from its first
-        offloaded copy) and an atexit entry until :func:`close_d2h_stream`,
-        or for the life of the process.
+        a ``torch.cuda.ExternalStream``. It keeps a CUDA stream (two: its own
+        and its worker's copy stream), a retain of the device's primary
+        context, a worker thread (from its first offloaded copy) and an atexit
+        entry. :func:`close_d2h_stream` ends the thread and the entry and
+        gives the streams back for the next ``new_d2h_stream()`` to reuse.
 
     Raises:
         MissingDependencyError: torch has no usable CUDA GPU.
     """
     _require_cuda()
     index = _streams.device_index(device)
-    stream = _streams.create_private_stream(index)
-    copy_stream = _streams.create_private_stream(index)  # made now, never on the path of a copy
+    with _lock:
+        released = _released_pairs.get(index)
+        pair = released.pop() if released else None
+    if pair is None:
+        pair = (_streams.create_private_stream(index),
+                _streams.create_private_stream(index))  # the copy stream: made now, never on the path of a copy
+    stream, copy_stream = pair
     with _lock:
         _streams_by_key[(index, stream.cuda_stream)] = _D2HStream(stream, copy_stream=copy_stream)
     return stream
 
 
+# Streams given back by close_d2h_stream(), per GPU, for the next new_d2h_stream() to reuse. A CUDA stream is
+# never destroyed: torch's allocators keep the streams a block was used on (the pinned host allocator records an
+# event on each when the block is freed, which may be long after the close), and an event recorded on a
+# destroyed stream fails inside a destructor, which aborts the process (seen on the H200). Reuse bounds what a
+# stream per request holds by the most streams open at once.
+_released_pairs: dict[int, list[tuple[Any, Any]]] = {}
+
+
 def close_d2h_stream(stream: Any, timeout_s: float = 60.0) -> None:
-    """Release a stream made by :func:`new_d2h_stream`: wait for its offloaded copies, end its worker, destroy it.
+    """Release a stream made by :func:`new_d2h_stream`: wait for its offloaded copies, end its worker, pool it.
 
     Blocks the host until the copies offloaded from ``stream`` have finished
     (at most ``timeout_s``). From the call on, a copy issued on ``stream`` is
-    not offloaded; after it returns, ``stream`` must not be used again (its
-    CUDA stream is destroyed; work already queued on it still completes).
-    Frees the stream, its context retain, its worker thread and its atexit
-    entry (issue 27 item 8).
+    not offloaded; after it returns, ``stream`` must not be used again (a
+    later :func:`new_d2h_stream` on its GPU reuses its CUDA stream). Ends its
+    worker thread and drops its atexit entry (issue 27 item 8); the CUDA
+    stream and its context retain are kept for reuse, never destroyed, since
+    torch's allocators may still record events on it.
 
     Raises:
         ValueError: ``stream`` is not an open D2H stream, or it is the current stream of its GPU.
@@ -262,9 +277,9 @@ def close_d2h_stream(stream: Any, timeout_s: float = 60.0) -> None:
         error = err
     record.worker.shutdown(timeout_s)
     atexit.unregister(record.worker.shutdown)
-    _streams.destroy_private_stream(stream)
-    if record.copy_stream is not None:
-        _streams.destroy_private_stream(record.copy_stream)  # its last copy was waited for above
+    if record.copy_stream is not None:  # its last copy was waited for above; the pair is reused as a whole
+        with _lock:
+            _released_pairs.setdefault(index, []).append((stream, record.copy_stream))
     if error is not None:
         raise error
 

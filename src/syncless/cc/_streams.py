@@ -202,23 +202,6 @@ def create_private_stream(index: int) -> Any:
     return torch.cuda.ExternalStream(int(handle), device=torch.device("cuda", index))
 
 
-def destroy_private_stream(stream: Any) -> None:
-    """Destroy a stream made by :func:`create_private_stream` and drop the context retain it took.
-
-    ``cuStreamDestroy`` returns at once; work still queued on the stream
-    finishes first and its resources go then. Does not block the host.
-    """
-    device = _cuda.call("cuDeviceGet", stream.device.index)
-    context = _cuda.call("cuDevicePrimaryCtxRetain", device)
-    _cuda.call("cuCtxPushCurrent", context)
-    try:
-        _cuda.call("cuStreamDestroy", stream.cuda_stream)
-    finally:
-        _cuda.call("cuCtxPopCurrent")
-        _cuda.call("cuDevicePrimaryCtxRelease", device)  # the retain just above
-    _cuda.call("cuDevicePrimaryCtxRelease", device)  # the one create_private_stream kept for the stream
-
-
 def _private_stream_of(table: dict[int, Any], index: int) -> Any:
     stream = table.get(index)
     if stream is not None:

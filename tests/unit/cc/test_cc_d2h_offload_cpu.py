@@ -490,13 +490,13 @@ def test_a_d2h_stream_can_be_closed_and_gives_back_what_it_held(gpu_calls, monke
 
     log, worker = gpu_calls
     made = SimpleNamespace(name="D", device=torch.device("cuda", 0), cuda_stream=31)
-    destroyed, unregistered = [], []
+    unregistered = []
     monkeypatch.setattr(_d2h, "_require_cuda", lambda: None)
     monkeypatch.setattr(_streams, "device_index", lambda device: 0)
     copy_stream = SimpleNamespace(name="W'", device=torch.device("cuda", 0), cuda_stream=32)
     created = iter([made, copy_stream])
     monkeypatch.setattr(_streams, "create_private_stream", lambda index: next(created))
-    monkeypatch.setattr(_streams, "destroy_private_stream", destroyed.append)
+    monkeypatch.setattr(_d2h, "_released_pairs", {})
     monkeypatch.setattr(_streams, "current_stream", lambda index: SimpleNamespace(cuda_stream=1))
     real_unregister = atexit.unregister
     monkeypatch.setattr(atexit, "unregister", lambda fn: (unregistered.append(fn), real_unregister(fn)))
@@ -513,11 +513,15 @@ def test_a_d2h_stream_can_be_closed_and_gives_back_what_it_held(gpu_calls, monke
     cc.close_d2h_stream(stream)
     releaser.join()
     assert not worker.is_pending(seq) and torch.equal(dst, src)  # its copies finished first
-    assert not cc.is_d2h_stream(stream) and destroyed == [made, copy_stream]
+    assert not cc.is_d2h_stream(stream) and _d2h._released_pairs == {0: [(made, copy_stream)]}
     assert not worker._thread.is_alive() and worker.shutdown in unregistered
     assert _d2h.offload(record, torch.empty(4), torch.randn(4), "copy") == 0  # a late caller: torch's own copy
     with pytest.raises(ValueError, match="not an open stream"):
         cc.close_d2h_stream(stream)
+    # The next D2H stream reuses the CUDA streams (never destroyed: torch's allocators may still record events
+    # on them); `created` is spent, so a new CUDA stream here would raise StopIteration.
+    again = cc.new_d2h_stream()
+    assert again is made and _d2h.lookup(again).copy_stream is copy_stream and _d2h._released_pairs == {0: []}
 
 
 def test_closing_the_current_d2h_stream_is_refused(monkeypatch):
