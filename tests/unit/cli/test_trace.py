@@ -161,11 +161,13 @@ def test_ctrl_c_inside_a_regions_own_bookkeeping_still_exits_130(tmp_path, capsy
         raise KeyboardInterrupt
     """))
     from syncless.syncs import _backend
+    requested = _backend.backend.requested
     try:
         with _debugmode.fake():
             assert trace(["--fn", "__main__:step", "--backend", "torch", str(script)]) == 130
     finally:
-        _backend.backend.regions = 0
+        _backend.backend.regions = 0  # the region the "interrupt" left open; trace could not restore the backend
+        syncs.set_backend(requested)
     captured = capsys.readouterr()
     assert sites(captured.out, "serve.py") == {f"{script}:7": 3}
     assert "[interrupted (Ctrl-C)]" in captured.out
