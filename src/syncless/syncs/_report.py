@@ -121,6 +121,19 @@ _COMPILE_TIME_FILES = (
 _COMPILE_TIME_SUFFIXES = tuple(part.replace("/", os.sep) for part in _COMPILE_TIME_FILES)
 
 _GRAPH_TREES_SUFFIX = os.path.join("_inductor", "cudagraph_trees.py")
+_COMPILE_FX_SUFFIX = os.path.join("_inductor", "compile_fx.py")
+
+
+def _is_runtime_wrapper(frame: FrameType) -> bool:
+    """Whether a frame of a compile-time file is a wrapper that every call of the compiled graph runs.
+
+    compile_fx.py's nested ``run`` functions (the cudagraphify wrapper, and on
+    some torch versions the one that copies misaligned inputs) run at each
+    call, not while compiling; what they call at compile time (recording a
+    CUDA graph) lies nearer the sync and is judged there.
+    """
+    return frame.f_code.co_name == "run" and frame.f_code.co_filename.endswith(_COMPILE_FX_SUFFIX)
+
 # In cudagraph_trees.py, CUDAGraphTreeManager.execute_node replays a recorded graph; record_function records
 # one and run_eager warms one up (both synchronize by design). Neither runs under the other, and both keep
 # these names from torch 2.1 to 2.13.
@@ -277,7 +290,7 @@ def _user_frame(start: FrameType | None) -> tuple[FrameType | None, bool]:
         filename = os.path.abspath(frame.f_code.co_filename) if not frame.f_code.co_filename.startswith("<") else frame.f_code.co_filename
         last = frame
         if torch_dir is not None and filename.startswith(torch_dir):
-            if not replaying and filename.endswith(_COMPILE_TIME_SUFFIXES):
+            if not replaying and filename.endswith(_COMPILE_TIME_SUFFIXES) and not _is_runtime_wrapper(frame):
                 if not (filename.endswith(_GRAPH_TREES_SUFFIX) and is_graph_replay(frame)):
                     return frame, True
                 replaying = True
@@ -302,7 +315,7 @@ def is_under_compile(start: FrameType | None, limit: int = 96) -> bool:
     frame = start
     while frame is not None and limit:
         filename = frame.f_code.co_filename
-        if filename.endswith(_COMPILE_TIME_SUFFIXES):
+        if filename.endswith(_COMPILE_TIME_SUFFIXES) and not _is_runtime_wrapper(frame):
             return not (filename.endswith(_GRAPH_TREES_SUFFIX) and is_graph_replay(frame))
         frame = frame.f_back
         limit -= 1

@@ -212,7 +212,7 @@ def test_no_room_for_a_snapshot_runs_torchs_own_copy(shim, cycles_per_ms, monkey
 
     cc = shim
 
-    def no_room(src):
+    def no_room(src, dst):
         raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
 
     monkeypatch.setattr(_d2h, "snapshot", no_room)

@@ -62,6 +62,11 @@ FIRST_CALL = _chain(("_inductor/output_code.py", "__call__"), ("_inductor/compil
                     (TREES, "_run"), (TREES, "run_eager"))
 
 COMPILING = _chain(("_dynamo/convert_frame.py", "_compile"), ("_inductor/compile_fx.py", "compile_fx"))
+# A default-mode call on a GPU: compile_fx's `run` (on some torch versions the wrapper that copies misaligned
+# inputs) runs at every call, so a sync under it is the user's (seen on the H200, torch 2.11: it was dropped).
+RUNTIME_WRAPPER = _chain(("_inductor/output_code.py", "__call__"), ("_inductor/compile_fx.py", "run"))
+# cudagraphify without trees: its first call warms the graph up and records it inside cudagraphify_impl.
+PLAIN_CUDAGRAPH_RECORDING = _chain(("_inductor/compile_fx.py", "run"), ("_inductor/compile_fx.py", "cudagraphify_impl"))
 
 
 def _locate_here():
@@ -83,8 +88,10 @@ def _under_compile_here():
 
 
 @pytest.mark.parametrize("chain, reported", [(REPLAY, True), (RECORDING, False), (WARM_UP, False), (FIRST_CALL, False),
-                                             (COMPILING, False)],
-                         ids=["replay", "recording", "warm-up", "first-call", "compiling"])
+                                             (COMPILING, False), (RUNTIME_WRAPPER, True),
+                                             (PLAIN_CUDAGRAPH_RECORDING, False)],
+                         ids=["replay", "recording", "warm-up", "first-call", "compiling", "runtime-wrapper",
+                              "plain-cudagraph-recording"])
 def test_only_a_replay_is_the_users_sync(chain, reported):
     violation = chain(_locate_here)(); line = sys._getframe().f_lineno  # noqa: E702
     under_compile = chain(_under_compile_here)()
