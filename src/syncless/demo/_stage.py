@@ -182,7 +182,9 @@ def _make_links(rank: int, world_size: int, options: DemoOptions, backends: list
     def hidden_in() -> dict[str, torch.Tensor] | None:
         return None if first else {"hidden": torch.empty(rows, cfg.hidden, device=device, dtype=dtype)}
 
-    activations = [pp.make_transport(None, hidden_in(), backend=backend) for backend in backends]
+    # device=: the first stage holds no persistent tensors, and its default (the current CUDA device where there
+    # is one) would disagree with the others' on a GPU machine running the demo on its CPU.
+    activations = [pp.make_transport(None, hidden_in(), backend=backend, device=device) for backend in backends]
     ends = dist.new_group([0, world_size - 1])
     token_links: list[Any] = [None] * len(backends)
     if first or last:
@@ -190,7 +192,7 @@ def _make_links(rank: int, world_size: int, options: DemoOptions, backends: list
             tokens_in = {"ids": torch.empty(rows, device=device, dtype=torch.int64)} if first else None
             # Each step's `micro` tokens are received only in the next step, so the link holds that many.
             token_links[index] = pp.make_transport(ends, tokens_in, stage_ranks=[world_size - 1, 0],
-                                                   backend=backend, depth=max(2, micro))
+                                                   backend=backend, depth=max(2, micro), device=device)
     return list(zip(activations, token_links))
 
 

@@ -740,7 +740,7 @@ def attributes(rank, world, depths, names):
     results = []
     for depth in depths:
         transport = make_transport(None, None if rank == 0 else _persistent(torch.device("cpu"), 4), depth=depth,
-                                   timeout_s=20)
+                                   timeout_s=20, device="cpu")  # the first stage's default is CUDA where there is one
         say(f"stage {rank}: {transport.backend} at depth {depth!r}, reading {len(names)} attributes")
         values = {}
         for name in names:
@@ -779,7 +779,7 @@ def mismatched_arguments(rank, world):
         return None if rank == 0 else _persistent(cpu, max_rows)
 
     def build(**kwargs):
-        return lambda: make_transport(None, persistent(), **{"timeout_s": 20, **kwargs})
+        return lambda: make_transport(None, persistent(), **{"timeout_s": 20, "device": cpu, **kwargs})
 
     messages = []
     say(f"rank {rank}: backend")
@@ -816,10 +816,11 @@ def mismatched_arguments(rank, world):
         ({7: torch.zeros(max_rows, 8)}, TypeError, "persistent keys must be str; got 7 (int)"),
     ]:
         say(f"rank {rank}: persistent={bad!r:.40}")
-        messages.append(_refused(lambda bad=bad: make_transport(None, bad if rank == 1 else None, timeout_s=20),
+        messages.append(_refused(lambda bad=bad: make_transport(None, bad if rank == 1 else None, timeout_s=20,
+                                                                device=cpu),
                                  expect_type, words))
     say(f"rank {rank}: a correct rebuild on the same group")
-    transport = make_transport(None, persistent(), timeout_s=20)
+    transport = make_transport(None, persistent(), timeout_s=20, device=cpu)
     for step in range(1, 21):
         if rank == 0:
             transport.send(expected(17, step, max_rows, cpu))
@@ -844,7 +845,7 @@ def rebuild_rounds(rank, world, rounds):
     seen = []
     for round_ in range(rounds):
         transport = make_transport(None, None if rank == 0 else _persistent(cpu, 4), backend="torch_distributed",
-                                   timeout_s=20)
+                                   timeout_s=20, device=cpu)
         if rank == 0:
             transport.send(expected(3, 1, 4, cpu))
         elif int(_mismatches(transport.recv(), expected(3, 1, 4, cpu))) != 0:
@@ -979,7 +980,7 @@ def deferred_wait_timing(rank, world, depth, steps=30):
 def views_are_overwritten(rank, world):
     """The lifetime docs/pp.md states: a received view is the persistent tensor, rewritten by the next step."""
     cpu = torch.device("cpu")
-    transport = make_transport(None, None if rank == 0 else {"h": torch.zeros(4, 2)}, timeout_s=20)
+    transport = make_transport(None, None if rank == 0 else {"h": torch.zeros(4, 2)}, timeout_s=20, device=cpu)
     if rank == 0:
         transport.send({"h": torch.full((3, 2), 1.0)})
         transport.send({"h": torch.full((3, 2), 2.0)})
