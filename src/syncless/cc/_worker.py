@@ -152,6 +152,7 @@ class OrderedWorker:
                 failure = _Failure(seq, err, text, what, submitter)
             else:
                 failure = None
+            settled = getattr(job, "settled", None)  # called once the job's end is on record (see _d2h._counted)
             job = None  # the closure (and what it holds) goes now, not at the next job
             with self._cv:
                 self._jobs.popleft()
@@ -160,6 +161,8 @@ class OrderedWorker:
                     _count_unraised(1)
                 self._completed = seq
                 self._settle()
+                if settled is not None:
+                    settled()
                 self._cv.notify_all()
 
     def _settle(self) -> None:

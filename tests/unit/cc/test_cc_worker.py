@@ -318,3 +318,42 @@ def test_a_failed_jobs_error_lets_go_of_what_its_frames_held(worker):
     assert refs[0]() is None, "the failed job's locals are still alive"
     with pytest.raises(D2HCopyError, match="out of memory"):
         worker.wait_and_raise(seq)
+
+
+def test_a_failed_copy_stays_pending_until_its_failure_is_on_record(monkeypatch):
+    """Review: the count of unfinished copies fell as the job raised, before the worker recorded the failure; an
+    event recorded in between covered nothing and its synchronize reported all clear."""
+    import traceback as traceback_module
+
+    from syncless.cc import _d2h, _worker
+
+    formatting = threading.Event()
+    release = threading.Event()
+    real_format = traceback_module.format_exception
+
+    def slow_format(*args, **kwargs):  # holds the worker between the job's end and its record of the failure
+        formatting.set()
+        release.wait(5)
+        return real_format(*args, **kwargs)
+
+    monkeypatch.setattr(_worker.traceback, "format_exception", slow_format)
+    worker = _worker.OrderedWorker("test-d2h")
+    before = _d2h._PENDING[0]
+
+    def failing_copy():
+        raise RuntimeError("CUDA error: an illegal memory access (stand-in)")
+
+    with _d2h._pending_lock:
+        _d2h._PENDING[0] += 1
+    seq = worker.submit(_d2h._counted(failing_copy), "copy_(non_blocking=True)")
+    try:
+        assert formatting.wait(5)
+        time.sleep(0.05)
+        assert _d2h._PENDING[0] == before + 1, "counted as finished before its failure was recorded"
+    finally:
+        release.set()
+    worker.wait_for(seq, timeout_s=5)
+    assert _d2h._PENDING[0] == before  # lowered in the same locked step that records the job as finished
+    with pytest.raises(Exception, match="illegal memory access"):
+        worker.raise_errors(seq, any_thread=True)
+    worker.shutdown(5)
