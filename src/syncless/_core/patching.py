@@ -106,8 +106,22 @@ def _method_tables() -> list[Any]:
     return tables
 
 
+def _script_builtins() -> dict | None:
+    """TorchScript's table of builtin callables (``id(fn) -> "aten::op"``), if torch.jit is loaded."""
+    builtins = sys.modules.get("torch.jit._builtins")
+    get_table = getattr(builtins, "_get_builtin_table", None)
+    return get_table() if callable(get_table) else None
+
+
 def _list_beside(known: Any, new: Any) -> None:
-    """Wherever a torch table lists ``known``, list ``new`` too (in a dict: with the same value)."""
+    """Wherever a torch table lists ``known``, list ``new`` too (in a dict: with the same value).
+
+    TorchScript's builtin table too: it compiles a call of ``torch.as_tensor`` by the callable's identity, so an
+    entry in its place must map to the same op (``torch.jit.script`` of a function calling it failed otherwise).
+    """
+    script = _script_builtins()
+    if script is not None and id(known) in script and id(new) not in script:
+        script[id(new)] = script[id(known)]
     for table in _method_tables():
         if known not in table or new in table:
             continue
@@ -122,6 +136,9 @@ def _list_beside(known: Any, new: Any) -> None:
 def _unlist(gone: Any, keep: Any) -> None:
     """Take ``gone`` out of torch's tables, listing ``keep`` wherever ``gone`` was."""
     _list_beside(gone, keep)
+    script = _script_builtins()
+    if script is not None and id(keep) in script:
+        script.pop(id(gone), None)  # keyed by id: a later object at the same address must not inherit the op
     for table in _method_tables():
         if gone not in table:
             continue

@@ -370,3 +370,24 @@ def test_a_reference_taken_while_layered_runs_no_layer_after_removal(target):
     assert held(target(), "x") == "a(hello x)"
     patching.remove_layer(target, "greet", "a")
     assert held(target(), "x") == "hello x"
+
+
+def test_torchscript_compiles_a_call_of_a_fronted_torch_function_and_forgets_the_entry_after():
+    """Review: with cc's layer on ``torch.as_tensor``, ``torch.jit.script`` of a function calling it raised
+    TypeError (TorchScript knows builtins by identity); libraries script such functions at import."""
+    import torch
+
+    def scale(x: torch.Tensor) -> torch.Tensor:
+        return torch.as_tensor(x, dtype=torch.float64) * 2
+
+    patching.add_layer(torch, "as_tensor", "test.script", 10, lambda next_fn: lambda *a, **k: next_fn(*a, **k))
+    try:
+        entry = torch.as_tensor
+        scripted = torch.jit.script(scale)
+        assert torch.equal(scripted(torch.ones(3)), torch.full((3,), 2.0, dtype=torch.float64))
+    finally:
+        patching.remove_layer(torch, "as_tensor", "test.script")
+    from torch.jit import _builtins
+
+    assert id(entry) not in _builtins._get_builtin_table()
+    assert torch.as_tensor is torch._C._VariableFunctions.as_tensor
