@@ -145,11 +145,21 @@ def _showwarnmsg_fallback(msg) -> None:
     warnings._showwarnmsg_impl(msg)  # type: ignore[attr-defined]
 
 
+def _could_catch_torch_sync(item: tuple) -> bool:
+    """Whether a filter ``(action, message, category, module, lineno)`` could match torch's sync warning."""
+    message, category = (item[1], item[2]) if len(item) >= 3 else (None, Warning)
+    if not (isinstance(category, type) and issubclass(UserWarning, category)):
+        return False
+    return message is None or bool(getattr(message, "match", lambda text: True)(TORCH_SYNC_TEXT))
+
+
 def _add_filter(*item, append):
-    """Stands in for the warnings module's ``_add_filter`` while installed: our filter stays in front."""
+    """Stands in for the warnings module's ``_add_filter`` while installed: our filter stays in front of any filter
+    that could catch torch's sync warning; the order of the others is left as the user made it (so that
+    ``filters.pop(0)`` right after ``filterwarnings(...)`` still takes the user's own filter)."""
     original = _original_add_filter
     original(*item, append=append)
-    if not _installed or append:
+    if not _installed or append or not _could_catch_torch_sync(item):
         return
     with _lock:
         filters = warnings.filters
@@ -162,26 +172,36 @@ def _add_filter(*item, append):
                 mutated()
 
 
+# Which of our two functions are in the warnings module's chain: on top, or left beneath another library's wrapper
+# at the last unwrap. One left beneath is still reachable (that wrapper calls it) and keeps its saved original; it
+# is not wrapped again, which would save the library's wrapper, which calls ours, as "the original" and recurse on
+# every warning.
+_in_chain: set[str] = set()
+
+
 def _wrap_warnings_module() -> None:
     """Put our ``_showwarnmsg`` and ``_add_filter`` in the warnings module (under ``_lock``; idempotent)."""
     global _original_add_filter, _original_showwarnmsg
     current = _filter_globals.get("_add_filter")
-    if current is not None and current is not _add_filter:
+    if current is not None and "_add_filter" not in _in_chain:
         _original_add_filter = current
         _filter_globals["_add_filter"] = _add_filter
+        _in_chain.add("_add_filter")
     current = getattr(warnings, "_showwarnmsg", None)
-    if current is not None and current is not _showwarnmsg:
+    if current is not None and "_showwarnmsg" not in _in_chain:
         _original_showwarnmsg = current
         warnings._showwarnmsg = _showwarnmsg  # type: ignore[attr-defined]
+        _in_chain.add("_showwarnmsg")
 
 
 def _unwrap_warnings_module() -> None:
     """Put the warnings module's functions back (under ``_lock``); a wrapper someone put over ours stays."""
-    global _original_add_filter, _original_showwarnmsg
-    if _original_add_filter is not None and _filter_globals.get("_add_filter") is _add_filter:
+    if "_add_filter" in _in_chain and _filter_globals.get("_add_filter") is _add_filter:
         _filter_globals["_add_filter"] = _original_add_filter
-    if _original_showwarnmsg is not None and getattr(warnings, "_showwarnmsg", None) is _showwarnmsg:
+        _in_chain.discard("_add_filter")
+    if "_showwarnmsg" in _in_chain and getattr(warnings, "_showwarnmsg", None) is _showwarnmsg:
         warnings._showwarnmsg = _original_showwarnmsg  # type: ignore[attr-defined]
+        _in_chain.discard("_showwarnmsg")
 
 
 def _step_out(message, category, filename, lineno, file=None, line=None) -> None:

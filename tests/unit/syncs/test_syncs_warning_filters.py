@@ -135,3 +135,50 @@ def test_a_users_error_level_raises_under_an_ignore_filter_as_torchs_own_would(f
             with pytest.raises(RuntimeError, match="called a synchronizing CUDA operation"):
                 torch_sync_warning()
     assert fake_mode.level == _debugmode.LEVEL_ERROR and not syncs.report()
+
+
+def test_a_filter_that_cannot_catch_torchs_warning_keeps_its_place_in_front():
+    """Review: every filterwarnings() moved syncless's entry in front of the user's, so the idiom
+    ``filterwarnings(...); ...; filters.pop(0)`` removed ours and left the user's filter for good."""
+    from syncless.syncs import _hook
+
+    _hook.install()
+    try:
+        warnings.filterwarnings("ignore", message="my noisy thing")
+        assert getattr(warnings.filters[0][1], "pattern", None) == "my noisy thing"
+        warnings.filters.pop(0)
+        assert not [f for f in warnings.filters if getattr(f[1], "pattern", None) == "my noisy thing"]
+        warnings.simplefilter("ignore")  # this one could hide torch's warning: ours goes back in front of it
+        assert warnings.filters[0] is _hook._filter_entry
+        warnings.filters.remove(("ignore", None, Warning, None, 0))
+    finally:
+        _hook.uninstall()
+
+
+def test_another_librarys_wrapper_over_ours_survives_disable_and_enable():
+    """Review: a library wrapped warnings._showwarnmsg over ours; after uninstall (ours stays beneath it) and
+    install, ours saved that wrapper as its original and every warning recursed."""
+    from syncless.syncs import _hook
+
+    _hook.install()
+    beneath = warnings._showwarnmsg
+    shown = []
+
+    def library_wrapper(msg):
+        shown.append(str(msg.message))
+        return beneath(msg)
+
+    warnings._showwarnmsg = library_wrapper
+    try:
+        _hook.uninstall()
+        _hook.install()
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.warn("hello from the user")  # RecursionError before the fix
+        assert shown == ["hello from the user"]
+    finally:
+        _hook.uninstall()
+        warnings._showwarnmsg = beneath
+        _hook.install()
+        _hook.uninstall()
+    assert warnings._showwarnmsg is not _hook._showwarnmsg
