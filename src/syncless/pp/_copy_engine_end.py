@@ -103,7 +103,9 @@ class CopyEngineEnding:
         stage's buffer (and at depth 0 its persistent tensors) is kept by
         design: a stalled peer may still map it. :attr:`leaked_nbytes` says
         how much, and a warning is logged. Enqueues nothing on the caller's
-        streams.
+        streams, except that a step returned by ``recv(wait=False)`` and never
+        used is finished first: its wait and copy-in go on the caller's current
+        stream, as its first use would have put them.
 
         Resumable: interrupted (``KeyboardInterrupt``), the next ``close()``
         (or ``abort()``) goes on where it stopped; once finished it does
