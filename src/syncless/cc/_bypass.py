@@ -55,8 +55,8 @@ def _crosses(a: Any, b: Any) -> bool:
 
 def _wrap_setitem(next_setitem):
     def __setitem__(*args, **kwargs):
-        # The hot path: one integer read while no offloaded copy is pending.
-        if _d2h.pending() and len(args) == 3 and not is_compiling() and _crosses(args[0], args[2]):
+        # The hot path: one integer read while no offloaded copy is pending (inline: no call of _d2h.pending()).
+        if _d2h._PENDING[0] and len(args) == 3 and not is_compiling() and _crosses(args[0], args[2]):
             settle_current_d2h_streams()
         return next_setitem(*args, **kwargs)
 
@@ -67,7 +67,7 @@ def _wrap_settling(next_fn):
     """``new_tensor``, ``as_tensor``, ``UntypedStorage.copy_``: rare enough to settle whenever a copy is pending."""
 
     def settling(*args, **kwargs):
-        if _d2h.pending() and not is_compiling():
+        if _d2h._PENDING[0] and not is_compiling():
             settle_current_d2h_streams()
         return next_fn(*args, **kwargs)
 
