@@ -14,7 +14,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from syncless._core.errors import SynclessError
 
@@ -57,7 +57,7 @@ class _Failure:
     text: str
     what: str
     thread: threading.Thread | None = None  # the host thread that submitted the job (None: unknown)
-    warned: bool = False  # another thread's covering call has logged it once
+    raised_on: set = field(default_factory=set)  # idents of the other threads it was raised on
 
     def owned_here(self) -> bool:
         """Whether this thread raises it: the submitting thread, or any thread once that one has ended."""
@@ -202,30 +202,28 @@ class OrderedWorker:
                 self._cv.wait(poll_s if deadline is None else max(0.0, min(poll_s, deadline - time.monotonic())))
 
     def raise_errors(self, upto: int, *, any_thread: bool = False) -> None:
-        """Raise :class:`D2HCopyError` for the first failed job numbered ``<= upto`` of this thread; forget those.
+        """Raise :class:`D2HCopyError` for the first failed job numbered ``<= upto`` that this thread has not seen.
 
-        A failure is raised on the host thread that submitted the copy (docs/cc.md, "errors"): another thread's
-        covering call (an unrelated ``torch.cuda.synchronize()``, say) leaves it for that thread's next covering
-        call and logs a warning once, so it is neither swallowed there nor raised where nothing went wrong. Once
-        the submitting thread has ended, any thread's covering call raises it; ``any_thread`` (``uninstall()``)
-        raises every one.
+        Every thread whose covering call covers a failed copy gets it once (docs/cc.md, "errors"), as a CUDA
+        error reaches every thread's synchronize: a consumer thread that synchronizes an event the issuing
+        thread handed it must not read the unwritten buffer as if all were well. The failure is forgotten once
+        the thread that submitted the copy has had it (or that thread has ended); ``any_thread``
+        (``uninstall()``) raises and forgets every one.
         """
+        me = threading.get_ident()
         with self._cv:
             if not self._failures:
                 return
-            covered = [f for f in self._failures if f.seq <= upto and (any_thread or f.owned_here())]
-            for other in self._failures:
-                if other.seq <= upto and other not in covered and not other.warned:
-                    other.warned = True
-                    _log.warning("%s: %s (#%d) failed (%s: %s); a covering call on thread %r leaves it to be "
-                                 "raised on thread %r, which issued it", self._name, other.what, other.seq,
-                                 type(other.error).__name__, other.error, threading.current_thread().name,
-                                 other.thread.name if other.thread is not None else "?")
+            covered = [f for f in self._failures if f.seq <= upto and (any_thread or me not in f.raised_on)]
             if not covered:
                 return
-            self._failures = [f for f in self._failures if f not in covered]
-            _count_unraised(-len(covered))
-            self._settle()
+            done = [f for f in covered if any_thread or f.owned_here()]
+            for failure in covered:
+                failure.raised_on.add(me)
+            if done:
+                self._failures = [f for f in self._failures if f not in done]
+                _count_unraised(-len(done))
+                self._settle()
         first = covered[0]
         more = f" ({len(covered) - 1} more failed copies were covered by this synchronize)" if len(covered) > 1 else ""
         raise D2HCopyError(
