@@ -143,10 +143,11 @@ def _check_broadcastable(dst: Any, src: Any) -> None:
 def _note_plain_d2h(dst: Any, src: Any) -> None:
     """After torch's own ``non_blocking`` D2H into ``dst``: note it, so a staged H2D of ``dst`` waits for it.
 
-    Skipped while a graph is captured (the copy is then a graph node, not work on the stream).
+    Skipped while this thread's stream is capturing (the copy is then a graph node, not work on the stream); a
+    capture on another thread does not make this thread's copy any less real.
     """
     index = src.device.index
-    if dst is src or _streams.any_current_capture(index):
+    if dst is src or _streams.is_current_stream_capturing(index):
         return
     _host_writes.note_plain_d2h(dst, _streams.current_stream(index))
 

@@ -312,9 +312,15 @@ def forget_captures() -> None:
 def any_current_capture(index: int) -> bool:
     """Return whether a capture is open: any graph between ``CUDAGraph.capture_begin`` and ``capture_end`` on any
     thread (while the shim is installed), or the current stream of GPU ``index`` or of the current device."""
+    return bool(CAPTURES[0]) or is_current_stream_capturing(index)
+
+
+def is_current_stream_capturing(index: int) -> bool:
+    """Return whether this thread's current stream of the current device, or of GPU ``index``, is capturing: then
+    work issued now is a graph node, not work on the stream."""
     import torch
 
-    if CAPTURES[0] or torch.cuda.is_current_stream_capturing():
+    if torch.cuda.is_current_stream_capturing():
         return True
     if index == torch.cuda.current_device():
         return False

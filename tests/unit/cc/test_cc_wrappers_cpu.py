@@ -1,6 +1,7 @@
 """The shim's and the emulator's ``copy_``/``cuda`` wrappers on a CPU-only torch: torch's call forms, as given."""
 
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -243,3 +244,23 @@ def test_a_quantized_tensors_d2h_is_left_to_torch(monkeypatch):
     plain = torch.randn(8)
     assert _shim._decide(plain, "cpu", 0, into_existing=False, registered=False, dtype_changes=False,
                          autograd=False, src_type="cuda")[0] == _routing.OFFLOAD
+
+
+def test_a_plain_d2h_is_noted_while_another_thread_captures(monkeypatch):
+    """Review: while any thread captured a graph, another thread's real non_blocking D2H into ``h`` went unnoted,
+    so a staged H2D of ``h`` after the capture was not ordered after it. Only this thread's capture makes the copy
+    a graph node."""
+    from syncless.cc import _host_writes, _streams
+
+    noted = []
+    monkeypatch.setattr(_host_writes, "note_plain_d2h", lambda dst, stream: noted.append(dst))
+    monkeypatch.setattr(_streams, "current_stream", lambda index: "S")
+    monkeypatch.setattr(_streams, "CAPTURES", [1])  # a graph is capturing, on some other thread
+    monkeypatch.setattr(_streams, "is_current_stream_capturing", lambda index: False)
+    src = SimpleNamespace(device=SimpleNamespace(index=0))
+    h = torch.empty(4)
+    _shim._note_plain_d2h(h, src)
+    assert noted == [h]
+    monkeypatch.setattr(_streams, "is_current_stream_capturing", lambda index: True)  # this thread's own capture
+    _shim._note_plain_d2h(torch.empty(4), src)
+    assert noted == [h]
