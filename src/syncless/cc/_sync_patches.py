@@ -64,15 +64,9 @@ def _mark(event: Any) -> None:
         pass
 
 
-def _wait_before_gpu_wait(event: Any) -> None:
-    """Before a stream waits on ``event``: the host waits for the offloaded copies it stands for (and raises the
-    first failure among them that this thread issued, before the GPU wait is enqueued)."""
-    tickets = getattr(event, _MARK, None)
-    if tickets:
-        _d2h.wait_for_tickets(list(tickets), raise_errors=True)
-
-
 def _wait_marked(event: Any) -> None:
+    """The host waits for the offloaded copies ``event`` stands for and raises the first failure among them this
+    thread has not seen: before ``event.synchronize()``, and before a stream's GPU wait on it is enqueued."""
     tickets = getattr(event, _MARK, None)
     if tickets:
         _d2h.wait_for_tickets(list(tickets), raise_errors=True)
@@ -144,7 +138,7 @@ def _wrap_event_wait(next_wait):
     def wait(*args, **kwargs):
         call = _self_and_stream(args, kwargs, event_class)
         if call is not None:
-            _wait_before_gpu_wait(call[0])
+            _wait_marked(call[0])
         return next_wait(*args, **kwargs)
 
     return wait
@@ -284,7 +278,7 @@ def _wrap_torch_event(base):
     def wait(*args, **kwargs):
         call = _self_and_stream(args, kwargs, Event)
         if call is not None:
-            _wait_before_gpu_wait(call[0])
+            _wait_marked(call[0])
         return base.wait(*args, **kwargs)
 
     def synchronize(*args, **kwargs):

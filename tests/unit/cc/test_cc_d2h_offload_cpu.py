@@ -171,7 +171,7 @@ def test_waiting_on_an_event_stamped_by_a_d2h_stream_waits_for_its_copies(gpu_ca
     assert getattr(event, _sync_patches._MARK) == ((record.worker, seq),)
     released = threading.Timer(0.2, hold.set)
     released.start()
-    _sync_patches._wait_before_gpu_wait(event)  # P.wait_event(e) / P.wait_stream(D): the host waits first
+    _sync_patches._wait_marked(event)  # P.wait_event(e) / P.wait_stream(D): the host waits first
     assert not worker.is_pending(seq)
     released.join()
 
