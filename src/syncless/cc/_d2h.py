@@ -140,7 +140,7 @@ def cover_now() -> tuple:
 
 def _rebuild_cover() -> None:
     """Recompute :data:`_COVER` from every D2H stream's worker (the caller holds ``_offload_lock``)."""
-    _COVER[0] = tuple((record.worker, record.worker.submitted) for record in _records() if record.worker.submitted)
+    _COVER[0] = tuple(all_tickets())
 
 
 def _records() -> list[_D2HStream]:
@@ -162,7 +162,7 @@ def all_tickets() -> list[Ticket]:
 def wait_for_tickets(tickets: list[Ticket], *, raise_errors: bool, timeout_s: float | None = None,
                      any_thread: bool = False) -> None:
     """Block the host until each ticket's copies have finished (at most ``timeout_s`` in all); with
-    ``raise_errors``, raise the first failure among them that this thread issued (``any_thread``: any)."""
+    ``raise_errors``, raise the first failure among them that this thread has not had yet (``any_thread``: any)."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     for worker, seq in tickets:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -507,7 +507,7 @@ def begin_capture(graph: Any) -> None:
 
     Under ``_offload_lock``, so every offload either was submitted before (and is waited for here) or sees the
     capture and declines. Blocks the host until those copies are done (as ``torch.cuda.graph``'s own synchronize
-    does); a failure among them that this thread issued is raised.
+    does); a failure among them that this thread has not had yet is raised.
     """
     with _offload_lock:
         _streams.note_capture(graph, True)
