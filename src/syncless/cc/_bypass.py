@@ -33,7 +33,7 @@ def settle_current_d2h_streams() -> None:
     """Wait on the host for the offloaded copies of every D2H stream that is current on its GPU now.
 
     Blocks the host only while such copies are pending. Raises the first failure among them that this thread
-    issued (``D2HCopyError``).
+    has not had yet (``D2HCopyError``).
     """
     if not _d2h.pending():
         return
