@@ -111,11 +111,18 @@ def order_after_pending_writes(staging: Any, src: Any) -> None:
     for entry in entries:
         if entry[0] == "event":
             # staging : [wait E] H2D ...      (E: after the D2H on its stream)
-            torch.cuda.Event.__mro__[1].wait(entry[1], staging)
+            _gpu_wait(entry[1], staging)
         else:
             # host    : wait for the job (the copy is in host memory) ; then enqueue the H2D (a failed job: raise it
             #           here, on the thread that issued it, rather than upload what it never wrote)
             _d2h.wait_for_tickets([entry[1]], raise_errors=True)
+
+
+def _gpu_wait(event, stream) -> None:
+    """Make ``stream`` wait for ``event`` on the GPU (torch's C method, beneath any patch; never blocks)."""
+    import torch
+
+    torch.cuda.Event.__mro__[1].wait(event, stream)
 
 
 def clear() -> None:

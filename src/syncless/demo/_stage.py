@@ -147,7 +147,10 @@ def run_stage(rank: int, world_size: int, options: DemoOptions) -> StageResult:
     if not any(run.sync_checked for run in runs):
         from syncless.syncs import _debugmode
 
-        unchecked = _debugmode.backend().unavailable_reason() or f"SYNCLESS_SYNC_CHECK is {syncs.mode()}"
+        if device.type != "cuda":
+            unchecked = "CPU run: nothing here waits for a GPU"
+        else:
+            unchecked = _debugmode.backend().unavailable_reason() or f"SYNCLESS_SYNC_CHECK is {syncs.mode()}"
     pending = None
     if options.measure_pending:
         from syncless.demo._pending import measure_pending
@@ -256,7 +259,9 @@ def _decode(rank: int, world_size: int, options: DemoOptions, label: str, stage:
             readbacks.clear()
             syncs.reset()
             syncs.set_mode("record")
-            checked = syncs.enable()  # the gate opens after warm-up: set-up may synchronize freely
+            # The gate opens after warm-up: set-up may synchronize freely. A CPU stage has no GPU to wait for
+            # (its .item() is a plain read), so it is not checked, on a CUDA build too.
+            checked = syncs.enable() if device.type == "cuda" else False
             start_s = time.perf_counter()
             for step in range(options.warmup_steps, total_steps):
                 with syncs.checking():

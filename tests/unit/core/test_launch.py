@@ -39,9 +39,10 @@ def test_failing_rank_reports_its_traceback():
 
 def test_hung_rank_is_killed_at_the_deadline():
     start = time.monotonic()
-    with pytest.raises(RankFailed, match=r"ranks \[0\] gave no result within 8 s"):
-        run_ranks(_hang_on_rank_zero, 2, timeout_s=8)
-    assert time.monotonic() - start < 20  # the deadline, plus start-up and the kill
+    # The deadline leaves rank 1 room to start (a CUDA build of torch imports in seconds on a loaded host).
+    with pytest.raises(RankFailed, match=r"ranks \[0\] gave no result within 20 s"):
+        run_ranks(_hang_on_rank_zero, 2, timeout_s=20)
+    assert time.monotonic() - start < 35  # the deadline, plus start-up and the kill
 
 
 def _exit_on_rank_one(rank, world_size, code):

@@ -25,7 +25,7 @@ from syncless.syncs import SyncViolation, _copies, _debugmode
 from support.call_forms import seed  # noqa: F401 - a fixture
 
 from .conftest import patched_attributes
-from .signature_grid import Form, cpu_forms, difference, make_env, outcome
+from .signature_grid import Form, cpu_forms, difference, make_env, outcome, plain_outcome
 
 FORMS = cpu_forms()
 
@@ -46,7 +46,7 @@ def _enabled(mode: str) -> None:
 
 @pytest.mark.parametrize("form", FORMS, ids=[f.label for f in FORMS])
 def test_call_form_behaves_as_in_torch(form: Form, seed: int, restored_globals, warn_always):
-    plain = outcome(form, make_env(seed))
+    plain = plain_outcome(form, seed)
     with _debugmode.fake():
         _enabled("record")
         problems = [difference(form, plain, outcome(form, make_env(seed)))]
