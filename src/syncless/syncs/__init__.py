@@ -278,7 +278,11 @@ class _Allowing:
 
     def __enter__(self) -> None:
         # The frame of the `with`: a generator's allow region covers only what runs while it runs.
-        self._tokens.push(_state.enter_allowed(self._site, sys._getframe(1)))
+        token = _state.enter_allowed(self._site, sys._getframe(1))
+        if token is None:
+            self._tokens.push_declined()
+        else:
+            self._tokens.push(token)
 
     def __exit__(self, *exc_info: object) -> None:
         _state.exit_allowed(self._tokens.pop())

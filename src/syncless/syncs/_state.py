@@ -286,35 +286,58 @@ def exit_allowed(token: RegionToken | None) -> None:
     _leave(token, allowed_depth, _allowed_owner)
 
 
+class _Declined:
+    """An entry that allows nothing (a repeated first-only site, or the gate closed), and who made it."""
+
+    __slots__ = ("thread", "task")
+
+    def __init__(self) -> None:
+        self.thread, self.task = _here()
+
+
 class TokenStack:
     """The tokens of one context-manager object, so that it can be entered again before it is left.
 
     A reused ``allowed()``/``checking()`` object entered twice (recursion, or
     several threads) keeps each entry's token: the thread/task leaving takes
-    back its latest one. Pushing a None (the gate closed, or a block that
-    torch.compile traces) and popping it read nothing dynamo cannot trace.
+    back its latest one. An entry that allows nothing is kept with who made
+    it (:meth:`push_declined`), so that another thread's empty entry is never
+    taken for this one's. A None (a block that torch.compile traces) is
+    pushed and popped reading nothing dynamo cannot trace.
     """
 
     __slots__ = ("_entries",)
 
     def __init__(self) -> None:
-        self._entries: list[RegionToken | None] = []
+        self._entries: list[RegionToken | _Declined | None] = []
 
     def push(self, token: RegionToken | None) -> None:
         self._entries.append(token)
 
+    def push_declined(self) -> None:
+        """Keep an entry that allows nothing, for this thread/task's exit to take back."""
+        self._entries.append(_Declined())
+
     def pop(self) -> RegionToken | None:
+        """This thread/task's latest entry: its token, or None for a declined or traced one."""
         entries = self._entries
         if not entries:
             return None
         if entries[-1] is None or len(entries) == 1:
-            return entries.pop()
+            return _token_of(entries.pop())
         thread, task = _here()
         for index in range(len(entries) - 1, -1, -1):
-            token = entries[index]
-            if token is not None and token.owner.thread is thread and token.owner.task is task:
-                return entries.pop(index)
-        return entries.pop()  # left elsewhere than entered (a generator resumed on another thread)
+            entry = entries[index]
+            if entry is None:
+                continue
+            who = entry.owner if isinstance(entry, RegionToken) else entry
+            if who.thread is thread and who.task is task:
+                return _token_of(entries.pop(index))
+        return _token_of(entries.pop())  # left elsewhere than entered (a generator resumed on another thread)
+
+
+def _token_of(entry: RegionToken | _Declined | None) -> RegionToken | None:
+    return entry if isinstance(entry, RegionToken) else None
 
 
 def forget_first_only_sites() -> None:

@@ -108,3 +108,26 @@ def test_a_reused_checking_object_entered_twice_closes_both(fake_mode):
     torch_sync_warning()  # outside: not checked
     assert syncs.report().total == 2, syncs.report().format()
     assert _debugmode.armer.count == 0 and _hook._installed
+
+
+def test_a_shared_first_only_object_left_by_its_first_thread_closes_that_threads_allow(fake_mode):
+    # One module-level allowed(first_only=True) used by two threads: the first entry allows, the second
+    # (a repeat of the site) does not. When the first thread leaves while the second is still inside, it
+    # must take back its own entry, not the second thread's empty one, or its later syncs stay allowed.
+    once = syncs.allowed(first_only=True)
+    second_inside, second_may_leave = threading.Event(), threading.Event()
+
+    def second():
+        with syncs.checking(), once:  # the repeat: nothing allowed
+            second_inside.set()
+            second_may_leave.wait(10)
+
+    with syncs.checking():
+        with once:  # the site's first entry: allowed
+            worker = threading.Thread(target=second)
+            worker.start()
+            assert second_inside.wait(10)
+        torch_sync_warning()  # this thread's allow region has closed: a violation
+        second_may_leave.set()
+        worker.join(10)
+    assert syncs.report().total == 1, syncs.report().format()
