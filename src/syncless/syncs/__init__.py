@@ -241,7 +241,7 @@ class _Checking:
 
     def __enter__(self) -> None:
         if is_compiling():
-            self._tokens.push(None)
+            self._tokens.push_traced()
             return  # traced by torch.compile: not a region (see checked); no guard on settings.enabled
         token = _state.enter_checked()
         self._tokens.push(token)
@@ -278,11 +278,7 @@ class _Allowing:
 
     def __enter__(self) -> None:
         # The frame of the `with`: a generator's allow region covers only what runs while it runs.
-        token = _state.enter_allowed(self._site, sys._getframe(1))
-        if token is None:
-            self._tokens.push_declined()
-        else:
-            self._tokens.push(token)
+        self._tokens.push(_state.enter_allowed(self._site, sys._getframe(1)))
 
     def __exit__(self, *exc_info: object) -> None:
         _state.exit_allowed(self._tokens.pop())

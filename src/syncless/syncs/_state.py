@@ -287,7 +287,7 @@ def exit_allowed(token: RegionToken | None) -> None:
 
 
 class _Declined:
-    """An entry that allows nothing (a repeated first-only site, or the gate closed), and who made it."""
+    """An entry that opened no region (the gate closed, a repeated first-only site), and who made it."""
 
     __slots__ = ("thread", "task")
 
@@ -300,10 +300,11 @@ class TokenStack:
 
     A reused ``allowed()``/``checking()`` object entered twice (recursion, or
     several threads) keeps each entry's token: the thread/task leaving takes
-    back its latest one. An entry that allows nothing is kept with who made
-    it (:meth:`push_declined`), so that another thread's empty entry is never
-    taken for this one's. A None (a block that torch.compile traces) is
-    pushed and popped reading nothing dynamo cannot trace.
+    back its latest one. An entry that opened no region (token None: the gate
+    closed, a repeated first-only site) is kept with who made it, so that
+    another thread's empty entry is never taken for this one's. A block that
+    torch.compile traces (:meth:`push_traced`) is pushed and popped reading
+    nothing dynamo cannot trace.
     """
 
     __slots__ = ("_entries",)
@@ -312,11 +313,12 @@ class TokenStack:
         self._entries: list[RegionToken | _Declined | None] = []
 
     def push(self, token: RegionToken | None) -> None:
-        self._entries.append(token)
+        """Keep this entry's token (None: it opened no region) for this thread/task's exit to take back."""
+        self._entries.append(_Declined() if token is None else token)
 
-    def push_declined(self) -> None:
-        """Keep an entry that allows nothing, for this thread/task's exit to take back."""
-        self._entries.append(_Declined())
+    def push_traced(self) -> None:
+        """Keep an entry made while torch.compile traces: no region, and no thread or task read."""
+        self._entries.append(None)
 
     def pop(self) -> RegionToken | None:
         """This thread/task's latest entry: its token, or None for a declined or traced one."""

@@ -131,3 +131,27 @@ def test_a_shared_first_only_object_left_by_its_first_thread_closes_that_threads
         second_may_leave.set()
         worker.join(10)
     assert syncs.report().total == 1, syncs.report().format()
+
+
+def test_a_shared_checking_object_left_by_its_first_thread_closes_that_threads_region(fake_mode):
+    # The same, for checking(): the second thread enters after disable(), so its entry is no region. When
+    # the first thread leaves, its own region must close (disarmed), not wait for the second thread's exit.
+    region = syncs.checking()
+    second_inside, second_may_leave = threading.Event(), threading.Event()
+
+    def second():
+        with region:  # the gate is closed: no region
+            second_inside.set()
+            second_may_leave.wait(10)
+
+    with region:
+        syncs.disable()
+        worker = threading.Thread(target=second)
+        worker.start()
+        assert second_inside.wait(10)
+    try:
+        assert _debugmode.armer.count == 0, "the first thread's region is still armed after it left"
+    finally:
+        second_may_leave.set()
+        worker.join(10)
+    assert _debugmode.armer.count == 0
