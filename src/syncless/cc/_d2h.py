@@ -467,22 +467,19 @@ def offload(record: _D2HStream, dst: Any, src: Any, what: str) -> int:
 
 
 def _counted(job: Any) -> Any:
-    """``job``, with ``settled``: the worker lowers the count of unfinished copies through it once the job's end is
-    recorded (a failure included), under its lock.
+    """``job`` (a function of its own), given ``settled``: the worker lowers the count of unfinished copies through
+    it once the job's end is recorded (a failure included), under its lock.
 
     Not in a ``finally`` of the job itself: between a failed job's end and the worker's record of the failure, a
     lowered count would make an event recorded then cover nothing and its synchronize report all clear.
     """
 
-    def run() -> None:
-        job()
-
     def settled() -> None:
         with _pending_lock:
             _PENDING[0] -= 1
 
-    run.settled = settled  # type: ignore[attr-defined]
-    return run
+    job.settled = settled
+    return job
 
 
 def _bump_version(dst: Any) -> None:

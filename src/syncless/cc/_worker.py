@@ -57,7 +57,7 @@ class _Failure:
     text: str
     what: str
     thread: threading.Thread | None = None  # the host thread that submitted the job (None: unknown)
-    raised_on: set = field(default_factory=set)  # idents of the other threads it was raised on
+    raised_on: set = field(default_factory=set)  # the threads it was raised on (objects: idents are reused)
 
     def owned_here(self) -> bool:
         """Whether this thread raises it: the submitting thread, or any thread once that one has ended."""
@@ -210,7 +210,7 @@ class OrderedWorker:
         the thread that submitted the copy has had it (or that thread has ended); ``any_thread``
         (``uninstall()``) raises and forgets every one.
         """
-        me = threading.get_ident()
+        me = threading.current_thread()
         with self._cv:
             if not self._failures:
                 return
