@@ -77,8 +77,6 @@ def install(mode: str | None = None, *, max_staged_bytes: int | None = None) -> 
         log_once(_log, logging.INFO, "cc-install-off", "syncless.cc not installed: %s", decision.reason)
         return is_shim_installed()
     if not _cuda_available():
-        import torch
-
         _warn_no_cuda(f"mode {decision.mode!r}")
         return is_shim_installed()
     check_bindings()

@@ -104,8 +104,6 @@ def order_after_pending_writes(staging: Any, src: Any) -> None:
                 entries.append(item[2])
     if not entries:
         return
-    import torch
-
     from syncless.cc import _d2h
 
     for entry in entries:

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from syncless._core import config
 from syncless._core.errors import MissingDependencyError
 from syncless._core.logs import log_once
-from syncless.syncs import _merge, _report, _state
+from syncless.syncs import _merge, _report
 
 BACKENDS = ("auto", "torch", "cupti")
 

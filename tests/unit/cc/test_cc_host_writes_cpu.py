@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from syncless.cc import _d2h, _host_writes
+from syncless.cc import _host_writes
 from syncless.cc._worker import OrderedWorker
 
 

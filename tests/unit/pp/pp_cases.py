@@ -933,7 +933,6 @@ def deferred_wait_timing(rank, world, depth, steps=30):
             "hidden": torch.empty(shape, dtype=torch.bfloat16, device=device)}
     transport = make_transport(None, persistent, backend="copy_engine", depth=depth, timeout_s=30, device=device)
     source = torch.randn(shape, device=device).to(torch.bfloat16) if rank == 0 else None
-    want = None
     result = {"depth": depth}
     bad = torch.zeros((), dtype=torch.int64, device=device)
     for mode in ("recv()", "recv(wait=False)", "recv()", "recv(wait=False)"):  # twice each: the first warms up

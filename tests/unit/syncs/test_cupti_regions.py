@@ -7,15 +7,12 @@ bookkeeping of an outermost region, and what it holds back, is the real one.
 from __future__ import annotations
 
 import asyncio
-import sys
-import tracemalloc
 import warnings
 
 import pytest
 
 from syncless import syncs
 from syncless._core.errors import SyncViolation
-from syncless.syncs import _merge
 
 from . import fake_cupti as fake
 from .test_cupti_backend import cupti_env, enabled, here  # noqa: F401 - the fixture
