@@ -55,8 +55,10 @@ def _crosses(a: Any, b: Any) -> bool:
 
 def _wrap_setitem(next_setitem):
     def __setitem__(*args, **kwargs):
-        # The hot path: one integer read while no offloaded copy is pending (inline: no call of _d2h.pending()).
-        if _d2h._PENDING[0] and len(args) == 3 and not is_compiling() and _crosses(args[0], args[2]):
+        # The hot path: one integer read while no offloaded copy is pending (inline: no call of _d2h.pending()),
+        # after is_compiling(), which dynamo folds to a constant: read first, the count was a guard, and each change
+        # of it recompiled the frame until it fell back to eager (issue 33 item 1).
+        if not is_compiling() and _d2h._PENDING[0] and len(args) == 3 and _crosses(args[0], args[2]):
             settle_current_d2h_streams()
         return next_setitem(*args, **kwargs)
 
@@ -67,7 +69,7 @@ def _wrap_settling(next_fn):
     """``new_tensor``, ``as_tensor``, ``UntypedStorage.copy_``: rare enough to settle whenever a copy is pending."""
 
     def settling(*args, **kwargs):
-        if _d2h._PENDING[0] and not is_compiling():
+        if not is_compiling() and _d2h._PENDING[0]:  # is_compiling() first: see _wrap_setitem
             settle_current_d2h_streams()
         return next_fn(*args, **kwargs)
 

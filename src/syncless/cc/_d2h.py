@@ -10,7 +10,7 @@ number)::
     P1   : [ slow write of x ......... ]
     P2   : [ .. ]
     D    : [wait P1][wait P2][wait e] x -> snap R#n  [later kernels on D, e.g. x.zero_()] ...
-    W    :                                 (worker) cuEventSynchronize(R#n) ... copy snap -> y ; wait W ; job #n done
+    W    :                                 (job #n) cuEventSynchronize(R#n) ... copy snap -> y ; wait W ; done
 
 Before the copy: the source is read *on D*, at the call's place in its
 queue, into a device snapshot ``snap`` (a device-to-device copy, which CC
@@ -79,9 +79,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import os
+
 from syncless._core import patching
 from syncless._core.errors import MissingDependencyError
-from syncless.cc import _host_writes, _streams
+from syncless.cc import _d2h_job, _host_writes, _raw, _streams, _worker
 from syncless.cc._layers import SHIM_KEY
 from syncless.cc._worker import UNRAISED, OrderedWorker
 
@@ -98,6 +100,7 @@ class _D2HStream:
     last_job: int = 0  # number, on this stream's worker, of the last copy offloaded from it (0: none yet)
     worker: OrderedWorker = field(default_factory=lambda: OrderedWorker("syncless-d2h"))
     closed: bool = False  # set under _offload_lock by close_d2h_stream(): no offload from it any more
+    closing: bool = False  # a close_d2h_stream() of it is under way (a second one is refused)
     # The stream its worker copies on, of its own (None: the GPU's shared one, _streams.worker_stream). A shared
     # one made a job's wait for its copy, and under CC the driver's copy itself, wait for other D2H streams' copies.
     copy_stream: Any = None
@@ -117,9 +120,10 @@ _streams_by_key: dict[tuple[int, int], _D2HStream] = {}
 _PENDING = [0]
 _pending_lock = threading.Lock()
 # The tickets an event recorded now must cover (the seed's any-event rule, docs/cc.md): the last job of every D2H
-# stream's worker that has had one, rebuilt at each submission under _offload_lock, so that a record (which every
-# decode step makes) reads one tuple and builds nothing.
+# stream's worker that has had one, rebuilt at each submission under _offload_lock from _last_jobs, so that a
+# record (which every decode step makes) reads one tuple and builds nothing.
 _COVER: list[tuple] = [()]
+_last_jobs: dict[OrderedWorker, int] = {}  # worker -> its last job; written under _offload_lock
 
 
 def pending() -> bool:
@@ -139,8 +143,8 @@ def cover_now() -> tuple:
 
 
 def _rebuild_cover() -> None:
-    """Recompute :data:`_COVER` from every D2H stream's worker (the caller holds ``_offload_lock``)."""
-    _COVER[0] = tuple(all_tickets())
+    """Recompute :data:`_COVER` from :data:`_last_jobs` (the caller holds ``_offload_lock``)."""
+    _COVER[0] = tuple(_last_jobs.items())
 
 
 def _records() -> list[_D2HStream]:
@@ -151,12 +155,9 @@ def _records() -> list[_D2HStream]:
 def all_tickets() -> list[Ticket]:
     """The last job of every D2H stream's worker now: waiting for all of them covers every copy offloaded so far.
 
-    Every ``torch.cuda.synchronize()`` and ordinary stream's ``synchronize()`` asks this: with no D2H stream it
-    is one dictionary test.
+    Every ``torch.cuda.synchronize()`` and ordinary stream's ``synchronize()`` asks this: one tuple read.
     """
-    if not _streams_by_key:
-        return []
-    return [(record.worker, record.worker.submitted) for record in _records() if record.worker.submitted]
+    return list(_COVER[0])
 
 
 def wait_for_tickets(tickets: list[Ticket], *, raise_errors: bool, timeout_s: float | None = None,
@@ -259,29 +260,30 @@ def close_d2h_stream(stream: Any, timeout_s: float = 60.0) -> None:
         raise ValueError(f"close_d2h_stream: {stream!r} is the current stream of cuda:{index}; leave its "
                          "`with torch.cuda.stream(...)` block first")
     with _offload_lock:
-        record.closed = True  # an offload from it that has not submitted yet runs torch's own copy
+        # One close at a time: two that both went on pooled the same CUDA stream twice, so the next two
+        # new_d2h_stream() calls returned one stream (issue 33 item 5).
+        if record.closing or _streams_by_key.get((index, stream.cuda_stream)) is not record:
+            raise ValueError(f"close_d2h_stream: {stream!r} is already being closed by another call")
+        record.closing = record.closed = True  # an offload from it that has not submitted yet runs torch's own
     try:
         record.worker.wait_for(record.last_job, timeout_s=timeout_s)
     except BaseException:
         with _offload_lock:
-            record.closed = False
+            record.closing = record.closed = False
         raise
     with _lock:
         _streams_by_key.pop((index, stream.cuda_stream), None)
     with _offload_lock:
+        _last_jobs.pop(record.worker, None)
         _rebuild_cover()
-    error: BaseException | None = None
-    try:
-        record.worker.raise_errors(record.last_job, any_thread=True)
-    except BaseException as err:  # noqa: BLE001 - raised below, once everything is released
-        error = err
+    unreported = record.worker.take_unreported()  # whichever thread issued them; forgotten with the stream
     record.worker.shutdown(timeout_s)
     atexit.unregister(record.worker.shutdown)
     if record.copy_stream is not None:  # its last copy was waited for above; the pair is reused as a whole
         with _lock:
             _released_pairs.setdefault(index, []).append((stream, record.copy_stream))
-    if error is not None:
-        raise error
+    if unreported:
+        raise _worker.error_for(unreported)
 
 
 def has_streams() -> bool:
@@ -324,62 +326,6 @@ def pinned_like(src: Any, dtype: Any, memory_format: Any) -> Any:
     return torch.empty_strided(layout.shape, layout.stride(), dtype=dtype, pin_memory=True)
 
 
-def make_job(index: int, ready: Any, dst: Any, src: Any, copy_stream: Any = None):
-    """Return ``job()``: wait for ``ready``, copy ``src`` into ``dst`` on ``copy_stream``, wait for the copy.
-
-    ``copy_stream``: the D2H stream's own copy stream (None: the GPU's shared worker stream).
-
-    ``src`` is the offload's private snapshot (nothing else writes it).
-
-    Runs on the worker thread. It blocks that thread (never the caller's)
-    until ``ready`` fires and then until the copy is done, so the job counts
-    as finished only once its bytes are in ``dst``; a failure is raised by
-    the next synchronize that covers the job. ``src`` and ``dst`` stay alive
-    until the copy has run.
-    """
-    import torch
-
-    if copy_stream is None:
-        copy_stream = _streams.worker_stream(index)
-
-    def job() -> None:
-        nonlocal dst, src
-        try:
-            if torch.cuda.current_device() != index:
-                torch.cuda.set_device(index)  # the worker thread's own current device
-            _streams.wait_event_raw(ready)
-            copy_beneath = patching.beneath(torch.Tensor, "copy_", SHIM_KEY)
-            with torch.inference_mode(), torch.cuda.stream(copy_stream):
-                copy_beneath(dst, src, non_blocking=True)
-            _streams.wait_stream_raw(copy_stream)
-        finally:
-            dst = src = None  # release the source only after the copy has run (or failed)
-
-    return job
-
-
-def snapshot(src: Any, dst: Any) -> Any:
-    """Copy device tensor ``src``, as ``dst`` will hold it, into a new device tensor on the current stream.
-
-    The snapshot has ``dst``'s dtype, shape and strides, so the source is
-    broadcast and converted here, on the D2H stream, and the worker's copy is
-    one block of one dtype and layout, which needs no GPU temporary (before,
-    the worker converted a bf16 source to fp32 itself, and a temporary that
-    found no room failed the copy late). The read happens at this point of
-    the stream's queue, where torch's own D2H would read ``src``. Enqueues one
-    device-to-device copy (not host-synchronous, CC or not); the host does not
-    block. Raises torch's ``OutOfMemoryError`` when there is no room for it.
-    """
-    import torch
-
-    with torch.no_grad():
-        if dst.is_conj() or dst.is_neg():
-            return src.clone()  # the worker's copy resolves those bits itself
-        snap = torch.empty_strided(tuple(dst.shape), dst.stride(), dtype=dst.dtype, device=src.device)
-        patching.original(torch.Tensor, "copy_")(snap, src)  # torch's own device copy, beneath every layer
-        return snap
-
-
 # Set under _offload_lock when uninstall() begins, and cleared only by the next install(): no offload may slip in
 # behind the drain, nor after the patched syncs are gone (issue 27 item 3: a thread still inside a wrapper, blocked
 # in the pinned allocation, used to submit a job once uninstall() had cleared the flag again, which no patched
@@ -399,35 +345,17 @@ def resume_offloading() -> None:
         _CLOSING[0] = False
 
 
-def _version_alias(dst: Any) -> Any:
-    """A tensor over ``dst``'s bytes with a version counter of its own, for the worker to write through.
-
-    torch bumps ``dst``'s version when the copy is issued, which autograd's saved-tensor checks read; the
-    offload bumps it then too (:func:`offload`), and the worker's later write must not bump it again.
-    """
-    import torch
-
-    alias = torch.empty(0, dtype=dst.dtype)
-    alias = alias.set_(dst.untyped_storage(), dst.storage_offset(), dst.size(), dst.stride())
-    # An alias made with set_ has neither the conjugate nor the negative bit of ``dst``; views that add them read
-    # the memory as ``dst`` does and share the alias's version counter, not ``dst``'s (which was bumped once, at
-    # the call: issue 27's review found conjugate and negative destinations bumped twice, written through dst).
-    if dst.is_conj():
-        alias = alias.conj()
-    if dst.is_neg():
-        alias = torch._neg_view(alias)
-    return alias
-
-
-def offload(record: _D2HStream, dst: Any, src: Any, what: str) -> int:
-    """Queue ``dst.copy_(src)`` on the worker, reading ``src`` as the D2H stream would now.
+def offload(record: _D2HStream, dst: Any, src: Any, verb: str, *, into_existing: bool) -> int:
+    """Queue ``dst.copy_(src)`` as a job of ``record``'s queue, reading ``src`` as the D2H stream would now.
 
     Enqueues on the D2H stream (current) a device copy of ``src`` and one
     event record after it (see the module docstring), and returns the job's
-    number at once; the host does not block. Returns 0, having queued
-    nothing that matters (at most a device copy nobody reads), when the
-    device has no room for the snapshot: the caller then runs torch's own
-    copy instead.
+    number at once; the host does not block. ``into_existing``: ``dst`` is
+    the caller's tensor (a ``copy_``), whose version counter is bumped once
+    now, as torch's copy bumps it; a fresh ``.to()`` result keeps version 0,
+    as torch's does. Returns 0, having queued nothing that matters (at most a
+    device copy nobody reads), when the device has no room for the snapshot
+    or offloading is closed: the caller then runs torch's own copy instead.
     """
     import torch
 
@@ -435,51 +363,51 @@ def offload(record: _D2HStream, dst: Any, src: Any, what: str) -> int:
         return 0
     stream = record.stream
     try:
-        snap = snapshot(src, dst)
+        snap = _d2h_job.snapshot(src, dst, stream)
     except torch.OutOfMemoryError:
         _log.warning("syncless.cc: no GPU memory for a %d-byte snapshot of an offloaded D2H copy; it runs as "
                      "torch's own copy (blocking under CC)", src.numel() * src.element_size())
         return 0
-    ready = torch.cuda.Event()
-    job = _counted(make_job(stream.device.index, ready, _version_alias(dst), snap, record.copy_stream))
+    index = stream.device.index
+    ready = _raw.take_ready_event(index)
+    copy_stream = record.copy_stream if record.copy_stream is not None else _streams.worker_stream(index)
+    job = _d2h_job.CopyJob(index, ready, dst, snap, copy_stream, verb, src)
+    job.settled = _settled
     del snap  # the job holds it until its copy has run
     with _offload_lock:
         # uninstall() began after the check above, or the worker was shut down at interpreter exit (an atexit
-        # handler registered before the worker's runs after its shutdown, issue 27 item 5): torch's own copy
-        # or a CUDA graph capture began on some thread (its capture_begin drains what was queued before)
+        # handler registered before the worker's runs after its shutdown, issue 27 item 5), or a CUDA graph capture
+        # began on some thread (its capture_begin drains what was queued before): torch's own copy
         if _CLOSING[0] or record.closed or not record.worker.accepting or _streams.CAPTURES[0]:
+            _raw.give_back_ready_event(index, ready)
             return 0
         # D : ...everything D was ordered after... src -> snap R#n ...
-        _streams.record_event_raw(ready, stream)
+        _raw.record_ready(ready, stream)
         with _pending_lock:
             _PENDING[0] += 1
         try:
-            seq = record.worker.submit(job, what)
+            seq = record.worker.submit(job, eager=job.nbytes >= _d2h_job.EAGER_BYTES)
         except BaseException:
             with _pending_lock:
                 _PENDING[0] -= 1
             raise
-        record.last_job = seq
+        record.last_job = _last_jobs[record.worker] = seq
         _rebuild_cover()  # before the call returns: any event recorded after it covers this job
-    _bump_version(dst)  # as torch's copy does, at the call
+    if into_existing:
+        _bump_version(dst)  # as torch's copy does, at the call
     _host_writes.note_offloaded_d2h(dst, (record.worker, seq))  # a staged H2D of dst waits for it
     return seq
 
 
-def _counted(job: Any) -> Any:
-    """``job`` (a function of its own), given ``settled``: the worker lowers the count of unfinished copies through
-    it once the job's end is recorded (a failure included), under its lock.
+def _settled() -> None:
+    """A job's end is on record (a failure included): one copy fewer is unfinished.
 
-    Not in a ``finally`` of the job itself: between a failed job's end and the worker's record of the failure, a
-    lowered count would make an event recorded then cover nothing and its synchronize report all clear.
+    Called by the queue under its lock, not from a ``finally`` of the job: between a failed job's end and the
+    record of its failure, a lowered count would make an event recorded then cover nothing and its synchronize
+    report all clear.
     """
-
-    def settled() -> None:
-        with _pending_lock:
-            _PENDING[0] -= 1
-
-    job.settled = settled
-    return job
+    with _pending_lock:
+        _PENDING[0] -= 1
 
 
 def _bump_version(dst: Any) -> None:
@@ -516,16 +444,48 @@ def begin_capture(graph: Any) -> None:
 
 
 def drain(timeout_s: float | None = None) -> None:
-    """Wait for every queued D2H copy of every D2H stream and raise the first failure among them (blocks the host).
+    """Wait for every queued D2H copy of every D2H stream (blocks the host, at most ``timeout_s``); then raise, in
+    one error, every failure of any stream whose issuing thread never had it, and forget them all.
 
     Raises:
-        D2HCopyError: a copy failed.
+        D2HCopyError: copies failed (``uninstall()``: one error for every stream's, issue 33 item 4; before, the
+            other streams' stayed queued and a thread's synchronize after a re-install raised them).
         D2HTimeoutError: ``timeout_s`` passed first.
     """
-    wait_for_tickets(all_tickets(), raise_errors=True, timeout_s=timeout_s, any_thread=True)
+    wait_for_tickets(all_tickets(), raise_errors=False, timeout_s=timeout_s)
+    unreported = []
+    for record in _records():
+        unreported += record.worker.take_unreported()
+    if unreported:
+        raise _worker.error_for(sorted(unreported, key=lambda failure: failure.seq))
 
 
 def restart_workers() -> None:
     """Let every D2H stream's worker accept copies again after a shutdown (re-install)."""
     for record in _records():
         record.worker.restart()
+
+
+def _forget_after_fork() -> None:
+    """In a forked child: nothing offloaded in the parent is pending here (no worker thread, no CUDA context).
+
+    The child inherits the parent's counts, but neither its threads nor a usable CUDA context: with the count of
+    pending copies above 0, its ``torch.as_tensor`` (a DataLoader worker collating numpy arrays) asked CUDA for the
+    current stream (issue 33 item 6). Every lock is made anew, as one may have been held by a parent's thread.
+    """
+    global _lock, _offload_lock, _pending_lock
+    _lock, _offload_lock, _pending_lock = threading.Lock(), threading.Lock(), threading.Lock()
+    for record in _streams_by_key.values():
+        record.worker.forget_after_fork()
+    _streams_by_key.clear()
+    _released_pairs.clear()
+    _last_jobs.clear()
+    _COVER[0] = ()
+    _PENDING[0] = 0
+    _worker.forget_unraised_after_fork()
+    _raw.forget_after_fork()
+    _host_writes.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)

@@ -28,18 +28,27 @@ finished when the call returns.
 
 from __future__ import annotations
 
+import bisect
 import threading
 from typing import Any
 
 from syncless.cc import _streams
 
 _lock = threading.Lock()
-# Byte ranges of host storages a noted D2H may still be writing: [start, end, entry], where entry is
-# ("event", ev) or ("job", ticket). A staged H2D asks only the entries its source overlaps whether they are done
-# (and drops those that are); the whole list is trimmed once it reaches _TRIM_AT, so a stream of plain D2H copies
-# into pinned memory costs a query per copy only then.
-_pending: list[tuple[int, int, tuple]] = []
-_TRIM_AT = 64
+# Byte ranges of host storages a noted D2H may still be writing, indexed by the range's start: start -> a list of
+# [end, entry], where entry is ("event", ev) or ("job", ticket); _starts holds the starts in order, and _longest the
+# longest range noted, so a staged H2D asks only the entries that can overlap its source (a bisect), not every
+# one. Entries go when they are found done: at a lookup of their bytes, at the next note at the same start (the
+# pinned allocator hands the same blocks out again), and in a trim of everything once the count doubles. The
+# trim before rescanned every entry at each note past 64, 56 us a note with 64 copies in flight (issue 33).
+_by_start: dict[int, list[list]] = {}
+_starts: list[int] = []
+_longest = [0]
+_count = [0]
+_TRIM_FLOOR = 64
+_trim_at = [_TRIM_FLOOR]
+# Events of finished plain-D2H notes, for the next note (an event per copy cost a creation each).
+_spare_events: list[Any] = []
 
 
 def _range(t: Any) -> tuple[int, int]:
@@ -50,21 +59,69 @@ def _range(t: Any) -> tuple[int, int]:
 
 
 def _is_done(entry: tuple) -> bool:
+    """Whether the noted write has finished and left nothing to report: a failed job stays until a staged H2D of
+    its memory has raised its failure (issue 33 item 3: it was dropped as done, and the unwritten buffer uploaded)."""
     if entry[0] == "event":
         import torch
 
         return torch.cuda.Event.__mro__[1].query(entry[1])  # torch's own query (no D2H marks on this event)
-    from syncless.cc import _d2h
+    worker, seq = entry[1]
+    if worker.is_pending(seq):
+        return False
+    return not worker.newest_failure >= seq or worker.failure_of(seq) is None
 
-    return not _d2h.ticket_pending(entry[1])
+
+def _unfinished(items: list) -> list:
+    """The entries of ``items`` not yet done; a finished plain note's event goes back for reuse."""
+    kept = []
+    for item in items:
+        entry = item[1]
+        if not _is_done(entry):
+            kept.append(item)
+        elif entry[0] == "event":
+            _spare_events.append(entry[1])
+    return kept
+
+
+def _trim() -> None:
+    """Drop every finished entry (the caller holds ``_lock``); the next trim comes when the count has doubled."""
+    for start in list(_starts):
+        _set_bucket(start, _unfinished(_by_start[start]))
+    _trim_at[0] = max(_TRIM_FLOOR, 2 * _count[0])
+
+
+def _set_bucket(start: int, items: list) -> None:
+    """Replace the entries at ``start`` (the caller holds ``_lock``), keeping the index and the count right."""
+    old = _by_start.get(start)
+    _count[0] += len(items) - (len(old) if old else 0)
+    if items:
+        if old is None:
+            bisect.insort(_starts, start)
+        _by_start[start] = items
+    elif old is not None:
+        del _by_start[start]
+        del _starts[bisect.bisect_left(_starts, start)]
+    if not _starts:
+        _longest[0] = 0
 
 
 def _remember(t: Any, entry: tuple) -> None:
     start, end = _range(t)
     with _lock:
-        if len(_pending) >= _TRIM_AT:
-            _pending[:] = [item for item in _pending if not _is_done(item[2])]
-        _pending.append((start, end, entry))
+        old = _by_start.get(start)
+        items = _unfinished(old) if old else []
+        items.append([end, entry])
+        _set_bucket(start, items)
+        _longest[0] = max(_longest[0], end - start)
+        if _count[0] >= _trim_at[0]:
+            _trim()
+
+
+def _overlapping(start: int, end: int) -> list[tuple[int, list]]:
+    """``(start, item)`` of every entry whose range overlaps ``[start, end)`` (the caller holds ``_lock``)."""
+    low = bisect.bisect_right(_starts, start - _longest[0])
+    high = bisect.bisect_left(_starts, end)
+    return [(first, item) for first in _starts[low:high] for item in _by_start[first] if item[0] > start]
 
 
 def note_plain_d2h(dst: Any, stream: Any) -> None:
@@ -76,7 +133,10 @@ def note_plain_d2h(dst: Any, stream: Any) -> None:
         return
     import torch
 
-    event = torch.cuda.Event()
+    try:
+        event = _spare_events.pop()
+    except IndexError:
+        event = torch.cuda.Event()
     _streams.record_event_raw(event, stream)
     _remember(dst, ("event", event))
 
@@ -90,30 +150,51 @@ def order_after_pending_writes(staging: Any, src: Any) -> None:
     """Order a copy about to read host ``src`` on ``staging`` after the noted D2H copies still writing it.
 
     A plain D2H: ``staging`` waits for its event (GPU-side). An offloaded
-    one: the host waits for the worker's job (it blocks only in that case).
+    one: the host waits for its job (it blocks only in that case).
+
+    Raises:
+        D2HCopyError: an offloaded copy into ``src``'s memory failed (raised by the first staged H2D that reads
+            it: the memory was never written, and uploading it as if it had been would pass garbage on).
     """
-    if not _pending:
+    if not _starts:
         return
     start, end = _range(src)
-    with _lock:
-        entries = []
-        for item in [item for item in _pending if item[0] < end and start < item[1]]:
-            if _is_done(item[2]):
-                _pending.remove(item)
-            else:
-                entries.append(item[2])
-    if not entries:
+    pending = _unfinished_writes(start, end)
+    if not pending:
         return
     from syncless.cc import _d2h
 
-    for entry in entries:
+    jobs = False
+    for entry in pending:
         if entry[0] == "event":
             # staging : [wait E] H2D ...      (E: after the D2H on its stream)
             _gpu_wait(entry[1], staging)
         else:
-            # host    : wait for the job (the copy is in host memory) ; then enqueue the H2D (a failed job: raise it
-            #           here, on the thread that issued it, rather than upload what it never wrote)
-            _d2h.wait_for_tickets([entry[1]], raise_errors=True)
+            # host    : wait for the job (the copy is in host memory), then enqueue the H2D
+            _d2h.wait_for_tickets([entry[1]], raise_errors=False)
+            jobs = True
+    if jobs:
+        _unfinished_writes(start, end)  # drops them now that they are done, or raises a failure among them
+
+
+def _unfinished_writes(start: int, end: int) -> list[tuple]:
+    """The entries over ``[start, end)`` still writing; drop the finished ones, and raise the first failed job's
+    error (dropping it: raised once)."""
+    failed = None
+    pending = []
+    with _lock:
+        for first, item in _overlapping(start, end):
+            entry = item[1]
+            if entry[0] == "job" and not entry[1][0].is_pending(entry[1][1]) and not _is_done(entry):
+                failed = failed or entry[1][0].failure_of(entry[1][1])
+                _set_bucket(first, [other for other in _by_start[first] if other is not item])
+            elif _is_done(entry):
+                _set_bucket(first, _unfinished(_by_start[first]))
+            else:
+                pending.append(entry)
+    if failed is not None:
+        raise failed
+    return pending
 
 
 def _gpu_wait(event, stream) -> None:
@@ -124,6 +205,16 @@ def _gpu_wait(event, stream) -> None:
 
 
 def clear() -> None:
-    """Forget every noted write (tests)."""
+    """Forget every noted write (tests, and a forked child)."""
     with _lock:
-        _pending.clear()
+        _by_start.clear()
+        _starts.clear()
+        _longest[0] = 0
+        _count[0] = 0
+        _trim_at[0] = _TRIM_FLOOR
+        _spare_events.clear()
+
+
+def pending_count() -> int:
+    """How many noted writes are kept (tests: the index stays bounded)."""
+    return _count[0]

@@ -152,10 +152,6 @@ def _note_plain_d2h(dst: Any, src: Any) -> None:
     _host_writes.note_plain_d2h(dst, _streams.current_stream(index))
 
 
-def _describe(verb: str, t: Any) -> str:
-    return f"{verb} of a {tuple(t.shape)} {t.dtype} tensor from {t.device}"
-
-
 def _present_cuda_index(device: Any) -> int | None:
     """The index of CUDA ``device`` (None: the current GPU) if this process has that GPU, else None.
 
@@ -215,7 +211,7 @@ def _wrap_to(next_to):
             dst = _d2h.pinned_like(self, dtype, memory_format)
             if _fills_on_the_host(dst, self):
                 COUNTERS.left_alone("noncontiguous_target")
-            elif _d2h.offload(record, dst, self, _describe(".to('cpu', non_blocking=True)", self)):
+            elif _d2h.offload(record, dst, self, ".to('cpu', non_blocking=True)", into_existing=False):
                 COUNTERS.add("offloaded")
                 return dst
             # torch's own copy, after the queued ones (no room for the snapshot, or torch fills it on the host)
@@ -240,7 +236,9 @@ def _wrap_cuda(next_cuda):
             return next_cuda(*args, **kwargs)  # torch refuses the call
         device, non_blocking, memory_format = read
         if non_blocking is not True or "async" in kwargs or is_compiling():
-            if (_d2h.pending() and not is_compiling()
+            # is_compiling() is asked before the pending count is read: dynamo guards on what traced code reads,
+            # and a count that changes per call recompiled the frame until it fell back to eager (issue 33 item 1)
+            if (not is_compiling() and _d2h.pending()
                     and call_for_routing(args, kwargs) is not None and args[0].device.type != "cuda"):
                 _settle_for_cuda(device)
             return next_cuda(*args, **kwargs)
@@ -347,9 +345,9 @@ def _wrap_copy(next_copy):
             return next_copy(*args, **kwargs)  # torch refuses the call
         other, non_blocking = read
         if non_blocking is not True or "async" in kwargs:
-            # The hot path: a blocking copy goes straight beneath, unless D2H copies are still queued.
-            pending = _d2h.pending()
-            if (pending and not is_compiling() and call_for_routing(args, kwargs) is not None
+            # The hot path: a blocking copy goes straight beneath, unless D2H copies are still queued (asked
+            # after is_compiling(), which dynamo folds: see _wrap_cuda).
+            if (not is_compiling() and _d2h.pending() and call_for_routing(args, kwargs) is not None
                     and isinstance(other, torch.Tensor) and _touches_host(args[0].device.type, other.device.type)):
                 _settle_d2h_stream(_cuda_index(args[0], other))
             return next_copy(*args, **kwargs)
@@ -375,7 +373,7 @@ def _wrap_copy(next_copy):
                                    autograd=autograd, dst=self)
         if route == _routing.OFFLOAD:
             _check_broadcastable(self, src)  # refuse now what the worker's copy would fail on later
-            if _d2h.offload(record, self, src, _describe("copy_(non_blocking=True)", src)):
+            if _d2h.offload(record, self, src, "copy_(non_blocking=True)", into_existing=True):
                 COUNTERS.add("offloaded")
                 return self
             # No room for the snapshot: torch's own copy (below), after the queued ones.
@@ -400,7 +398,7 @@ def _wrap_syncing(next_fn):
     import torch
 
     def syncing(*args, **kwargs):
-        if _d2h.pending() and not is_compiling():
+        if not is_compiling() and _d2h.pending():  # is_compiling() first: see _wrap_cuda
             tensor = args[0] if args else None
             if isinstance(tensor, torch.Tensor) and call_for_routing(args, kwargs) is not None \
                     and tensor.device.type == "cuda":

@@ -1,8 +1,33 @@
-"""An ordered worker thread (one per D2H stream): runs its jobs in submission order, keeps their errors.
+"""An ordered queue of copy jobs (one per D2H stream): run in submission order, by whichever thread needs them first.
 
-Plain Python (no CUDA here): the D2H path submits closures that wait for the
-D2H stream's ready event and copy. Sequence numbers let a synchronize wait for exactly the
-jobs submitted before it, and collect the errors of exactly those jobs.
+Plain Python (no CUDA here): the D2H path submits jobs that wait for the D2H
+stream's ready event and copy. Sequence numbers let a synchronize wait for
+exactly the jobs submitted before it, and collect the errors of exactly
+those jobs.
+
+Who runs a job. A thread that must wait for job ``#n`` anyway (a covering
+synchronize, with no time limit) runs the jobs up to ``#n`` itself, one at a
+time and in order, instead of waking a helper thread and sleeping until it
+is done. In a decode loop that reads its tokens one step late, the copy has
+been ready for a step by then, so the wait costs the transfer alone and no
+hand-off of the GIL (a helper thread takes the GIL after every driver call,
+and each take while the loop runs Python costs a switch, up to the 5 ms
+switch interval). The queue's own thread (started at the first submit)
+takes the rest:
+
+- a job submitted ``eager`` (a large copy, whose transfer is worth
+  overlapping with the host's work) at once;
+- any job that nobody has waited for within :data:`GRACE_S` of its submit
+  (so memory held by small copies is let go, and a program that only polls
+  sees them land);
+- everything, at once, after :meth:`OrderedWorker.kick` (a ``query()`` that
+  found a copy pending) and during a bounded wait or a shutdown.
+
+Failures are kept until :meth:`OrderedWorker.take_unreported` (``uninstall()``
+and ``close_d2h_stream()``): each thread whose covering call covers one has
+it raised once (a per-thread mark, so a thread that has had every failure
+takes the fast path again), whichever thread issued the copy and in
+whatever order the threads synchronize (docs/cc.md, "Errors").
 """
 
 from __future__ import annotations
@@ -14,21 +39,28 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from syncless._core.errors import SynclessError
 
 _log = logging.getLogger(__name__)
 
+# How long a job that was not submitted eager may wait for a thread that needs it before the queue's own thread
+# runs it (seconds). Short against anything a program would notice, long against a decode step.
+GRACE_S = 0.02
+# Failures kept per queue; beyond this the oldest are dropped (logged once): a program that ignores thousands of
+# failed copies must not grow without bound.
+MAX_KEPT_FAILURES = 1024
+
 
 class D2HCopyError(SynclessError):
-    """A device-to-host copy that the worker thread performed failed.
+    """A device-to-host copy that syncless offloaded failed.
 
-    Raised by the next call of the host thread that issued the copy that
-    covers it (a synchronize, query or wait of an event, stream or the
-    device; docs/cc.md, "Errors"), or by any thread's once that one has
-    ended, and by ``uninstall()``. ``worker_traceback`` holds the worker thread's traceback text; the
-    original exception is chained as ``__cause__``.
+    Raised once on every host thread whose covering call covers the copy (a
+    synchronize, query or wait of an event, stream or the device; docs/cc.md,
+    "Errors"), and by ``uninstall()`` and ``close_d2h_stream()`` if the thread
+    that issued it never had it. ``worker_traceback`` holds the traceback text
+    of the failed job; the original exception is chained as ``__cause__``.
     """
 
     def __init__(self, message: str, worker_traceback: str):
@@ -40,7 +72,8 @@ class D2HTimeoutError(SynclessError, TimeoutError):
     """Queued device-to-host copies did not finish within a bounded wait (``uninstall()``)."""
 
 
-# Failures of every worker that no covering call has raised yet (one integer the event record path reads).
+# Failures kept by every queue (one integer the event record path reads: an event recorded while one is kept is
+# stamped, so that a thread that has not had it yet gets it at that event's synchronize).
 UNRAISED = [0]
 _unraised_lock = threading.Lock()
 
@@ -57,15 +90,48 @@ class _Failure:
     text: str
     what: str
     thread: threading.Thread | None = None  # the host thread that submitted the job (None: unknown)
-    raised_on: set = field(default_factory=set)  # the threads it was raised on (objects: idents are reused)
+    issuer_had_it: bool = False  # raised on the submitting thread (uninstall() raises only those it never had)
 
-    def owned_here(self) -> bool:
-        """Whether this thread raises it: the submitting thread, or any thread once that one has ended."""
-        return self.thread is None or self.thread is threading.current_thread() or not self.thread.is_alive()
+
+def error_for(failures: list[_Failure]) -> D2HCopyError:
+    """The :class:`D2HCopyError` that reports ``failures`` (the first in full, a count of the others)."""
+    first = failures[0]
+    more = f" ({len(failures) - 1} more failed copies were covered by this call)" if len(failures) > 1 else ""
+    err = D2HCopyError(
+        f"{first.what} (#{first.seq}) failed in the syncless D2H worker: {type(first.error).__name__}: "
+        f"{first.error}{more}",
+        first.text,
+    )
+    err.__cause__ = first.error
+    err.__suppress_context__ = True
+    return err
+
+
+def forget_unraised_after_fork() -> None:
+    """In a forked child: no failure is kept (the queues are forgotten with the parent's threads)."""
+    global _unraised_lock
+    _unraised_lock = threading.Lock()
+    UNRAISED[0] = 0
+
+
+class _Job:
+    """One queued job: its number, the callable, how to name it, who submitted it, when the queue's thread may
+    take it (``eager``: at once; else after its grace)."""
+
+    __slots__ = ("seq", "run", "what", "submitter", "due", "eager")
+
+    def __init__(self, seq, run, what, submitter, due, eager):
+        self.seq, self.run, self.what, self.submitter, self.due, self.eager = seq, run, what, submitter, due, eager
+
+    def describe(self) -> str:
+        what = self.what
+        if what is None:
+            what = getattr(self.run, "describe", None) or "job"
+        return what() if callable(what) else str(what)
 
 
 class OrderedWorker:
-    """Run submitted callables on one daemon thread, in order.
+    """Run submitted callables in order, on the thread that first needs them or on the queue's own thread.
 
     Args:
         name: thread name (each job is named in error messages by the ``what`` given to :meth:`submit`).
@@ -74,16 +140,21 @@ class OrderedWorker:
     def __init__(self, name: str = "syncless-d2h") -> None:
         self._name = name
         self._cv = threading.Condition()
-        self._jobs: collections.deque[tuple[int, Callable[[], None], str, threading.Thread]] = collections.deque()
+        self._jobs: collections.deque[_Job] = collections.deque()
         self._submitted = 0
         self._completed = 0
+        self._running = False  # some thread (the queue's, or a waiter) runs the head job now
+        self._runner: threading.Thread | None = None  # that thread
+        self._wake = False  # run everything queued now (kick(), a bounded wait, shutdown)
+        self._idle = False  # the queue's thread sleeps with no deadline: a submit must wake it
         self._failures: list[_Failure] = []  # in sequence order
-        # Every job up to here has finished and none of their failures is still waiting to be raised.
-        # Written under self._cv (see _settle); read without it by wait_and_raise's fast path.
-        self._settled = 0
+        self._newest_failure = 0  # seq of the newest failure kept (0: none); read without the lock
+        self._oldest_failure = 0  # and of the oldest
+        self._seen = threading.local()  # per thread: .upto, every failure <= it has been raised on that thread
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._atexit_registered = False
+        self._dropped_logged = False
 
     # -- state ------------------------------------------------------------
     @property
@@ -101,6 +172,11 @@ class OrderedWorker:
         return self._completed < upto
 
     @property
+    def newest_failure(self) -> int:
+        """Number of the newest failed job kept (0: none); read without the lock."""
+        return self._newest_failure
+
+    @property
     def accepting(self) -> bool:
         """Whether :meth:`submit` takes jobs (False once :meth:`shutdown` began, until :meth:`restart`)."""
         return not self._stopping
@@ -109,8 +185,13 @@ class OrderedWorker:
         return self._thread is not None and threading.current_thread() is self._thread
 
     # -- submit / run ------------------------------------------------------
-    def submit(self, job: Callable[[], None], what: str = "job") -> int:
+    def submit(self, job: Callable[[], None], what: str | Callable[[], str] | None = None, *,
+               eager: bool = True) -> int:
         """Queue ``job``; return its sequence number. Never blocks on the job.
+
+        ``what`` names it in an error (a string, or a function that makes one, called only on failure; None: the
+        job's own ``describe``). ``eager``: the queue's thread runs it as soon as it can; otherwise it waits up to
+        :data:`GRACE_S` for a thread that needs it (:meth:`wait_for`), and submitting wakes no thread.
 
         Raises:
             RuntimeError: the worker has been shut down.
@@ -120,137 +201,229 @@ class OrderedWorker:
                 raise RuntimeError(f"{self._name} worker has been shut down; no new copies are accepted")
             seq = self._submitted + 1
             self._submitted = seq
-            self._jobs.append((seq, job, what, threading.current_thread()))
-            self._ensure_thread()
-            self._cv.notify_all()
+            self._jobs.append(_Job(seq, job, what, threading.current_thread(), time.monotonic() + GRACE_S, eager))
+            if self._thread is None or not self._thread.is_alive():
+                self._start_thread()
+            elif eager or self._idle:
+                self._cv.notify_all()
             return seq
 
-    def _ensure_thread(self) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            return
+    def kick(self) -> None:
+        """Have the queue's thread run every queued job now (a poller found one pending). Does not block."""
+        with self._cv:
+            if self._jobs and not self._wake:
+                self._wake = True
+                self._cv.notify_all()
+
+    def _start_thread(self) -> None:
         self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
         self._thread.start()
         if not self._atexit_registered:
             atexit.register(self.shutdown, 10.0)
             self._atexit_registered = True
 
+    def _may_take(self, now: float) -> bool:
+        """Whether the queue's own thread takes the head job now (the caller holds the lock)."""
+        head = self._jobs[0]
+        return head.eager or self._wake or self._stopping or now >= head.due
+
     def _loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self._jobs and not self._stopping:
-                    self._cv.wait()
+        submitted_at_last_sleep = -1
+        with self._cv:
+            while True:
+                if self._jobs and not self._running and self._may_take(time.monotonic()):
+                    self._run_head()
+                    continue
                 if not self._jobs:
-                    return
-                seq, job, what, submitter = self._jobs[0]
-            try:
-                job()
-            except BaseException as err:  # noqa: BLE001 - every failure is kept and re-raised at a synchronize
-                text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
-                # The text keeps what the traceback says; its frames' locals (the snapshot, the pinned destination,
-                # held by the wrappers the copy went through) are let go now rather than when the error is raised.
-                traceback.clear_frames(err.__traceback__)
-                failure = _Failure(seq, err, text, what, submitter)
-            else:
-                failure = None
-            settled = getattr(job, "settled", None)  # called once the job's end is on record (see _d2h._counted)
-            job = None  # the closure (and what it holds) goes now, not at the next job
-            with self._cv:
-                self._jobs.popleft()
-                if failure is not None:
-                    self._failures.append(failure)
-                    _count_unraised(1)
-                self._completed = seq
-                self._settle()
-                if settled is not None:
-                    settled()
-                self._cv.notify_all()
+                    self._wake = False
+                    if self._stopping:
+                        return
+                timeout = None
+                if self._running:
+                    pass  # whoever runs it notifies at its end
+                elif self._jobs:
+                    timeout = max(0.0, self._jobs[0].due - time.monotonic())
+                elif self._submitted != submitted_at_last_sleep:
+                    timeout = GRACE_S  # jobs came and went: look again once before going idle
+                submitted_at_last_sleep = self._submitted
+                self._idle = timeout is None and not self._running
+                self._cv.wait(timeout)
+                self._idle = False
 
-    def _settle(self) -> None:
-        """Recompute ``_settled``; the caller holds ``self._cv``.
+    def _run_head(self) -> None:
+        """Run the head job on this thread and record its end (the caller holds the lock; it is released meanwhile).
 
-        It only grows: ``_completed`` only grows, a failure is appended only for the job that just completed
-        (a number above the old ``_settled``) and failures are otherwise only removed.
+        A ``KeyboardInterrupt`` (or other non-``Exception``) reaching a thread that runs a job it was waiting for
+        puts the job back at the head and is raised on: every job is safe to run again from its start (it waits,
+        copies and waits again), and the user's interrupt must not become a copy failure. On the queue's own
+        thread every exception is the job's failure.
         """
-        self._settled = self._failures[0].seq - 1 if self._failures else self._completed
+        job = self._jobs.popleft()
+        self._running = True
+        self._runner = threading.current_thread()
+        self._cv.release()
+        failure = None
+        try:
+            try:
+                job.run()
+            except Exception as err:  # noqa: BLE001 - every failure is kept and raised at a covering call
+                failure = self._failure_of(job, err)
+            except BaseException as err:
+                if not self.is_worker_thread():
+                    raise
+                failure = self._failure_of(job, err)
+        except BaseException:
+            self._cv.acquire()
+            self._running = False
+            self._runner = None
+            self._jobs.appendleft(job)
+            self._wake = True
+            self._cv.notify_all()
+            raise
+        settled = getattr(job.run, "settled", None)  # called once the job's end is on record (see _d2h)
+        job.run = None  # the job (and what it holds) goes now, not at the next one
+        self._cv.acquire()
+        if failure is not None:
+            self._keep(failure)
+        self._completed = job.seq
+        self._running = False
+        self._runner = None
+        if settled is not None:
+            settled()
+        self._cv.notify_all()
+
+    def _failure_of(self, job: _Job, err: BaseException) -> _Failure:
+        text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+        # The text keeps what the traceback says; its frames' locals (the snapshot, the pinned destination) are let
+        # go now rather than when the error is raised.
+        traceback.clear_frames(err.__traceback__)
+        return _Failure(job.seq, err, text, job.describe(), job.submitter)
+
+    def _keep(self, failure: _Failure) -> None:
+        """Record ``failure`` (the caller holds the lock); drop the oldest past :data:`MAX_KEPT_FAILURES`."""
+        self._failures.append(failure)
+        self._newest_failure = failure.seq
+        _count_unraised(1)
+        if len(self._failures) > MAX_KEPT_FAILURES:
+            del self._failures[0]
+            _count_unraised(-1)
+            if not self._dropped_logged:
+                self._dropped_logged = True
+                _log.warning("%s: more than %d offloaded copies failed; the oldest failures are dropped unraised",
+                             self._name, MAX_KEPT_FAILURES)
+        self._oldest_failure = self._failures[0].seq
 
     # -- wait / errors -------------------------------------------------------
     def wait_for(self, seq: int, poll_s: float = 1.0, timeout_s: float | None = None) -> None:
         """Block the calling thread until every job up to ``seq`` has finished (at most ``timeout_s``).
 
-        Must not be called from the worker thread itself (it would wait for
-        itself); such a call returns at once.
+        With no ``timeout_s`` the calling thread runs the queued jobs up to
+        ``seq`` itself while no other thread runs one (a job's own waits are
+        on the GPU work it reads, which is enqueued already, so this cannot
+        wait for the caller). With a ``timeout_s`` it only waits, and the
+        queue's thread runs them, so the time limit holds even for a job
+        whose GPU work never finishes. Must not be called from a job (it
+        would wait for itself); such a call returns at once.
 
         Raises:
-            RuntimeError: the worker thread is gone while jobs are still queued.
+            RuntimeError: the queue's thread is gone while jobs are still queued (bounded wait only).
             D2HTimeoutError: ``timeout_s`` passed first.
         """
-        if self.is_worker_thread():
+        if self.is_worker_thread() or self._runner is threading.current_thread():
             return
+        helping = timeout_s is None
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cv:
             while self._completed < seq:
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise D2HTimeoutError(
-                        f"{self._name}: copies up to #{seq} are unfinished after {timeout_s:g} s (finished up to "
-                        f"#{self._completed}); the work they wait for on the GPU never finished"
-                    )
-                if self._thread is None or not self._thread.is_alive():
-                    raise RuntimeError(
-                        f"{self._name} worker thread is not running but copies up to #{seq} are unfinished "
-                        f"(finished up to #{self._completed}); was the interpreter shutting down?"
-                    )
-                self._cv.wait(poll_s if deadline is None else max(0.0, min(poll_s, deadline - time.monotonic())))
+                if helping and not self._running and self._jobs and self._jobs[0].seq <= seq:
+                    self._run_head()
+                    continue
+                if not helping:
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise D2HTimeoutError(
+                            f"{self._name}: copies up to #{seq} are unfinished after {timeout_s:g} s (finished up "
+                            f"to #{self._completed}); the work they wait for on the GPU never finished"
+                        )
+                    if self._thread is None or not self._thread.is_alive():
+                        raise RuntimeError(
+                            f"{self._name} worker thread is not running but copies up to #{seq} are unfinished "
+                            f"(finished up to #{self._completed}); was the interpreter shutting down?"
+                        )
+                    if not self._wake:
+                        self._wake = True
+                        self._cv.notify_all()
+                wait_s = poll_s if deadline is None else max(0.0, min(poll_s, deadline - time.monotonic()))
+                self._cv.wait(wait_s)
+
+    def _seen_upto(self) -> int:
+        return getattr(self._seen, "upto", 0)
 
     def raise_errors(self, upto: int, *, any_thread: bool = False) -> None:
-        """Raise :class:`D2HCopyError` for the first failed job numbered ``<= upto`` that this thread has not seen.
+        """Raise :class:`D2HCopyError` for the first failed job numbered ``<= upto`` that this thread has not had.
 
         Every thread whose covering call covers a failed copy gets it once (docs/cc.md, "errors"), as a CUDA
-        error reaches every thread's synchronize: a consumer thread that synchronizes an event the issuing
-        thread handed it must not read the unwritten buffer as if all were well. The failure is forgotten once
-        the thread that submitted the copy has had it (or that thread has ended); ``any_thread``
-        (``uninstall()``) raises and forgets every one.
+        error reaches every thread's synchronize: a consumer thread that synchronizes an event the issuing thread
+        handed it must not read the unwritten buffer as if all were well, whether or not the issuing thread
+        synchronized first. ``any_thread`` (``uninstall()``, ``close_d2h_stream()``): raise every failure whose
+        issuing thread never had it, and forget them all (:meth:`take_unreported`).
         """
-        me = threading.current_thread()
+        if any_thread:
+            covered = self.take_unreported(upto)
+        else:
+            me = threading.current_thread()
+            seen = self._seen_upto()
+            with self._cv:
+                covered = [f for f in self._failures if seen < f.seq <= upto]
+                for failure in covered:
+                    if failure.thread is me:
+                        failure.issuer_had_it = True
+                self._seen.upto = max(seen, min(upto, self._completed))
+        if covered:
+            raise self.error_for(covered)
+
+    def error_for(self, failures: list[_Failure]) -> D2HCopyError:
+        return error_for(failures)
+
+    def failure_of(self, seq: int) -> D2HCopyError | None:
+        """The error of job ``seq`` if it failed (kept), else None; marks nothing as raised."""
         with self._cv:
-            if not self._failures:
-                return
-            covered = [f for f in self._failures if f.seq <= upto and (any_thread or me not in f.raised_on)]
-            if not covered:
-                return
-            done = [f for f in covered if any_thread or f.owned_here()]
-            for failure in covered:
-                failure.raised_on.add(me)
-            if done:
-                self._failures = [f for f in self._failures if f not in done]
-                _count_unraised(-len(done))
-                self._settle()
-        first = covered[0]
-        more = f" ({len(covered) - 1} more failed copies were covered by this synchronize)" if len(covered) > 1 else ""
-        raise D2HCopyError(
-            f"{first.what} (#{first.seq}) failed in the syncless D2H worker: {type(first.error).__name__}: "
-            f"{first.error}{more}",
-            first.text,
-        ) from first.error
+            for failure in self._failures:
+                if failure.seq == seq:
+                    return self.error_for([failure])
+        return None
+
+    def take_unreported(self, upto: int | None = None) -> list[_Failure]:
+        """Forget every kept failure (up to ``upto``); return those whose issuing thread never had them."""
+        with self._cv:
+            taken = [f for f in self._failures if upto is None or f.seq <= upto]
+            if not taken:
+                return []
+            self._failures = [f for f in self._failures if f not in taken]
+            self._newest_failure = self._failures[-1].seq if self._failures else 0
+            self._oldest_failure = self._failures[0].seq if self._failures else 0
+            _count_unraised(-len(taken))
+        return [f for f in taken if not f.issuer_had_it]
 
     def wait_and_raise(self, seq: int, timeout_s: float | None = None, *, any_thread: bool = False) -> None:
         """:meth:`wait_for` then :meth:`raise_errors` up to ``seq``.
 
-        Returns at once, without taking the lock, when nothing up to ``seq`` is left to wait for or to raise.
+        Returns at once, without taking the lock, when nothing up to ``seq`` is left to wait for or to raise on
+        this thread.
         """
-        # Lock-free fast path. One read of one int, which is atomic (with or without the GIL). Its value was
-        # stored under the lock when every job <= it had finished and no failure <= it was waiting; both stay
-        # true (jobs do not un-finish; a failure is recorded only for a job that has just completed, numbered
-        # above every _settled stored before). A stale read is only smaller: the slow path then decides. Jobs
-        # submitted concurrently get numbers above ``seq`` (the caller read ``submitted`` before them), so
-        # neither path waits for them. So seq <= _settled means the slow path would neither wait nor raise.
-        if seq <= self._settled:
+        # Lock-free fast path: two int reads (atomic with or without the GIL), in this order. A failure is kept
+        # before its job is counted complete, so a reader that sees ``_completed`` at or past ``seq`` also sees
+        # every failure numbered <= seq in ``_newest_failure``; one newer than this thread's mark sends it down the
+        # slow path, which decides. Jobs submitted concurrently get numbers above ``seq``.
+        if not any_thread and seq <= self._completed and (
+                not self._newest_failure or seq < self._oldest_failure or self._newest_failure <= self._seen_upto()):
             return
         self.wait_for(seq, timeout_s=timeout_s)
         self.raise_errors(seq, any_thread=any_thread)
 
     def failures_pending(self) -> int:
+        """How many kept failures the thread that issued them has not had yet (what ``uninstall()`` would raise)."""
         with self._cv:
-            return len(self._failures)
+            return sum(1 for f in self._failures if not f.issuer_had_it)
 
     def shutdown(self, timeout_s: float = 10.0) -> bool:
         """Finish queued jobs (at most ``timeout_s``), then stop; return whether it finished.
@@ -274,3 +447,13 @@ class OrderedWorker:
         """Accept jobs again after :meth:`shutdown` (for tests and re-install)."""
         with self._cv:
             self._stopping = False
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: drop everything (its thread does not exist there; its lock may be held)."""
+        self._cv = threading.Condition()
+        self._jobs.clear()
+        self._completed = self._submitted
+        self._running = self._wake = self._idle = False
+        self._failures = []
+        self._newest_failure = self._oldest_failure = 0
+        self._thread = None

@@ -13,6 +13,7 @@ were the ready event recorded on the last ``wait_stream`` producer.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import threading
 from types import SimpleNamespace
 
@@ -21,7 +22,7 @@ import torch
 
 import syncless.cc as cc
 from syncless._core.errors import SynclessError
-from syncless.cc import _d2h, _streams
+from syncless.cc import _d2h, _d2h_job, _raw, _streams
 from syncless.cc._worker import D2HCopyError, OrderedWorker
 
 
@@ -39,8 +40,12 @@ class _Ready:
 def _offloading_open():
     """These tests call the offload directly, without ``install()``, which is what opens it after an uninstall."""
     _d2h.resume_offloading()
+    _d2h._last_jobs.clear()  # the stand-in streams below are not registered: their jobs are forgotten after each test
+    _d2h._COVER[0] = ()
     yield
     _d2h.resume_offloading()
+    _d2h._last_jobs.clear()
+    _d2h._COVER[0] = ()
 
 
 @pytest.fixture
@@ -61,14 +66,33 @@ def gpu_calls(monkeypatch):
     monkeypatch.setattr(_streams, "record_event_raw", lambda event, stream: note("record", event.name, stream.name))
     monkeypatch.setattr(_streams, "wait_event_raw", lambda event: note("worker waits", event.name))
     monkeypatch.setattr(_streams, "wait_stream_raw", lambda stream: note("worker drains", stream.name))
+    stand_in_raw_driver(monkeypatch)
     worker = OrderedWorker("test-d2h")
     monkeypatch.setattr(_d2h, "OrderedWorker", lambda name="syncless-d2h": worker)  # every stand-in stream's
     yield log, worker
     worker.shutdown(5.0)
 
 
+def stand_in_raw_driver(monkeypatch):
+    """The driver calls of the offload and its job (:mod:`syncless.cc._raw`) on CPU memory, routed through the
+    ``_streams`` stand-ins above (looked up at each call, so a test that replaces one of those holds the job)."""
+    monkeypatch.setattr(_raw, "InContext", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(_raw, "take_ready_event", lambda index: torch.cuda.Event())
+    monkeypatch.setattr(_raw, "give_back_ready_event", lambda index, event: None)
+    monkeypatch.setattr(_raw, "record_ready", lambda event, stream: _streams.record_event_raw(event, stream))
+    monkeypatch.setattr(_raw, "wait_ready", lambda event: _streams.wait_event_raw(event))
+    monkeypatch.setattr(_raw, "copy_device_block",
+                        lambda dst_ptr, src_ptr, nbytes, stream: ctypes.memmove(dst_ptr, src_ptr, nbytes))
+
+    def copy_to_host_and_wait(host_ptr, device_ptr, nbytes, stream):
+        ctypes.memmove(host_ptr, device_ptr, nbytes)
+        _streams.wait_stream_raw(stream)
+
+    monkeypatch.setattr(_raw, "copy_to_host_and_wait", copy_to_host_and_wait)
+
+
 def _d2h_stream(name="D"):
-    return _d2h._D2HStream(SimpleNamespace(name=name, device=torch.device("cuda", 0)))
+    return _d2h._D2HStream(SimpleNamespace(name=name, device=torch.device("cuda", 0), device_index=0))
 
 
 def test_ready_event_goes_on_the_d2h_stream_and_nothing_else(gpu_calls):
@@ -77,7 +101,7 @@ def test_ready_event_goes_on_the_d2h_stream_and_nothing_else(gpu_calls):
     src, dst = torch.randn(32), torch.full((32,), float("nan"))
     # Whatever the caller did on D before (wait_stream(p1), wait_stream(p2), wait_event(e), a kernel on D), all of
     # it is in D's queue in front of the ready event: the worker waits for D, never for one producer.
-    seq = _d2h.offload(record, dst, src, "copy")
+    seq = _d2h.offload(record, dst, src, "copy", into_existing=True)
     worker.wait_and_raise(seq, timeout_s=5.0)
     assert torch.equal(dst, src)
     assert record.last_job == seq
@@ -102,7 +126,7 @@ def test_the_copy_reads_the_source_as_it_was_at_the_call(gpu_calls, monkeypatch)
     src = torch.randn(64)
     old = src.clone()
     dst = torch.full((64,), float("nan"))
-    seq = _d2h.offload(record, dst, src, "copy")
+    seq = _d2h.offload(record, dst, src, "copy", into_existing=True)
     src.zero_()  # "x.zero_() on D after the copy"
     hold.set()
     worker.wait_and_raise(seq, timeout_s=5.0)
@@ -112,12 +136,12 @@ def test_the_copy_reads_the_source_as_it_was_at_the_call(gpu_calls, monkeypatch)
 def test_no_room_for_the_snapshot_offloads_nothing(gpu_calls, monkeypatch):
     log, worker = gpu_calls
 
-    def no_room(src, dst):
+    def no_room(src, dst, stream):
         raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
 
-    monkeypatch.setattr(_d2h, "snapshot", no_room)
+    monkeypatch.setattr(_d2h_job, "snapshot", no_room)
     record = _d2h_stream()
-    assert _d2h.offload(record, torch.empty(4), torch.randn(4), "copy") == 0
+    assert _d2h.offload(record, torch.empty(4), torch.randn(4), "copy", into_existing=True) == 0
     assert worker.submitted == 0 and record.last_job == 0 and log == []  # the caller runs torch's own copy
 
 
@@ -129,7 +153,7 @@ def test_failed_copy_surfaces_and_still_counts_as_finished(gpu_calls, monkeypatc
 
     monkeypatch.setattr(_streams, "wait_stream_raw", driver_fails)  # the worker's wait for its copy fails
     record = _d2h_stream()
-    seq = _d2h.offload(record, torch.empty(5), torch.randn(5), "bad copy")
+    seq = _d2h.offload(record, torch.empty(5), torch.randn(5), "bad copy", into_existing=True)
     with pytest.raises(D2HCopyError, match="bad copy"):
         worker.wait_and_raise(seq, timeout_s=5.0)
     assert not worker.is_pending(seq)  # a host wait ordered after it never hangs
@@ -142,7 +166,7 @@ def test_each_stream_numbers_its_own_last_job_across_threads(gpu_calls):
 
     def issue(record):
         for _ in range(25):
-            seqs[record.stream.name].append(_d2h.offload(record, torch.empty(4), torch.randn(4), "copy"))
+            seqs[record.stream.name].append(_d2h.offload(record, torch.empty(4), torch.randn(4), "copy", into_existing=True))
 
     threads = [threading.Thread(target=issue, args=(r,)) for r in streams]
     for t in threads:
@@ -165,7 +189,7 @@ def test_waiting_on_an_event_stamped_by_a_d2h_stream_waits_for_its_copies(gpu_ca
     monkeypatch.setattr(_d2h, "lookup", lambda stream: record if stream is record.stream else None)
     hold = threading.Event()
     monkeypatch.setattr(_streams, "wait_event_raw", lambda event: hold.wait(5))  # the copy's producer still runs
-    seq = _d2h.offload(record, torch.empty(4), torch.randn(4), "copy")
+    seq = _d2h.offload(record, torch.empty(4), torch.randn(4), "copy", into_existing=True)
     event = SimpleNamespace()
     _sync_patches._mark(event)  # recorded (on any stream) after the copy's call
     assert getattr(event, _sync_patches._MARK) == ((record.worker, seq),)
@@ -235,7 +259,7 @@ def test_the_destination_version_is_bumped_at_the_call_once(gpu_calls, monkeypat
     dst = torch.full((16,), float("nan"))
     src = torch.randn(16)
     before = dst._version
-    seq = _d2h.offload(_d2h_stream(), dst, src, "copy")
+    seq = _d2h.offload(_d2h_stream(), dst, src, "copy", into_existing=True)
     assert dst._version == before + 1  # at the call, the worker still held
     hold.set()
     worker.wait_and_raise(seq, timeout_s=5.0)
@@ -247,11 +271,11 @@ def test_no_offload_slips_in_while_uninstall_drains(gpu_calls):
     log, worker = gpu_calls
     _d2h.stop_offloading()
     try:
-        assert _d2h.offload(_d2h_stream(), torch.empty(4), torch.randn(4), "copy") == 0
+        assert _d2h.offload(_d2h_stream(), torch.empty(4), torch.randn(4), "copy", into_existing=True) == 0
         assert worker.submitted == 0 and log == []
     finally:
         _d2h.resume_offloading()
-    assert _d2h.offload(_d2h_stream(), torch.empty(4), torch.randn(4), "copy") == 1
+    assert _d2h.offload(_d2h_stream(), torch.empty(4), torch.randn(4), "copy", into_existing=True) == 1
 
 
 def test_each_d2h_stream_has_its_own_worker(monkeypatch):
@@ -274,14 +298,15 @@ def test_each_d2h_stream_has_its_own_worker(monkeypatch):
             slow_ready.wait(10)
 
     monkeypatch.setattr(_streams, "wait_event_raw", wait_event)
+    stand_in_raw_driver(monkeypatch)
     slow, fast = _d2h_stream("slow"), _d2h_stream("fast")
     assert slow.worker is not fast.worker
     try:
         monkeypatch.setattr(torch.cuda, "Event", SlowReady)
-        _d2h.offload(slow, torch.empty(4), torch.randn(4), "slow copy")
+        _d2h.offload(slow, torch.empty(4), torch.randn(4), "slow copy", into_existing=True)
         monkeypatch.setattr(torch.cuda, "Event", _Ready)
         dst, src = torch.full((4,), float("nan")), torch.randn(4)
-        seq = _d2h.offload(fast, dst, src, "fast copy")
+        seq = _d2h.offload(fast, dst, src, "fast copy", into_existing=True)
         fast.worker.wait_and_raise(seq, timeout_s=5.0)  # done while the slow stream's copy still waits
         assert torch.equal(dst, src) and slow.worker.is_pending(slow.last_job) and _d2h.pending()
         with pytest.raises(Exception, match="unfinished"):  # a synchronize of the slow stream still waits for it
@@ -301,7 +326,7 @@ def test_a_conjugate_view_destination_gets_torchs_values(gpu_calls):
     host = torch.zeros(8, dtype=torch.complex64)
     view = host.conj()
     src = torch.randn(8, dtype=torch.complex64)
-    seq = _d2h.offload(_d2h_stream(), view, src, "copy")
+    seq = _d2h.offload(_d2h_stream(), view, src, "copy", into_existing=True)
     worker.wait_and_raise(seq, timeout_s=5.0)
     assert torch.equal(view, src) and torch.equal(host, src.conj())
 
@@ -335,7 +360,7 @@ def test_an_event_recorded_on_an_ordinary_stream_after_the_copy_covers_it(gpu_ca
     monkeypatch.setattr(_d2h, "_streams_by_key", {(0, 7): record})
     sync = _Sync()
     dst, src = torch.full((16,), float("nan")), torch.randn(16)
-    seq = _d2h.offload(record, dst, src, "copy")
+    seq = _d2h.offload(record, dst, src, "copy", into_existing=True)
     event = _Ready()
     sync.record(event, SimpleNamespace(name="S0"))  # an ordinary stream, after the copy's call
     if how == "query":
@@ -366,7 +391,7 @@ def test_an_event_recorded_before_the_copy_does_not_wait_for_it(gpu_calls, monke
     event = _Ready()
     sync.record(event, SimpleNamespace(name="S0"))
     try:
-        seq = _d2h.offload(record, torch.empty(4), torch.randn(4), "copy")
+        seq = _d2h.offload(record, torch.empty(4), torch.randn(4), "copy", into_existing=True)
         assert sync.query(event) is True  # recorded before the copy's call
         sync.synchronize(event)
         assert worker.is_pending(seq)
@@ -380,17 +405,17 @@ def test_an_offload_racing_uninstall_is_refused_even_after_uninstall_returns(gpu
     back by then and none covered the job. Now offloading stays refused until the next install()."""
     log, worker = gpu_calls
     entered, release = threading.Event(), threading.Event()
-    real_snapshot = _d2h.snapshot
+    real_snapshot = _d2h_job.snapshot
 
-    def held_snapshot(src, dst):
+    def held_snapshot(src, dst, stream):
         entered.set()
         release.wait(5)  # "blocked in the pinned allocation"
-        return real_snapshot(src, dst)
+        return real_snapshot(src, dst, stream)
 
-    monkeypatch.setattr(_d2h, "snapshot", held_snapshot)
+    monkeypatch.setattr(_d2h_job, "snapshot", held_snapshot)
     results = []
     caller = threading.Thread(target=lambda: results.append(
-        _d2h.offload(_d2h_stream(), torch.empty(4), torch.randn(4), "copy")))
+        _d2h.offload(_d2h_stream(), torch.empty(4), torch.randn(4), "copy", into_existing=True)))
     caller.start()
     assert entered.wait(5)
     cc.uninstall(timeout_s=5.0)  # the whole of it, while the caller is held
@@ -404,7 +429,7 @@ def test_an_offload_after_the_worker_shut_down_at_exit_is_torchs_own_copy(gpu_ca
     worker's ran after the worker's shutdown, and Tensor.to raised "...shut down" where torch would copy."""
     log, worker = gpu_calls
     worker.shutdown(1.0)
-    assert _d2h.offload(_d2h_stream(), torch.empty(4), torch.randn(4), "copy") == 0
+    assert _d2h.offload(_d2h_stream(), torch.empty(4), torch.randn(4), "copy", into_existing=True) == 0
     assert worker.submitted == 0
 
 
@@ -420,7 +445,7 @@ def test_a_capture_begins_after_the_queued_copies_and_nothing_is_offloaded_while
     monkeypatch.setattr(_streams, "wait_event_raw", lambda event: hold.wait(5))
     record = _d2h_stream()
     monkeypatch.setattr(_d2h, "_streams_by_key", {(0, 7): record})
-    seq = _d2h.offload(record, torch.empty(4), torch.randn(4), "copy")
+    seq = _d2h.offload(record, torch.empty(4), torch.randn(4), "copy", into_existing=True)
     began = []
     begin = _sync_patches._wrap_capture_begin(lambda graph: began.append(worker.is_pending(seq)))
     end = _sync_patches._wrap_capture_end(lambda graph: None)
@@ -431,10 +456,10 @@ def test_a_capture_begins_after_the_queued_copies_and_nothing_is_offloaded_while
         begin(graph)
         assert began == [False]  # the capture began only once the queued copy was done
         assert _streams.any_current_capture(0)  # a capture is open (on any thread): the shim leaves copies alone
-        assert _d2h.offload(record, torch.empty(4), torch.randn(4), "copy") == 0
+        assert _d2h.offload(record, torch.empty(4), torch.randn(4), "copy", into_existing=True) == 0
         end(graph)
         assert not _streams.CAPTURES[0]
-        assert _d2h.offload(record, torch.empty(4), torch.randn(4), "copy") == seq + 1
+        assert _d2h.offload(record, torch.empty(4), torch.randn(4), "copy", into_existing=True) == seq + 1
     finally:
         releaser.join()
         _streams.forget_captures()
@@ -458,7 +483,7 @@ def test_a_copy_that_bypasses_the_wrappers_on_a_d2h_stream_waits_for_its_offload
     monkeypatch.setattr(_bypass, "_crosses", lambda a, b: True)  # "b is on the GPU" (a CPU build has no GPU)
     a, b = torch.randn(64), torch.randn(64)
     h = torch.full((64,), float("nan"))
-    _d2h.offload(record, h, a, "h.copy_(a, non_blocking=True)")
+    _d2h.offload(record, h, a, "h.copy_(a, non_blocking=True)", into_existing=True)
     releaser = threading.Timer(0.2, hold.set)
     releaser.start()
     if via == "setitem":
@@ -506,7 +531,7 @@ def test_a_d2h_stream_can_be_closed_and_gives_back_what_it_held(gpu_calls, monke
     hold = threading.Event()
     monkeypatch.setattr(_streams, "wait_event_raw", lambda event: hold.wait(5))
     dst, src = torch.full((8,), float("nan")), torch.randn(8)
-    seq = _d2h.offload(record, dst, src, "copy")
+    seq = _d2h.offload(record, dst, src, "copy", into_existing=True)
     assert worker._thread.is_alive()
     releaser = threading.Timer(0.2, hold.set)
     releaser.start()
@@ -515,7 +540,7 @@ def test_a_d2h_stream_can_be_closed_and_gives_back_what_it_held(gpu_calls, monke
     assert not worker.is_pending(seq) and torch.equal(dst, src)  # its copies finished first
     assert not cc.is_d2h_stream(stream) and _d2h._released_pairs == {0: [(made, copy_stream)]}
     assert not worker._thread.is_alive() and worker.shutdown in unregistered
-    assert _d2h.offload(record, torch.empty(4), torch.randn(4), "copy") == 0  # a late caller: torch's own copy
+    assert _d2h.offload(record, torch.empty(4), torch.randn(4), "copy", into_existing=True) == 0  # a late caller: torch's own copy
     with pytest.raises(ValueError, match="not an open stream"):
         cc.close_d2h_stream(stream)
     # The next D2H stream reuses the CUDA streams (never destroyed: torch's allocators may still record events
@@ -552,7 +577,7 @@ def test_a_conjugate_or_negative_destination_gets_torchs_values_and_one_version_
         expected_view = torch._neg_view(expected_view)
     expected_view.copy_(src)  # torch's own copy into the same kind of view
     before = view._version
-    seq = _d2h.offload(_d2h_stream(), view, src, "copy")
+    seq = _d2h.offload(_d2h_stream(), view, src, "copy", into_existing=True)
     worker.wait_and_raise(seq, timeout_s=5.0)
     assert torch.equal(host, expected_host) and torch.equal(view.resolve_conj().resolve_neg(), src)
     assert view._version == before + 1
@@ -569,7 +594,7 @@ def test_each_d2h_stream_copies_on_a_stream_of_its_own(gpu_calls, monkeypatch):
     monkeypatch.setattr(_streams, "create_private_stream", lambda index: next(made))
     monkeypatch.setattr(_d2h, "_streams_by_key", {})
     for stream in (cc.new_d2h_stream(), cc.new_d2h_stream()):
-        seq = _d2h.offload(_d2h.lookup(stream), torch.empty(4), torch.randn(4), "copy")
+        seq = _d2h.offload(_d2h.lookup(stream), torch.empty(4), torch.randn(4), "copy", into_existing=True)
         worker.wait_and_raise(seq, timeout_s=5.0)
     assert [entry for entry in log if entry[0] == "worker drains"] == [("worker drains", "W-D"),
                                                                         ("worker drains", "W-E")]
@@ -581,16 +606,16 @@ def test_the_snapshot_is_converted_and_broadcast_on_the_d2h_stream(gpu_calls, mo
     allocation is the one the no-room fallback covers), so the worker's copy is one plain block."""
     log, worker = gpu_calls
     copied = []
-    real_make_job = _d2h.make_job
+    real_job = _d2h_job.CopyJob
 
-    def spy(index, ready, dst, src, copy_stream=None):
-        copied.append((src.dtype, tuple(src.shape), src.stride()))
-        return real_make_job(index, ready, dst, src, copy_stream)
+    def spy(index, ready, dst, snap, copy_stream, verb, src):
+        copied.append((snap.dtype, tuple(snap.shape), snap.stride()))
+        return real_job(index, ready, dst, snap, copy_stream, verb, src)
 
-    monkeypatch.setattr(_d2h, "make_job", spy)
+    monkeypatch.setattr(_d2h_job, "CopyJob", spy)
     dst = torch.full((4, 8), float("nan"))
     src = torch.randn(8).to(torch.bfloat16)  # broadcast over the rows, converted to fp32
-    seq = _d2h.offload(_d2h_stream(), dst, src, "copy")
+    seq = _d2h.offload(_d2h_stream(), dst, src, "copy", into_existing=True)
     worker.wait_and_raise(seq, timeout_s=5.0)
     assert copied == [(torch.float32, (4, 8), (8, 1))]
     assert torch.equal(dst, src.float().expand(4, 8))

@@ -177,7 +177,25 @@ def test_unraised_failure_still_takes_the_slow_path(worker):
     early, raised = _wait_while_lock_is_held(worker, ok)
     assert not early  # #1's failure waits to be raised: no shortcut
     assert isinstance(raised, D2HCopyError) and "kept" in str(raised)
-    assert _wait_while_lock_is_held(worker, ok) == (True, None)  # reported once; now settled
+    # Every thread has it once (issue 33 item 2): this one too, and then its waits take the fast path again.
+    with pytest.raises(D2HCopyError, match="kept"):
+        worker.wait_and_raise(ok)
+    held = threading.Event()
+    release = threading.Event()
+
+    def hold():
+        with worker._cv:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    assert held.wait(5)
+    try:
+        worker.wait_and_raise(ok)  # would block on the held lock if it took the slow path
+    finally:
+        release.set()
+        holder.join(5)
 
 
 def test_failure_after_the_waited_range_does_not_block_the_fast_path(worker):
@@ -349,7 +367,8 @@ def test_a_failed_copy_stays_pending_until_its_failure_is_on_record(monkeypatch)
 
     with _d2h._pending_lock:
         _d2h._PENDING[0] += 1
-    seq = worker.submit(_d2h._counted(failing_copy), "copy_(non_blocking=True)")
+    failing_copy.settled = _d2h._settled
+    seq = worker.submit(failing_copy, "copy_(non_blocking=True)")
     try:
         assert formatting.wait(5)
         time.sleep(0.05)
@@ -361,3 +380,82 @@ def test_a_failed_copy_stays_pending_until_its_failure_is_on_record(monkeypatch)
     with pytest.raises(Exception, match="illegal memory access"):
         worker.raise_errors(seq, any_thread=True)
     worker.shutdown(5)
+
+
+def test_a_consumer_gets_a_failure_its_issuing_thread_had_first(worker):
+    """Issue 33 item 2: once the issuing thread had raised its failure, the failure was forgotten, and a consumer
+    thread synchronizing an event handed to it read the unwritten buffer with no error."""
+    seq = worker.submit(_fail, "handed over")
+    with pytest.raises(D2HCopyError, match="handed over"):
+        worker.wait_and_raise(seq)  # the issuing thread synchronizes first
+    kind, err = _in_thread(lambda: worker.wait_and_raise(seq))  # then the consumer
+    assert kind == "raised" and isinstance(err, D2HCopyError) and "handed over" in str(err)
+    worker.wait_and_raise(seq)  # once per thread
+    assert worker.failures_pending() == 0  # uninstall() would raise nothing: its issuer had it
+
+
+def test_a_failure_issued_by_a_thread_threading_did_not_make_is_raised_once_per_thread(worker):
+    """Issue 33 item 2: a thread ``threading`` did not create is always "alive", so its failures were never
+    forgotten and every wait of every thread took the slow path from then on."""
+    import _thread
+
+    done = threading.Event()
+    seqs = []
+
+    def foreign():
+        seqs.append(worker.submit(_fail, "foreign"))
+        done.set()
+
+    _thread.start_new_thread(foreign, ())
+    assert done.wait(10)
+    with pytest.raises(D2HCopyError, match="foreign"):
+        worker.wait_and_raise(seqs[0])
+    later = worker.submit(lambda: None)
+    worker.wait_for(later)
+    assert later <= worker.completed and worker.newest_failure <= worker._seen_upto()  # the fast path's test
+    worker.wait_and_raise(later)
+
+
+def test_a_thread_that_waits_runs_the_job_itself_and_the_queue_thread_stays_asleep():
+    """Issue 33: a covering wait runs the queued job on the waiting thread (no wake of the queue's thread, no
+    hand-off of the GIL); a job nobody waits for is run by the queue's thread once its grace has passed."""
+    from syncless.cc import _worker
+
+    worker = OrderedWorker("test-helping")
+    try:
+        ran_on = []
+        seq = worker.submit(lambda: ran_on.append(threading.current_thread()), eager=False)
+        worker.wait_for(seq)
+        assert ran_on == [threading.current_thread()]
+        done = threading.Event()
+        worker.submit(lambda: (ran_on.append(threading.current_thread()), done.set()), eager=False)
+        assert done.wait(10 + 50 * _worker.GRACE_S)  # nobody waits: the queue's own thread takes it
+        assert ran_on[-1] is worker._thread
+        eager = threading.Event()
+        worker.submit(lambda: (ran_on.append(threading.current_thread()), eager.set()), eager=True)
+        assert eager.wait(10)
+        assert ran_on[-1] is worker._thread
+    finally:
+        worker.shutdown(5)
+
+
+def test_an_interrupt_while_a_waiter_runs_the_job_puts_it_back_for_the_queue():
+    """A Ctrl-C reaching a thread that runs the job it waited for is raised on, and the job is not lost: the queue's
+    own thread runs it again from its start."""
+    worker = OrderedWorker("test-interrupt")
+    try:
+        runs = []
+
+        def job():
+            runs.append(threading.current_thread())
+            if len(runs) == 1:
+                raise KeyboardInterrupt
+
+        seq = worker.submit(job, eager=False)
+        with pytest.raises(KeyboardInterrupt):
+            worker.wait_for(seq)
+        worker.wait_for(seq, timeout_s=10)  # a bounded wait: the queue's thread runs it
+        assert len(runs) == 2 and runs[1] is worker._thread
+        worker.raise_errors(seq)  # not a failure
+    finally:
+        worker.shutdown(5)

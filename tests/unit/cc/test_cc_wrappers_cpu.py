@@ -67,7 +67,7 @@ def no_routing(monkeypatch):
         raise AssertionError("a blocking call went through the shim's routing")
 
     monkeypatch.setattr(_shim, "_decide", refuse)
-    monkeypatch.setattr(_shim, "is_compiling", refuse)
+    # is_compiling() may be asked (issue 33 item 1: before the pending count, which dynamo would guard on).
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -215,7 +215,7 @@ def test_a_to_whose_result_torch_fills_on_the_host_is_left_to_torch(monkeypatch,
     cc.install("on")
     offloads = []
     monkeypatch.setattr(_shim, "_decide", lambda *a, **k: (_routing.OFFLOAD, "", object()))  # "on a D2H stream"
-    monkeypatch.setattr(_d2h, "offload", lambda record, dst, src, what: offloads.append(dst) or 1)
+    monkeypatch.setattr(_d2h, "offload", lambda record, dst, src, verb, into_existing: offloads.append(dst) or 1)
     real_empty_strided = torch.empty_strided
     monkeypatch.setattr(torch, "empty_strided",
                         lambda *a, pin_memory=False, **k: real_empty_strided(*a, **k))  # no pinned memory here

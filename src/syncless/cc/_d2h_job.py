@@ -1,0 +1,115 @@
+"""One offloaded D2H copy: the snapshot taken on the D2H stream at the call, and the job that copies it to the host.
+
+::
+
+    D    : ... src -> snap (D2D)  R#n   [later kernels on D] ...
+    W    :                          (whoever runs job #n) wait R#n ; snap -> dst (D2H) ; wait W ; done
+
+The job is three driver calls (:mod:`._raw`) on whichever thread runs it
+(:mod:`._worker`: the thread that waits for it, or the queue's own), with
+GPU ``index``'s context made current for them. The snapshot has the
+destination's dtype, shape and strides, and holds the destination's
+*stored* bits (a conjugate or negative destination's are resolved in it), so
+the job moves one dense block as it lies, with no torch call and no bump of
+the destination's version counter (the offload bumps it once, at the call,
+where torch's ``copy_`` does).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from syncless._core import patching
+from syncless.cc import _raw
+
+# A copy this large is handed to the queue's own thread at once, so that its transfer overlaps the host's work;
+# a smaller one is run by the thread that first waits for it (docs/cc.md, "Who runs the copy").
+EAGER_BYTES = 1 << 20
+
+
+def is_dense(t: Any) -> bool:
+    """Whether ``t``'s elements fill one block of memory exactly, each once (contiguous, or a permutation of it)."""
+    if t.is_contiguous():
+        return True
+    strides = sorted((stride, size) for size, stride in zip(t.shape, t.stride()) if size != 1)
+    expected = 1
+    for stride, size in strides:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def snapshot(src: Any, dst: Any, stream: Any) -> Any:
+    """Copy device ``src``, as ``dst`` will store it, into a new device tensor, on ``stream`` (the current one).
+
+    The read happens at this point of the D2H stream's queue, where torch's
+    own D2H would read ``src``; the broadcast and any dtype conversion happen
+    here too. Enqueues one device-to-device copy (asynchronous, CC or not: a
+    raw driver copy when ``src`` already is that block, torch's ``copy_``
+    otherwise); the host does not block. Raises torch's ``OutOfMemoryError``
+    when there is no room for it.
+    """
+    import torch
+
+    snap = torch.empty_strided(dst.shape, dst.stride(), dtype=dst.dtype, device=src.device)
+    conj, neg = dst.is_conj(), dst.is_neg()
+    if (not conj and not neg and src.dtype == dst.dtype and src.shape == dst.shape and src.stride() == dst.stride()
+            and not src.is_conj() and not src.is_neg() and (src.is_contiguous() or is_dense(src))):
+        with _raw.InContext(src.device.index):
+            _raw.copy_device_block(snap.data_ptr(), src.data_ptr(), snap.numel() * snap.element_size(), stream)
+        return snap
+    source = src
+    if conj:  # dst stores conj(value): so must the block it receives
+        source = source.conj()
+    if neg:
+        source = torch._neg_view(source)
+    with torch.no_grad():
+        patching.original(torch.Tensor, "copy_")(snap, source)  # torch's own device copy, beneath every layer
+    return snap
+
+
+class CopyJob:
+    """Job ``#n`` of a D2H stream's queue: wait for ``ready``, copy ``snap``'s bytes into ``dst``, wait for that.
+
+    Runs on the thread that first waits for it, or on the queue's own thread
+    (:mod:`._worker`); it blocks that thread until ``ready`` has fired and
+    then until the copy is done, so the job counts as finished only once its
+    bytes are in ``dst``. ``settled`` (set by the offload) lowers the count
+    of unfinished copies once the queue has recorded the job's end. ``snap``
+    and ``dst`` are let go as soon as the copy has run or failed; the ready
+    event goes back to its pool.
+    """
+
+    __slots__ = ("index", "ready", "dst", "snap", "copy_stream", "nbytes", "verb", "shape", "src_dtype", "device",
+                 "settled")
+
+    def __init__(self, index: int, ready: Any, dst: Any, snap: Any, copy_stream: Any, verb: str, src: Any):
+        self.index = index
+        self.ready = ready
+        self.dst = dst
+        self.snap = snap
+        self.copy_stream = copy_stream
+        self.nbytes = snap.numel() * snap.element_size()
+        self.verb = verb
+        self.shape, self.src_dtype, self.device = src.shape, src.dtype, src.device
+        self.settled = None
+
+    def __call__(self) -> None:
+        try:
+            with _raw.InContext(self.index):
+                _raw.wait_ready(self.ready)
+                _raw.copy_to_host_and_wait(self.dst.data_ptr(), self.snap.data_ptr(), self.nbytes, self.copy_stream)
+        except Exception:
+            self._release()
+            raise
+        # (A KeyboardInterrupt keeps everything: the queue runs the job again from its start.)
+        self._release()
+
+    def _release(self) -> None:
+        _raw.give_back_ready_event(self.index, self.ready)
+        self.dst = self.snap = None  # released only after the copy has run (or failed)
+
+    def describe(self) -> str:
+        """How errors name the copy (built only when one failed)."""
+        return f"{self.verb} of a {tuple(self.shape)} {self.src_dtype} tensor from {self.device}"
