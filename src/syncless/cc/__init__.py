@@ -12,6 +12,7 @@ benchmarks. See docs/cc.md.
 from __future__ import annotations
 
 import logging
+import warnings
 
 from syncless._core.logs import log_once
 from syncless.cc._d2h import close_d2h_stream, is_d2h_stream, new_d2h_stream
@@ -82,16 +83,36 @@ def install(mode: str | None = None, *, max_staged_bytes: int | None = None) -> 
     check_bindings()
     if decision.mode == "emulate":
         _emulation_install()
+    # Under real CC a copy's call returns after its transfer, which lets staged copies skip torch's pinned-memory
+    # bookkeeping (._staging.land); NVML is asked once, here (False where it cannot say).
+    _mark_copies_block_host(decision.mode == "on" and is_confidential_compute())
     install_shim(max_staged_bytes)
     return True
 
 
+def _mark_copies_block_host(blocking: bool) -> None:
+    from syncless.cc import _staging
+
+    _staging.COPIES_BLOCK_HOST[0] = blocking
+
+
+_warned_no_cuda: set[str] = set()
+
+
 def _warn_no_cuda(what: str) -> None:
+    """Say once per process and form (a ``RuntimeWarning`` at the caller's line, and the log) that nothing is patched.
+
+    A warning, as the docs say, so that ``warnings.catch_warnings`` and ``-W error`` see it (issue 35 item 9: it
+    was only logged).
+    """
     import torch
 
-    log_once(_log, logging.WARNING, f"cc-install-no-cuda:{what}",
-             "syncless.cc not installed: %s needs a CUDA GPU, but torch.cuda.is_available() is False (torch "
-             "%s, CUDA %s); host<->device copies stay torch's own", what, torch.__version__, torch.version.cuda)
+    text = (f"syncless.cc not installed: {what} needs a CUDA GPU, but torch.cuda.is_available() is False (torch "
+            f"{torch.__version__}, CUDA {torch.version.cuda}); host<->device copies stay torch's own")
+    log_once(_log, logging.WARNING, f"cc-install-no-cuda:{what}", "%s", text)
+    if what not in _warned_no_cuda:
+        _warned_no_cuda.add(what)
+        warnings.warn(text, RuntimeWarning, stacklevel=3)
 
 
 def emulate() -> Emulation:
@@ -139,6 +160,7 @@ def uninstall(timeout_s: float = 60.0) -> None:
                         f"({type(timeout_s).__name__})")
     if not timeout_s >= 0:  # also refuses NaN
         raise ValueError(f"uninstall(timeout_s=...) must be >= 0 seconds, got {timeout_s!r}")
+    _mark_copies_block_host(False)
     uninstall_all(timeout_s)
 
 

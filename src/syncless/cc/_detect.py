@@ -59,10 +59,23 @@ def resolve_mode(requested: str, probe: Callable[[], bool]) -> ModeDecision:
 
 
 def is_confidential_compute() -> bool:
-    """Ask NVML whether the system runs with Confidential Computing enabled.
+    """Return whether the system runs with Confidential Computing enabled (False where NVML cannot say).
 
     Reads ``nvmlSystemGetConfComputeState().ccFeature``; never touches a GPU
-    stream and does not block on GPU work.
+    stream and does not block on GPU work. Without nvidia-ml-py, the NVML
+    library or a driver it returns False, as vLLM's platform check does (a
+    machine without a driver runs no CC); ``syncless doctor`` and
+    ``decide_mode("auto")`` say why.
+    """
+    try:
+        return ask_nvml_for_cc()
+    except MissingDependencyError as err:
+        log_once(_log, logging.DEBUG, "cc-nvml-missing", "NVML cannot be asked whether CC is on (%s): False", err)
+        return False
+
+
+def ask_nvml_for_cc() -> bool:
+    """:func:`is_confidential_compute`, raising where NVML cannot answer.
 
     Raises:
         MissingDependencyError: nvidia-ml-py, the NVML library or the driver
@@ -81,7 +94,7 @@ def is_confidential_compute() -> bool:
 def decide_mode(mode: str | None = None) -> ModeDecision:
     """Return the effective mode: ``mode`` if given, else ``SYNCLESS_CC``; ``auto`` asks NVML."""
     requested = validate_mode(mode) if mode is not None else config.read("SYNCLESS_CC")
-    return resolve_mode(requested, is_confidential_compute)
+    return resolve_mode(requested, ask_nvml_for_cc)
 
 
 def cc_mode(mode: str | None = None) -> str:

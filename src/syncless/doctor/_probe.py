@@ -110,9 +110,10 @@ def probe_gpus(missing: Missing) -> dict[str, Any]:
 def probe_confidential_compute() -> dict[str, Any]:
     """The CC state as NVML reports it, and the mode syncless.cc would use."""
     from syncless import cc
+    from syncless.cc._detect import ask_nvml_for_cc
 
     try:
-        nvml_state = "on" if cc.is_confidential_compute() else "off"
+        nvml_state = "on" if ask_nvml_for_cc() else "off"
     except MissingDependencyError as err:
         nvml_state = f"unknown ({err})"
     decision = cc.decide_mode()

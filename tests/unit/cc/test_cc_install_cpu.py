@@ -218,3 +218,19 @@ def test_install_without_cuda_bindings_says_so_at_install(monkeypatch):
     with pytest.raises(MissingDependencyError, match=r"needs cuda-bindings >= 12\.9\.1.*pip install"):
         cc.install("on")
     assert not cc.is_installed()
+
+
+def test_install_without_cuda_warns_once_as_a_warning(monkeypatch):
+    """Issue 35 item 9: documented to "warn once", it only logged, so ``warnings.catch_warnings`` caught nothing."""
+    import warnings
+
+    monkeypatch.setattr(cc, "_cuda_available", lambda: False)
+    monkeypatch.setattr(cc, "_warned_no_cuda", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert cc.install("emulate") is False
+        assert cc.install("emulate") is False  # once per process and form
+        cc.emulate()
+    texts = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(texts) == 2 and "mode 'emulate' needs a CUDA GPU" in texts[0] and "emulate() needs" in texts[1]
+    assert all(w.filename == __file__ for w in caught)  # at the caller's line

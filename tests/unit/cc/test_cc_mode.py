@@ -61,7 +61,7 @@ def test_env_is_validated(monkeypatch):
 @pytest.mark.parametrize("value", ["auto", "on", "off", "emulate"])
 def test_env_accepts_every_mode(monkeypatch, value):
     monkeypatch.setenv("SYNCLESS_CC", value)
-    monkeypatch.setattr(_detect, "is_confidential_compute", lambda: False)
+    monkeypatch.setattr(_detect, "ask_nvml_for_cc", lambda: False)
     assert _detect.decide_mode().requested == value
 
 
@@ -71,3 +71,19 @@ def test_explicit_beats_env(monkeypatch):
     monkeypatch.setenv("SYNCLESS_CC", "off")
     assert _detect.cc_mode("on") == "on"
     assert _detect.cc_mode() == "off"
+
+
+def test_is_confidential_compute_is_false_where_nvml_cannot_answer(monkeypatch):
+    """Issue 35 item 11: without a driver it raised MissingDependencyError (an ImportError), where vLLM's platform
+    check returns False; a port's ``except RuntimeError`` missed it."""
+    from syncless._core import cuda as _cuda
+    from syncless._core.errors import MissingDependencyError
+
+    def no_nvml():
+        raise MissingDependencyError("nvidia-ml-py is not installed (stand-in)")
+
+    monkeypatch.setattr(_cuda, "ensure_nvml", no_nvml)
+    assert _detect.is_confidential_compute() is False
+    with pytest.raises(MissingDependencyError):
+        _detect.ask_nvml_for_cc()  # the raising form, for decide_mode("auto") and doctor's reason
+    assert "NVML could not be asked" in _detect.decide_mode("auto").reason
