@@ -32,9 +32,13 @@ import time
 from typing import Any
 
 from syncless._core.errors import MissingDependencyError
+from syncless.bench import _cc_hostbound
 from syncless.bench._report import BenchOutput, Goal
 
 SETUPS = ("plain", "shim", "emulated", "emulated+shim")
+HOST_BOUND_SETUPS = ("plain", "emulated", "emulated+shim")  # the batch-1 CUDA-graphed loop (issue 33)
+HOST_BOUND_GOAL = 0.98  # emulated CC with the shim vs plain, tokens/s
+READBACK_GOAL = 1.5  # one step's token readback, host time: emulated CC with the shim vs plain
 # The decode loop again, recording a torch.cuda.Event and a torch.Event on the current stream every step after the
 # token readback and synchronizing the previous step's: what the any-event rule (docs/cc.md) costs a loop that
 # records events, each of which then covers the offloaded copies issued before it.
@@ -224,6 +228,28 @@ def _record_us(torch, dev, cycles_per_ms: int, repeats: int = 2000) -> dict[str,
     return out
 
 
+def _host_bound_rows(torch, dev, d2h, quick: bool, rounds: int, progress):
+    """The host-bound loop per setup (rounds interleaved) and one step's readback; return the figures."""
+    step = _cc_hostbound.build_step(torch, dev)
+    graph_us = step.gpu_us()
+    progress(f"host-bound loop: batch 1, CUDA graph of {graph_us:.0f} us GPU time, "
+             f"{_cc_hostbound.EAGER_LAUNCHES} eager launches per step")
+    steps, warmup = (100, 20) if quick else (600, 50)
+    rates: dict[str, list[float]] = {s: [] for s in HOST_BOUND_SETUPS}
+    for round_index in range(rounds):
+        for setup in HOST_BOUND_SETUPS:
+            _enter(setup)
+            rate = _cc_hostbound.decode_loop(torch, dev, step, d2h, steps, warmup)
+            rates[setup].append(rate)
+            progress(f"host-bound round {round_index + 1}/{rounds} {setup}: {rate:,.0f} tokens/s")
+    readback: dict[str, float] = {}
+    for setup in HOST_BOUND_SETUPS:
+        _enter(setup)
+        readback[setup] = _cc_hostbound.readback_step_us(torch, dev, d2h, 200 if quick else 2000)
+        progress(f"one step's readback, {setup}: {readback[setup]:.1f} us")
+    return rates, readback, graph_us
+
+
 def _cycles_per_ms(torch) -> int:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda._sleep(1_000_000)
@@ -260,6 +286,7 @@ def run(args: Any, progress) -> BenchOutput:
                 tokens_per_s[setup].append(rate)
                 stats[setup] = cc.stats().__dict__ | {"left_alone": dict(cc.stats().left_alone)}
                 progress(f"round {round_index + 1}/{rounds} {setup}: {rate:,.0f} tokens/s")
+        host_bound, readback_us, graph_us = _host_bound_rows(torch, dev, d2h, quick, rounds, progress)
         h2d_us = _h2d_table(torch, dev, cycles, H2D_ROUNDS if quick else 6 * H2D_ROUNDS, progress)
         record_us = _record_us(torch, dev, cycles, 200 if quick else 2000)
         for name, us in record_us.items():
@@ -273,7 +300,15 @@ def run(args: Any, progress) -> BenchOutput:
     record_rows = [[name, us, us / record_us["plain"]] for name, us in record_us.items()]
     h2d_rows = [[s, h2d_us[s], h2d_us[s] / h2d_us["plain"], h2d_us[s] / h2d_us["emulated"],
                  h2d_us[s] / h2d_us[TRANSFER_ALONE]] for s in h2d_us]
+    hb_median = {s: statistics.median(v) for s, v in host_bound.items()}
+    hb_rows = [[s, hb_median[s], hb_median[s] / hb_median["plain"], min(host_bound[s]), max(host_bound[s])]
+               for s in HOST_BOUND_SETUPS]
+    readback_rows = [[s, us, us / readback_us["plain"]] for s, us in readback_us.items()]
     goals = [
+        Goal("host-bound decode loop (batch 1): emulated CC with the shim vs plain tokens/s",
+             hb_median["emulated+shim"] / hb_median["plain"], HOST_BOUND_GOAL, "x", True),
+        Goal("per-step token readback host cost: emulated CC with the shim vs plain",
+             readback_us["emulated+shim"] / readback_us["plain"], READBACK_GOAL, "x", False),
         Goal("emulated CC with the shim vs plain no-CC, tokens/s", median["emulated+shim"] / plain, 0.95, "x", True),
         Goal("shim installed without CC vs plain, tokens/s", median["shim"] / plain, 0.98, "x", True),
         Goal("decode loop recording 2 events/step, emulated CC with the shim vs the same loop plain, tokens/s",
@@ -313,9 +348,16 @@ def run(args: Any, progress) -> BenchOutput:
         name="cc",
         title="Confidential Computing copies (emulated CC)",
         data={"tokens_per_s": tokens_per_s, "median_tokens_per_s": median, "h2d_return_us": h2d_us,
+              "host_bound_tokens_per_s": host_bound, "host_bound_graph_us": graph_us,
+              "host_bound_eager_launches": _cc_hostbound.EAGER_LAUNCHES, "readback_step_us": readback_us,
               "event_record_us": record_us,
               "gpu_ms_per_step": target_ms, "spin_cycles_per_ms": cycles, "batch": BATCH, "hidden": HIDDEN, "steps": steps, "rounds": rounds, "stats": stats},
         tables=[
+            (f"Host-bound decode loop: batch 1, a CUDA graph of {graph_us:.0f} us of GPU time and "
+             f"{_cc_hostbound.EAGER_LAUNCHES} eager launches per step", ["setup", "tokens/s (median)", "vs plain", "min",
+                                                                        "max"], hb_rows),
+            ("One step's token readback (8 int64 on a D2H stream, an event, read one step late): median host time",
+             ["setup", "us per step", "vs plain"], readback_rows),
             ("Decode loop throughput", ["setup", "tokens/s (median)", "vs plain", "min", "max"], rows),
             ("1 MiB non_blocking H2D behind 20 ms of queued GPU work, and on an idle GPU where marked "
              "(median host time)",

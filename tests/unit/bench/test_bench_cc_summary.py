@@ -62,6 +62,10 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(_cc, "_h2d_return_us", h2d_return_us)
     monkeypatch.setattr(_cc, "_record_us", lambda torch, device, cycles, repeats: dict(RECORD_US))
     measured.h2d = h2d_measured
+    host_bound = {"plain": [500.0, 510.0, 490.0, 505.0, 495.0], "emulated": [300.0] * 5,
+                  "emulated+shim": [495.0, 492.0, 497.0, 500.0, 490.0]}
+    monkeypatch.setattr(_cc, "_host_bound_rows", lambda torch, dev, d2h, quick, rounds, progress: (
+        host_bound, {"plain": 40.0, "emulated": 400.0, "emulated+shim": 52.0}, 350.0))
     return measured
 
 
@@ -78,7 +82,9 @@ def test_tables_and_goals_use_medians_against_the_right_setup(fake_gpu):
     median = {setup: statistics.median(values) for setup, values in TOKENS_PER_S.items()}
     assert median == {"plain": 1000.0, "shim": 970.0, "emulated": 405.0, "emulated+shim": 960.0,
                       "plain+events": 995.0, "emulated+shim+events": 940.0}
-    (_, _, throughput), (_, _, h2d), (_, _, record) = output.tables
+    (_, _, host_bound), (_, _, readback), (_, _, throughput), (_, _, h2d), (_, _, record) = output.tables
+    assert host_bound[0][:3] == ["plain", 500.0, 1.0] and host_bound[2][:3] == ["emulated+shim", 495.0, 0.99]
+    assert readback == [["plain", 40.0, 1.0], ["emulated", 400.0, 10.0], ["emulated+shim", 52.0, 1.3]]
     assert throughput == [[setup, median[setup], pytest.approx(median[setup] / 1000.0), min(TOKENS_PER_S[setup]),
                            max(TOKENS_PER_S[setup])] for setup in _cc.LOOP_SETUPS]
     assert record == [[name, us, pytest.approx(us / 1.0)] for name, us in RECORD_US.items()]
@@ -86,7 +92,10 @@ def test_tables_and_goals_use_medians_against_the_right_setup(fake_gpu):
                     pytest.approx(H2D_US[setup] / 80.0)] for setup in (*_cc.SETUPS, _cc.TRANSFER_ALONE, _cc.SHIM_IDLE)]
     assert output.data["median_tokens_per_s"] == median and output.data["h2d_return_us"] == H2D_US
 
-    with_shim, shim_alone, with_events, h2d_goal, h2d_vs_plain, h2d_vs_transfer = output.goals
+    host_goal, readback_goal, with_shim, shim_alone, with_events, h2d_goal, h2d_vs_plain, h2d_vs_transfer = output.goals
+    # Issue 33's host-bound goals: tokens/s with the shim under emulated CC vs plain, and one readback's host time.
+    assert (host_goal.measured, host_goal.target, host_goal.higher_is_better) == (pytest.approx(0.99), 0.98, True)
+    assert (readback_goal.measured, readback_goal.target) == (pytest.approx(1.3), 1.5)
     # The any-event rule's cost: the loop recording events, with the shim under emulated CC vs plain (940 / 995).
     assert (with_events.measured, with_events.target, with_events.higher_is_better) == (
         pytest.approx(940.0 / 995.0), 0.95, True)
@@ -101,7 +110,7 @@ def test_tables_and_goals_use_medians_against_the_right_setup(fake_gpu):
     # idle GPU (96 / 80 us).
     assert (h2d_vs_transfer.measured, h2d_vs_transfer.target) == (pytest.approx(1.2), 1.5)
     assert "transfer alone" in h2d_vs_transfer.description and "idle" in h2d_vs_transfer.description
-    assert [g.met for g in output.goals] == [True, False, False, True, False, True]
+    assert [g.met for g in output.goals] == [True, True, True, False, False, True, False, True]
     assert "emulated CC with the shim" in with_shim.description and "without CC" in shim_alone.description
 
 
