@@ -241,13 +241,14 @@ class _Checking:
 
     def __enter__(self) -> None:
         if is_compiling():
-            self._tokens.push_traced()
             return  # traced by torch.compile: not a region (see checked); no guard on settings.enabled
         token = _state.enter_checked()
         self._tokens.push(token)
         _layers.entered(token)
 
     def __exit__(self, *exc_info: object) -> None:
+        if is_compiling():
+            return  # its entry was traced too: nothing was kept
         token = self._tokens.pop()
         if token is None:
             return
