@@ -19,12 +19,12 @@ shared no-op context manager (a ``contextlib.nullcontext``).
 
 Inside ``torch.compile`` (``fullgraph=True``, ``mode="reduce-overhead"``)
 every construct compiles, in every mode, whether the function was compiled
-before or after :func:`enable`: while dynamo traces, :func:`allowed` and
-:func:`checking` return a ``nullcontext`` and a :func:`checked` function
-calls straight through, reading no ContextVar, frame or event loop and
-nothing that :func:`enable`/:func:`disable` flip, so flipping them causes no
-recompile (the compiled graph runs no Python to check). Eager code around
-a compiled step is checked as before.
+before or after :func:`enable`; tracing reads no ContextVar, frame or event
+loop and nothing that :func:`enable`/:func:`disable` flip, so flipping them
+causes no recompile. Without ``fullgraph``, regions and allows written in
+compiled code hold for the eager code run at its graph breaks (see
+``._compiled``); a graph itself runs no Python to check. Eager code around a
+compiled step is checked as before.
 
 A sync is a violation only on the thread (asyncio task) that is inside a
 checked region and outside every allow region. Explicit syncs (``.item()``,
@@ -182,8 +182,10 @@ def checked(fn: F) -> F:
     With the mode ``off`` this returns ``fn`` itself. Coroutine functions are
     checked across their awaits (the region belongs to the task); an event
     loop that ``fn`` runs itself (``asyncio.run``) runs its tasks unchecked.
-    A call that ``torch.compile`` traces is not a region (the graph it
-    compiles runs no Python to check); tracing it reads nothing that
+    ``torch.compile(checked(fn))`` is a region around the compiled ``fn``
+    (dynamo never compiles the wrapper's own frame). A call inlined into a
+    compiled caller is a region at its graph breaks, not inside a graph
+    (a ``fullgraph=True`` graph warns once); tracing it reads nothing that
     :func:`enable`/:func:`disable` change, so they cause no recompile.
     """
     if not callable(fn):
