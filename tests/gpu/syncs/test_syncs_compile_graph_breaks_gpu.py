@@ -48,24 +48,21 @@ def allowed_inside(x):
     return y + 1
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def fresh_dynamo():
-    dynamo.reset()
-    counters.clear()
+    """Every test compiles from nothing, and its dynamo counters start at zero."""
+    for clear in (dynamo.reset, counters.clear):
+        clear()
     yield
     dynamo.reset()
-
-
-def _record(detector):
-    syncs.set_mode("record")
-    syncs.reset()
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("form", ["compile(checked(fn))", "checking() inside", "checked fn called from compiled code"])
 def test_a_sync_at_a_graph_break_is_checked(form, backend, detector, fresh_dynamo, cuda_device):
-    _record(detector)
+    syncs.set_mode("record")  # the detector fixture enabled it in error mode
+    syncs.reset()
     if form == "compile(checked(fn))":
         step = torch.compile(syncs.checked(checked_body), backend=backend)
     elif form == "checking() inside":
