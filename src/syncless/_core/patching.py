@@ -179,19 +179,39 @@ def _forget_compiler_tables() -> None:
             cache_clear()
 
 
-def _make_entry(base: Any) -> tuple[Callable[..., Any], Callable[[Any], None]]:
-    """Return (entry, retarget): entry calls whatever retarget last pointed it at (first: ``base``)."""
+def _make_entry(base: Any) -> tuple[Callable[..., Any], Callable[..., None]]:
+    """Return (entry, retarget): entry calls whatever retarget last pointed it at (first: ``base``).
+
+    ``retarget(fn, idle_when=None, beneath=None)``: with ``idle_when`` (the
+    top layer's C callable of no arguments), a call while it returns a falsy
+    value goes to ``beneath`` (the layers under the top one) directly, so a
+    layer with nothing to do costs the entry's one Python call and no call of
+    its own. dynamo never traces the entry (``idle_when`` is not traceable):
+    its ``_torchdynamo_inline`` names ``fn``, which dynamo traces instead.
+    """
     target = base
+    idle: Callable[[], Any] | None = None
+    below = base
 
     # Named like the base ("to", "copy_", "synchronize", ...), its doc, and __wrapped__ set to it, so that
     # inspect.signature and inspect.unwrap give the torch callable.
     @functools.wraps(base)
     def entry(*args: Any, **kwargs: Any) -> Any:
+        if idle is not None and not idle():
+            return below(*args, **kwargs)
         return target(*args, **kwargs)
 
-    def retarget(fn: Any) -> None:
-        nonlocal target
+    def retarget(fn: Any, idle_when: Callable[[], Any] | None = None, beneath: Any = None) -> None:
+        nonlocal target, idle, below
+        idle = None  # never a bypass that points at what is being replaced
         target = fn
+        if isinstance(fn, types.FunctionType):
+            entry._torchdynamo_inline = fn  # type: ignore[attr-defined]
+        else:
+            entry.__dict__.pop("_torchdynamo_inline", None)  # a C method: dynamo may trace the entry itself
+        if idle_when is not None and beneath is not None and isinstance(fn, types.FunctionType):
+            below = beneath
+            idle = idle_when
 
     return entry, retarget
 
@@ -203,9 +223,10 @@ class _Chain:
     base: Any
     base_was_own: bool
     layers: dict[str, tuple[int, Wrapper]] = field(default_factory=dict)
+    idle: dict[str, Callable[[], Any]] = field(default_factory=dict)  # per layer: "nothing to do now" (see add_layer)
     below: dict[str, Any] = field(default_factory=dict)
     entry: Any = None  # what the attribute was set to
-    retarget: Callable[[Any], None] | None = None  # None: replaced directly, no entry
+    retarget: Callable[..., None] | None = None  # None: replaced directly, no entry
 
     def compose(self) -> Any:
         fn = self.base
@@ -219,7 +240,8 @@ class _Chain:
         composed = self.compose()
         if self.retarget is not None:
             # Whoever holds the entry (the attribute, or a library that patched over it) sees the change.
-            self.retarget(composed)
+            top = max(self.layers, key=lambda key: self.layers[key][0])
+            self.retarget(composed, self.idle.get(top), self.below.get(top))
             return
         current = _current(self.owner, self.name)
         if self.entry is not None and current is not self.entry:
@@ -262,11 +284,15 @@ _chains: dict[tuple[int, str], _Chain] = {}
 _retired: dict[int, tuple[Any, Any, bool]] = {}
 
 
-def add_layer(owner: Any, name: str, key: str, rank: int, wrap: Wrapper) -> None:
+def add_layer(owner: Any, name: str, key: str, rank: int, wrap: Wrapper,
+              idle: Callable[[], Any] | None = None) -> None:
     """Wrap ``owner.name`` with ``wrap(next_fn)`` at ``rank``; idempotent per ``key``.
 
     ``wrap`` receives the function beneath it (the base or a lower layer) and
-    returns the new callable.
+    returns the new callable. ``idle``, for a layer that often has nothing to
+    do: a callable of no arguments (a C one, such as ``ContextVar.get``) that
+    is falsy while the layer would only pass the call on; while this layer is
+    the top one, the entry then calls the layer beneath directly.
     """
     with _lock:
         chain_key = (id(owner), name)
@@ -294,6 +320,8 @@ def add_layer(owner: Any, name: str, key: str, rank: int, wrap: Wrapper) -> None
         if key in chain.layers:
             return
         chain.layers[key] = (rank, wrap)
+        if idle is not None:
+            chain.idle[key] = idle
         chain.rebuild()
 
 
@@ -305,6 +333,7 @@ def remove_layer(owner: Any, name: str, key: str) -> None:
         if chain is None or key not in chain.layers:
             return
         del chain.layers[key]
+        chain.idle.pop(key, None)
         if chain.layers:
             chain.rebuild()
         else:

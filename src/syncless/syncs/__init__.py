@@ -19,12 +19,12 @@ shared no-op context manager (a ``contextlib.nullcontext``).
 
 Inside ``torch.compile`` (``fullgraph=True``, ``mode="reduce-overhead"``)
 every construct compiles, in every mode, whether the function was compiled
-before or after :func:`enable`: while dynamo traces, :func:`allowed` and
-:func:`checking` return a ``nullcontext`` and a :func:`checked` function
-calls straight through, reading no ContextVar, frame or event loop and
-nothing that :func:`enable`/:func:`disable` flip, so flipping them causes no
-recompile (the compiled graph runs no Python to check). Eager code around
-a compiled step is checked as before.
+before or after :func:`enable`; tracing reads no ContextVar, frame or event
+loop and nothing that :func:`enable`/:func:`disable` flip, so flipping them
+causes no recompile. Without ``fullgraph``, regions and allows written in
+compiled code hold for the eager code run at its graph breaks (see
+``._compiled``); a graph itself runs no Python to check. Eager code around a
+compiled step is checked as before.
 
 A sync is a violation only on the thread (asyncio task) that is inside a
 checked region and outside every allow region. Explicit syncs (``.item()``,
@@ -52,7 +52,7 @@ from typing import Any, TypeVar
 from syncless._core.compiling import is_compiling
 from syncless._core.errors import SyncViolation
 from syncless._core.logs import log_once
-from syncless.syncs import _copies, _debugmode, _hook, _state, _waits
+from syncless.syncs import _compiled, _copies, _debugmode, _hook, _state, _waits
 from syncless.syncs._backend import BACKENDS, BackendChoice, set_backend
 from syncless.syncs._backend import backend as _layers
 from syncless.syncs._backend import choice as backend_choice
@@ -148,6 +148,7 @@ def enable() -> bool:
                      "syncless.syncs: nothing to check: %s; the detector stays off", reason)
             return False
         _layers.activate()
+        _keep_bookkeeping_out_of_dynamo()
         _hook.install()
         _copies.install()
         _waits.install()
@@ -181,8 +182,10 @@ def checked(fn: F) -> F:
     With the mode ``off`` this returns ``fn`` itself. Coroutine functions are
     checked across their awaits (the region belongs to the task); an event
     loop that ``fn`` runs itself (``asyncio.run``) runs its tasks unchecked.
-    A call that ``torch.compile`` traces is not a region (the graph it
-    compiles runs no Python to check); tracing it reads nothing that
+    ``torch.compile(checked(fn))`` is a region around the compiled ``fn``
+    (dynamo never compiles the wrapper's own frame). A call inlined into a
+    compiled caller is a region at its graph breaks, not inside a graph
+    (a ``fullgraph=True`` graph warns once); tracing it reads nothing that
     :func:`enable`/:func:`disable` change, so they cause no recompile.
     """
     if not callable(fn):
@@ -211,13 +214,17 @@ def checked(fn: F) -> F:
 
         return async_wrapper  # type: ignore[return-value]
 
+    qualname = getattr(fn, "__qualname__", repr(fn))
+
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if is_compiling():
-            # torch.compile traces this call: the compiled graph runs no Python to check, and the region's
-            # bookkeeping (ContextVars, the running event loop) is not traceable (fullgraph=True would fail).
-            # Asked first, before settings.enabled: dynamo would guard on the flag, and the step compiled at
-            # warm-up would recompile at its first call after enable().
+            # dynamo inlines this call into a compiled caller (its own frames are never compiled: see
+            # _compiled). Asked first, before settings.enabled: dynamo would guard on the flag, and a step
+            # compiled at warm-up would recompile at its first call after enable(). A graph break in fn makes
+            # dynamo run this whole call eagerly, a region; under fullgraph=True the graph runs no Python.
+            if not _compiled.graph_breaks_allowed():
+                _compiled.say_not_a_region(qualname)
             return fn(*args, **kwargs)
         token = _state.enter_checked()
         _layers.entered(token)
@@ -230,7 +237,26 @@ def checked(fn: F) -> F:
             _state.exit_checked(token)
             _layers.exited(token, failing=failing)
 
+    _run_wrapper_frames_eagerly(wrapper)
     return wrapper  # type: ignore[return-value]
+
+
+def _run_wrapper_frames_eagerly(wrapper: Callable[..., Any]) -> None:
+    """Keep dynamo from compiling ``checked``'s wrapper frames (shared code: marked once), importing torch."""
+    try:
+        import torch  # noqa: F401 - the mark lives in torch's C module
+    except ImportError:  # no torch: nothing can compile the wrapper
+        return
+    _compiled.run_frames_eagerly(wrapper.__code__)
+    _keep_bookkeeping_out_of_dynamo()
+
+
+def _keep_bookkeeping_out_of_dynamo() -> None:
+    """Mark what a region runs eagerly in the middle of a compiled call (see ``_compiled.keep_out_of_dynamo``)."""
+    _compiled.keep_out_of_dynamo(
+        _state.enter_checked, _state.exit_checked, _state.enter_allowed, _state.exit_allowed,
+        type(_layers).entered, type(_layers).exited, _Checking.__enter__, _Checking.__exit__,
+        _Allowing.__enter__, _Allowing.__exit__)
 
 
 class _Checking:
@@ -241,13 +267,14 @@ class _Checking:
 
     def __enter__(self) -> None:
         if is_compiling():
-            self._tokens.push_traced()
             return  # traced by torch.compile: not a region (see checked); no guard on settings.enabled
         token = _state.enter_checked()
         self._tokens.push(token)
         _layers.entered(token)
 
     def __exit__(self, *exc_info: object) -> None:
+        if is_compiling():
+            return  # its entry was traced too: nothing was kept
         token = self._tokens.pop()
         if token is None:
             return
@@ -264,9 +291,16 @@ def checking() -> Any:
     # The mode first: it keeps "off" free in eager code, and it flips only by set_mode(), never by
     # enable()/disable(), so the guard dynamo puts on it costs no recompile. Then is_compiling(), before
     # anything a region reads (ContextVars, the event loop), none of which dynamo can trace.
-    if settings.mode == "off" or is_compiling():
+    if settings.mode == "off":
         return _NOOP
+    if is_compiling():
+        return _traced_region()
     return _Checking()
+
+
+def _traced_region() -> Any:
+    """What a construct is while dynamo traces it: see ``_compiled`` (a graph break in it runs the function eagerly)."""
+    return _compiled.TracedRegion() if _compiled.graph_breaks_allowed() else _NOOP
 
 
 class _Allowing:
@@ -277,10 +311,14 @@ class _Allowing:
         self._tokens = _state.TokenStack()  # see _Checking
 
     def __enter__(self) -> None:
+        if is_compiling():
+            return  # an object made outside, traced by torch.compile: see _Checking
         # The frame of the `with`: a generator's allow region covers only what runs while it runs.
         self._tokens.push(_state.enter_allowed(self._site, sys._getframe(1)))
 
     def __exit__(self, *exc_info: object) -> None:
+        if is_compiling():
+            return
         _state.exit_allowed(self._tokens.pop())
 
 
@@ -311,8 +349,10 @@ def _allowed_for(first_only: bool, depth: int) -> Any:
     if first_only is not True and first_only is not False:
         raise TypeError(f"allowed(first_only=...) expects a bool, got {type(first_only).__name__} {first_only!r}")
     # The order and the reasons are checking()'s; the call site (a frame read) comes after is_compiling().
-    if settings.mode == "off" or is_compiling():
+    if settings.mode == "off":
         return _NOOP
+    if is_compiling():
+        return _traced_region()
     return _Allowing(_state.caller_site(depth) if first_only else None)
 
 

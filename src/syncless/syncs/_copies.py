@@ -23,9 +23,9 @@ installed through :mod:`syncless._core.patching` (layer key ``"syncs"``, the
 top rank), so they see the user's call and never syncless's internal copies.
 They take and pass on the caller's arguments untouched, so torch parses every
 call itself (the contract is in ``docs/syncs.md``, "Calling conventions"). Outside a
-checked region a wrapper costs the patch layer's entry call, one call of
-``torch.compiler.is_dynamo_compiling`` (a function returning False outside
-dynamo) and one ContextVar read.
+checked region the wrapper is not called at all: the patch entry reads the
+region depth (``idle``, one ContextVar read) and calls the method beneath
+directly, one Python call in all.
 """
 
 from __future__ import annotations
@@ -368,7 +368,7 @@ _check_copy = _checking(_read_copy)
 def _make_wrapper(check, beneath):
     # Takes and passes on exactly what the caller gave (*args, **kwargs, the tensor included), so torch
     # parses every call itself: its forms, defaults, errors and deprecation warnings stay its own. Outside a
-    # checked region this costs a dynamo question and one ContextVar read; inside, ``check`` reads the call defensively and never
+    # checked region the patch entry skips it (see install); inside, ``check`` reads the call defensively and never
     # raises for a form it does not understand. A call torch hands to a ``__torch_function__`` override (a
     # subclass's or a mode's) is not read here, since reading it would call the override; the override's call
     # back into torch, made with overrides disabled, is the one checked.
@@ -403,7 +403,8 @@ def install() -> None:
     import torch
 
     for name, check in _CHECKS.items():
-        patching.add_layer(torch.Tensor, name, LAYER_KEY, patching.RANK_SYNC_DETECTOR, functools.partial(_make_wrapper, check))
+        patching.add_layer(torch.Tensor, name, LAYER_KEY, patching.RANK_SYNC_DETECTOR, functools.partial(_make_wrapper, check),
+                           idle=checked_depth.get)
 
 
 def uninstall() -> None:

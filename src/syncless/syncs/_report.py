@@ -21,6 +21,7 @@ import dataclasses
 import linecache
 import os
 import sys
+import sysconfig
 import threading
 import traceback
 import warnings
@@ -93,6 +94,30 @@ _STDLIB_SKIP = _module_files("warnings", "_py_warnings", "contextlib")
 # Directories of packages whose Python frames sit between a CUDA call and the user (the cupti
 # package, should it call our callback through Python code of its own); filled by the CUPTI backend.
 _extra_skip_dirs: tuple[str, ...] = ()
+
+
+# Installed packages (a frame's file under a site-packages or dist-packages directory): a sync made through
+# one (numba's, cupy's, transformers') is the user's line that called it, "via" the package's frame. The rule
+# is on the frame's file name: a package installed in editable mode lives where its source is, and its frames
+# are the user's own.
+_INSTALLED_PARTS = tuple(os.sep + part + os.sep for part in ("site-packages", "dist-packages"))
+_STDLIB_DIR = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
+
+
+def is_installed_package_file(filename: str) -> bool:
+    """Whether ``filename`` belongs to an installed package (under site-packages or dist-packages)."""
+    return any(part in filename for part in _INSTALLED_PARTS)
+
+
+def _is_stdlib_file(filename: str) -> bool:
+    return filename.startswith(_STDLIB_DIR) and not is_installed_package_file(filename)
+
+
+def via_text(frame: FrameType) -> str:
+    """``package/path/file.py:line (function)`` of an installed package's frame, relative to its site-packages."""
+    filename = frame.f_code.co_filename
+    cut = max(filename.rfind(part) + len(part) if part in filename else -1 for part in _INSTALLED_PARTS)
+    return f"{filename[cut:] if cut > 0 else filename}:{frame.f_lineno} ({frame.f_code.co_name})"
 
 
 def skip_frames_under(directory: str) -> None:
@@ -218,6 +243,8 @@ class Violation:
         call_key: identifies the Python call (frame, code, instruction) for merging layers.
         repeats: how many syncs this stands for: more than one for CUPTI-only syncs of one call site held
             back together (their CUDA calls and blocked time summed, ``blocked_max_ns`` the longest one).
+        via: the installed package's frame the sync was made through (``package/file.py:line (function)``,
+            relative to its site-packages), empty when the user's frame made it directly.
     """
 
     kind: str
@@ -236,6 +263,7 @@ class Violation:
     call_key: tuple | None = field(default=None, repr=False, compare=False)
     repeats: int = field(default=1, repr=False, compare=False)
     blocked_max_ns: int = field(default=0, repr=False, compare=False)
+    via: str = ""
 
     def absorb(self, other: "Violation") -> None:
         """Fold another layer's view of the same sync into this one (no second count)."""
@@ -256,8 +284,9 @@ class Violation:
             calls = " CUDA calls: " + "; ".join(f"{api} {self.reasons.get(api, 'blocks the host')}" for api in self.apis) + "."
             if self.timed:
                 calls += f" The host was blocked for {self.blocked_ns / 1000:.1f} us."
+        via = f", via {self.via}" if self.via else ""
         return (
-            f"hidden GPU sync in a checked region at {self.site} (in {self.function}): {self.operation} "
+            f"hidden GPU sync in a checked region at {self.site} (in {self.function}{via}): {self.operation} "
             f"[{self.kind}].{calls} The host waits for the GPU here. Fix: {self.fix}."
         )
 
@@ -272,18 +301,26 @@ def call_key(frame: FrameType) -> tuple:
     return (id(frame), frame.f_code, frame.f_lasti)
 
 
-def _user_frame(start: FrameType | None) -> tuple[FrameType | None, bool]:
+def _user_frame(start: FrameType | None) -> tuple[FrameType | None, bool, FrameType | None]:
     """Walk outwards from ``start`` to the first frame of the user's code.
 
+    Frames of syncless, torch, the warnings and context-manager machinery
+    and of installed packages (:func:`is_installed_package_file`) are passed.
+
     Returns:
-        (frame, compile_time): the user's frame (the outermost one seen if
-        every frame belongs to syncless/torch), and whether a compile-time
-        torch frame lies between the sync and the user's code.
+        (frame, compile_time, via): the user's frame (the outermost one seen
+        if every frame belongs to syncless/torch), whether a compile-time
+        torch frame lies between the sync and the user's code, and the
+        innermost installed package's frame passed on the way (None if
+        none). A package's frame called from the standard library with no
+        user frame between (a thread or event loop the package started) is
+        itself the site, with no via.
     """
     torch_dir = _torch_dir()
     cache_dir = _inductor_cache_dir()
     frame = start
     last = None
+    via = None
     replaying = False  # under a CUDA graph's replay: the compile-time files further out are its runtime wrappers
     compiled = False  # a frame of generated code was passed: the user's frame is the caller of the compiled function
     while frame is not None:
@@ -292,17 +329,26 @@ def _user_frame(start: FrameType | None) -> tuple[FrameType | None, bool]:
         if torch_dir is not None and filename.startswith(torch_dir):
             if not replaying and filename.endswith(_COMPILE_TIME_SUFFIXES) and not _is_runtime_wrapper(frame):
                 if not (filename.endswith(_GRAPH_TREES_SUFFIX) and is_graph_replay(frame)):
-                    return frame, True
+                    return frame, True, None
                 replaying = True
         elif _is_generated(filename, cache_dir):
             compiled = True
         elif compiled and _is_dynamo_bytecode(frame.f_code):
             pass  # the user's function as dynamo rewrote it, calling the graph: its caller is the user's line
-        elif not (is_plumbing_file(filename) or filename in _STDLIB_SKIP or filename.startswith("<frozen")
-                  or (_extra_skip_dirs and filename.startswith(_extra_skip_dirs))):
-            return frame, False
+        elif (is_plumbing_file(filename) or filename in _STDLIB_SKIP or filename.startswith("<frozen")
+              or (_extra_skip_dirs and filename.startswith(_extra_skip_dirs))):
+            pass
+        elif is_installed_package_file(filename) and not filename.startswith(_APPLICATION_DIRS):
+            if via is None:
+                via = frame
+        elif via is not None and _is_stdlib_file(filename):
+            return via, False, None  # the package was started by the standard library: no user line above it
+        else:
+            return frame, False, via
         frame = frame.f_back
-    return last, False
+    if via is not None:
+        return via, False, None
+    return last, False, None
 
 
 def is_under_compile(start: FrameType | None, limit: int = 96) -> bool:
@@ -324,7 +370,7 @@ def is_under_compile(start: FrameType | None, limit: int = 96) -> bool:
 
 def user_call_key(start: FrameType | None) -> tuple | None:
     """The :func:`call_key` of the user's frame above ``start``; None under compile-time torch code."""
-    frame, compile_time = _user_frame(start)
+    frame, compile_time, _ = _user_frame(start)
     if compile_time or frame is None:
         return None
     return call_key(frame)
@@ -341,7 +387,7 @@ def locate(kind: str, operation, fix: str, start: FrameType | None) -> Violation
     Returns None when the sync comes from compile-time work (see
     ``_COMPILE_TIME_FILES``), which synchronizes by design.
     """
-    frame, compile_time = _user_frame(start)
+    frame, compile_time, via = _user_frame(start)
     if compile_time:
         return None
     if frame is None:
@@ -360,7 +406,8 @@ def locate(kind: str, operation, fix: str, start: FrameType | None) -> Violation
         frames = [e for e in traceback.extract_stack(frame, limit=24) if not is_plumbing_file(e.filename)]
         stack = "".join(traceback.format_list(frames[-16:]))
     return Violation(kind, operation, filename, lineno, frame.f_code.co_name, fix, stack,
-                     threading.current_thread().name, call_key=call_key(frame))
+                     threading.current_thread().name, call_key=call_key(frame),
+                     via="" if via is None else via_text(via))
 
 
 def _short(filename: str) -> str:
@@ -423,14 +470,14 @@ class SyncSite:
                 "function": first.function, "fix": first.fix, "stack": first.stack, "thread": first.thread,
                 "layers": list(self.layers), "count": self.count, "api_calls": dict(self.api_calls),
                 "reasons": dict(self.reasons), "blocked_total_ns": self.blocked_total_ns,
-                "blocked_max_ns": self.blocked_max_ns, "timed_count": self.timed_count}
+                "blocked_max_ns": self.blocked_max_ns, "timed_count": self.timed_count, "via": first.via}
 
     @classmethod
     def from_plain(cls, plain: dict, where: str = "") -> "SyncSite":
         """The site :meth:`to_plain` gave; ``where`` (a worker's name) goes in front of the thread's name."""
         thread = f"{where}:{plain['thread']}" if where else plain["thread"]
         first = Violation(plain["kind"], plain["operation"], plain["filename"], int(plain["lineno"]), plain["function"],
-                          plain["fix"], plain["stack"], thread, tuple(plain["layers"]))
+                          plain["fix"], plain["stack"], thread, tuple(plain["layers"]), via=plain.get("via", ""))
         return cls(first, int(plain["count"]), tuple(plain["layers"]), dict(plain["api_calls"]), dict(plain["reasons"]),
                    int(plain["blocked_total_ns"]), int(plain["blocked_max_ns"]), int(plain["timed_count"]))
 
@@ -486,12 +533,15 @@ class SyncReport:
             if timed:
                 blocked = (f"  {s.blocked_total_ns / 1e6:>10.3f} {_us(s.blocked_mean_ns):>9} {_us(s.blocked_max_ns):>9}"
                            if s.timed_count else f"  {'-':>10} {'-':>9} {'-':>9}")
-            lines.append(f"{s.count:>7}  {name:<{width}}  {s.first.kind:<15}  {seen:<{layer_width}}{blocked}  {s.first.operation}")
+            via = f" (via {s.first.via})" if s.first.via else ""
+            lines.append(f"{s.count:>7}  {name:<{width}}  {s.first.kind:<15}  {seen:<{layer_width}}{blocked}  {s.first.operation}{via}")
         if stacks:
             for s in self.sites:
                 lines.append("")
                 lines.append(f"--- {s.site} in {s.first.function} ({s.count}x, first on thread {s.first.thread}) ---")
                 lines.append(s.first.stack.rstrip())
+                if s.first.via:
+                    lines.append(f"via: {s.first.via}")
                 for api, calls in s.api_calls.items():
                     lines.append(f"CUDA call: {api} x{calls}: {s.reasons.get(api, 'blocks the host')}")
                 lines.append(f"fix: {s.first.fix}")

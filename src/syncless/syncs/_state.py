@@ -94,22 +94,26 @@ _CONTEXTLIB_FILE = contextlib.__file__
 
 
 class _Owner:
-    """The thread and asyncio task that entered an outermost region, and whether that region is still open.
+    """The thread and asyncio task that entered an outermost region, and whether any of its regions is open.
 
     A copied context (a task or thread started inside the region, a generator
     resumed elsewhere) keeps seeing the depth its parent had; ``open`` goes
-    False when the region ends, wherever it ends, so that what a copy still
-    sees is inert. For allow regions it also holds what the open ones cover:
-    ``unscoped`` counts plain ones; ``scopes`` holds the ids of generator frames
-    that entered one (it covers only what runs while that frame runs).
+    False when the last region counted here ends, wherever it ends, so that
+    what a copy still sees is inert. ``regions`` counts the open regions of
+    this owner: they may end in any order (a generator's region closed inside
+    its consumer's), and the owner stays open while one is left. For allow
+    regions it also holds what the open ones cover: ``unscoped`` counts plain
+    ones; ``scopes`` holds the ids of generator frames that entered one (it
+    covers only what runs while that frame runs).
     """
 
-    __slots__ = ("thread", "task", "open", "unscoped", "scopes")
+    __slots__ = ("thread", "task", "open", "regions", "unscoped", "scopes")
 
     def __init__(self, thread: threading.Thread, task: object) -> None:
         self.thread = thread
         self.task = task
         self.open = True
+        self.regions = 1
         self.unscoped = 0
         self.scopes: list[int] = []
 
@@ -184,16 +188,18 @@ class RegionToken:
 
     Attributes:
         outermost: the entry started a new owner (the first region of this thread/task in this context).
+        level: the depth this entry set; leaving finds it still there only if it is left last-in, first-out.
         events: the CUPTI layer's state of an outermost checked region (set by ``._backend``).
     """
 
-    __slots__ = ("depth_token", "owner_token", "owner", "outermost", "scope", "events", "events_token")
+    __slots__ = ("depth_token", "owner_token", "owner", "outermost", "level", "scope", "events", "events_token")
 
-    def __init__(self, depth_token: Token[int], owner_token: Token, owner: _Owner, outermost: bool):
+    def __init__(self, depth_token: Token[int], owner_token: Token, owner: _Owner, outermost: bool, level: int):
         self.depth_token = depth_token
         self.owner_token = owner_token
         self.owner = owner
         self.outermost = outermost
+        self.level = level
         self.scope: int | None = None
         self.events = None
         self.events_token: Token | None = None
@@ -204,17 +210,33 @@ def _enter(depth: ContextVar[int], owner: ContextVar[_Owner | None]) -> RegionTo
     thread, task = _here()
     current = owner.get()
     if current is not None and current.open and current.thread is thread and current.task is task:
-        return RegionToken(depth.set(depth.get() + 1), owner.set(current), current, False)
+        current.regions += 1
+        level = depth.get() + 1
+        return RegionToken(depth.set(level), owner.set(current), current, False, level)
     fresh = _Owner(thread, task)
-    return RegionToken(depth.set(1), owner.set(fresh), fresh, True)
+    return RegionToken(depth.set(1), owner.set(fresh), fresh, True, 1)
 
 
 def _leave(token: RegionToken, depth: ContextVar[int], owner: ContextVar[_Owner | None]) -> None:
-    """Undo ``_enter``; a region left in another context than its own (a generator resumed on another
-    thread) cannot reset that context's variables, so its owner is closed instead: what that context still
-    holds is inert."""
-    if token.outermost:
-        token.owner.open = False  # also makes copies of this context that outlive the region inert
+    """Undo ``_enter``.
+
+    Left last-in, first-out (the depth is still the one this entry set, under
+    its owner), the variables are reset. A region left out of order (a
+    generator's, closed inside a region its consumer entered later) takes one
+    off the depth instead, so that the later region keeps its own. A region
+    left in another context than its own (a generator resumed on another
+    thread) cannot change that context's variables: when it was its owner's
+    last, the owner is closed, and what that context still holds is inert.
+    """
+    held = token.owner
+    held.regions -= 1
+    if held.regions <= 0:
+        held.open = False  # also makes copies of this context that outlive the region inert
+    if owner.get() is not held:
+        return  # another context, or one whose variables moved on: nothing here is this region's
+    if depth.get() != token.level:
+        depth.set(max(depth.get() - 1, 0))  # left out of order: the regions entered after it stay counted
+        return
     try:
         owner.reset(token.owner_token)
         depth.reset(token.depth_token)
@@ -286,60 +308,50 @@ def exit_allowed(token: RegionToken | None) -> None:
     _leave(token, allowed_depth, _allowed_owner)
 
 
-class _Declined:
-    """An entry that opened no region (the gate closed, a repeated first-only site), and who made it."""
-
-    __slots__ = ("thread", "task")
-
-    def __init__(self) -> None:
-        self.thread, self.task = _here()
-
-
 class TokenStack:
     """The tokens of one context-manager object, so that it can be entered again before it is left.
 
     A reused ``allowed()``/``checking()`` object entered twice (recursion, or
-    several threads) keeps each entry's token: the thread/task leaving takes
-    back its latest one. An entry that opened no region (token None: the gate
-    closed, a repeated first-only site) is kept with who made it, so that
-    another thread's empty entry is never taken for this one's. A block that
-    torch.compile traces (:meth:`push_traced`) is pushed and popped reading
-    nothing dynamo cannot trace.
+    several threads) keeps each entry's token with the thread/task that made
+    it: the one leaving takes back its own latest entry. Each thread/task has
+    its own list, which only it adds to, so threads that share the object
+    never act on each other's entries and no lock is taken: a dict's
+    ``setdefault``/``get`` and a list's ``append``/``pop`` are each one step
+    for the interpreter. An entry that opened no region (the gate closed, a
+    repeated first-only site) is kept as None. An exit with no entry of its
+    own (a generator resumed on another thread than the one that entered)
+    takes another thread's latest entry.
     """
 
     __slots__ = ("_entries",)
 
     def __init__(self) -> None:
-        self._entries: list[RegionToken | _Declined | None] = []
+        self._entries: dict[tuple, list[RegionToken | None]] = {}
 
     def push(self, token: RegionToken | None) -> None:
         """Keep this entry's token (None: it opened no region) for this thread/task's exit to take back."""
-        self._entries.append(_Declined() if token is None else token)
-
-    def push_traced(self) -> None:
-        """Keep an entry made while torch.compile traces: no region, and no thread or task read."""
-        self._entries.append(None)
+        self._entries.setdefault(_here(), []).append(token)
 
     def pop(self) -> RegionToken | None:
-        """This thread/task's latest entry: its token, or None for a declined or traced one."""
-        entries = self._entries
-        if not entries:
-            return None
-        if entries[-1] is None or len(entries) == 1:
-            return _token_of(entries.pop())
-        thread, task = _here()
-        for index in range(len(entries) - 1, -1, -1):
-            entry = entries[index]
-            if entry is None:
+        """This thread/task's latest entry: its token, or None for one that opened no region."""
+        who = _here()
+        mine = self._entries.get(who)
+        if mine is not None:
+            try:
+                token = mine.pop()
+            except IndexError:  # taken by an exit made elsewhere (see below)
+                token = None
+            if not mine:
+                self._entries.pop(who, None)  # only this thread/task adds to its own list
+            return token
+        # Left elsewhere than entered: the latest entry of another thread/task. Its list stays in the dict
+        # (its owner may be adding to it now); emptied, it is dropped by its owner's next exit.
+        for entries in list(self._entries.values()):
+            try:
+                return entries.pop()
+            except IndexError:
                 continue
-            who = entry.owner if isinstance(entry, RegionToken) else entry
-            if who.thread is thread and who.task is task:
-                return _token_of(entries.pop(index))
-        return _token_of(entries.pop())  # left elsewhere than entered (a generator resumed on another thread)
-
-
-def _token_of(entry: RegionToken | _Declined | None) -> RegionToken | None:
-    return entry if isinstance(entry, RegionToken) else None
+        return None
 
 
 def forget_first_only_sites() -> None:
