@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from syncless._core.errors import PeerTimeoutError, TransportFailedError
-from syncless.pp._base import refuse_graph_capture
+from syncless.pp._base import check_wait, refuse_graph_capture
 from syncless.pp._layout import ABSENT, dense_spans, received_views, rows_are_valid
 from syncless.pp._received import ReceivedStep
 from syncless.pp._watchdog import Bracket
@@ -63,12 +63,14 @@ class CopyEngineReceiving:
         before that step's ``recv()``.
 
         Raises:
+            TypeError: ``wait`` is not a bool (the seed's ``recv(pp_group)``).
             PeerTimeoutError: the previous stage sent nothing within the timeout, or an earlier step timed out.
             RuntimeError: this is the first stage, the transport is closed, the peer's metadata does not
                 match (protocol error), or an earlier step failed part-way (the transport is unusable).
         """
         if self._closed or self._failure is not None:
             self._check_usable()
+        check_wait(wait)
         if self._stages.prev_rank is None:
             raise RuntimeError(f"{self._stages.name()} is the first stage: it has no previous stage to receive from")
         refuse_graph_capture(self._stages.name(), "recv")
