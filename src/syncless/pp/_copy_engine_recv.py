@@ -112,6 +112,7 @@ class CopyEngineReceiving:
         deferred = ReceivedStep(
             [name for name, count in zip(self._recv_layout.names, rows) if count != ABSENT],
             functools.partial(self._finish_deferred, step, half, stream, rows),
+            (self._caller_stream, functools.partial(self._order_reader, stream)),
         )
         self._deferred = deferred
         return deferred
@@ -147,6 +148,21 @@ class CopyEngineReceiving:
             self._fail_mid_step(f"receiving step {step}", err)
             raise
         return self._recv_done(stream, pre, post, step, rows)
+
+    def _order_reader(self, stream: int, reader: int) -> None:
+        """Make ``reader``, a later stream reading a deferred step already finished, wait for the step's end.
+
+        ``received`` was recorded on ``stream`` after the step's half (the later steps' halves record it
+        again, behind this one: waiting for them is late, never early). A closed or failed transport
+        enqueues nothing (its events may be gone; close() waited for the step, abort() made it undefined).
+        """
+        if reader == stream or self._closed or self._failure is not None:
+            return
+        pushed = self._binding.enter()
+        try:
+            self._hot.wait_event(self._parts.received, reader)
+        finally:
+            self._binding.exit(pushed)
 
     def _check_meta(self, step: int, meta: tuple[int, ...]) -> tuple[int, ...]:
         """Return the row counts of a fixed-depth step's metadata; a mismatch poisons the transport."""

@@ -126,6 +126,8 @@ class TorchDistTransport(Transport):
         # batch_isend_irecv must be the group's first P2P call on every rank when it is
         # the group's first collective; with exactly two ranks every rank takes part.
         self._batch = len(stages.ranks) == 2
+        # CUDA receivers: the end of the last received step, for readers on other streams (_order_reader).
+        self._received = torch.cuda.Event() if device.type == "cuda" and stages.prev_rank is not None else None
         # A depth="auto" copy-engine link of this process that receives from the next stage's process must
         # know about this link back to it (_copy_engine_auto: a cycle through a slot wait).
         self._forget_links = record_send_link(self, next_pid if send_specs is not None else None)
@@ -239,14 +241,24 @@ class TorchDistTransport(Transport):
         try:
             finish = self._recv_data(step, what, names, rows)
             if wait:
-                return finish(None)
+                return finish(None, False)
         except BaseException as err:
             if self._failure is None:
                 self._failure = TransportFailedError(
                     f"{what}: stopped after its metadata arrived ({err!r}); this transport is unusable")
             raise
-        self._deferred = ReceivedStep([n for n in names if rows[n] != ABSENT], finish)
+        order = (self._current_stream, self._order_reader) if self.device.type == "cuda" else None
+        self._deferred = ReceivedStep([n for n in names if rows[n] != ABSENT], finish, order)
         return self._deferred
+
+    def _current_stream(self) -> int:
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    def _order_reader(self, reader: int) -> None:
+        """Make ``reader``, a later stream reading a deferred step already finished, wait for the step's end
+        (``_received``, recorded after its receives and copies; a later step records it again, later)."""
+        if self._received is not None:
+            torch.cuda.ExternalStream(reader, device=self.device).wait_event(self._received)
 
     def _raise_stopped(self, what: str, err: BaseException) -> None:
         """Raise what ended a host wait from another thread (abort(): its error; close(): the closed error)."""
@@ -267,7 +279,7 @@ class TorchDistTransport(Transport):
         works = self._post(dist.irecv, landing, self._stages.prev_rank)
         self._recv_step = step  # posted: the next step's receives go after these
 
-        def finish(stream: int | None) -> dict[str, torch.Tensor]:
+        def finish(stream: int | None, deferred: bool = True) -> dict[str, torch.Tensor]:
             self._deferred = None
             if self._failure is not None:
                 raise self._failure
@@ -282,6 +294,8 @@ class TorchDistTransport(Transport):
                     if self._stage_via_host:
                         for target, landed in zip(targets, landing):
                             target.copy_(landed)
+                    if deferred and self._received is not None:
+                        self._received.record()  # where a later reader of a deferred step waits (_order_reader)
             except RuntimeError as err:
                 self._raise_stopped(what, err)
                 self._failure = PeerTimeoutError(

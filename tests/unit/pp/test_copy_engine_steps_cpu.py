@@ -248,3 +248,47 @@ def test_deferred_steps_stream_bit_exact_whether_used_on_another_stream_or_never
     assert [k for k, g in log.items() if g is None] == list(range(5, steps + 1, 5))
     wrong = [k for k, g in log.items() if g is not None and not same(g, sent[k - 1])]
     assert wrong == []
+
+
+class _Prefer(random.Random):
+    """The simulated GPU's scheduler, running ``stream`` whenever it can: a reader there races the copy-in."""
+
+    def __init__(self, seed: int, stream: int):
+        super().__init__(seed)
+        self.stream = stream
+
+    def choice(self, ready):
+        return self.stream if self.stream in ready else super().choice(ready)
+
+
+@pytest.mark.parametrize("how", ["wait(stream)", "current stream"])
+@pytest.mark.parametrize("depth", DEPTHS)
+def test_every_later_stream_that_reads_a_deferred_step_is_ordered_after_its_data(depth, how, kept):
+    # The first use fences one stream; a reader on a second stream (given to wait(), or current when it
+    # reads a key) must wait for the step's data too, however eagerly the GPU runs that stream.
+    gpu = sim.SimGPU(random.Random(0))
+    link = sim.Link(gpu, depth=depth, persistent=persistent_tensors())
+    send_stream, recv_stream, first_reader, late_reader = (gpu.stream() for _ in range(4))
+    gpu.rng = _Prefer(3, late_reader)
+    try:
+        data = {"hidden": torch.randn(MAX_ROWS, 8), "ids": torch.randint(-(2**40), 2**40, (4,))}
+        sim._current.stream = send_stream
+        link.sender.send(data)
+        sim._current.stream = recv_stream
+        step = link.receiver.recv(wait=False)
+        step.wait(SimStream(first_reader))
+        if how == "wait(stream)":
+            views = step.wait(SimStream(late_reader))
+        else:
+            sim._current.stream = late_reader
+            views = {name: step[name] for name in step}
+        before = len(gpu.queues[late_reader])
+        step.wait(SimStream(late_reader))
+        _ = step["ids"]
+        assert len(gpu.queues[late_reader]) == before  # once per stream
+        log = []
+        gpu.enqueue(late_reader, "call", lambda: log.append({n: t.clone() for n, t in views.items()}))
+        _drain(gpu)
+        assert same(log[0], data)
+    finally:
+        link.close()
