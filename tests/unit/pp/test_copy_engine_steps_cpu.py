@@ -292,3 +292,23 @@ def test_every_later_stream_that_reads_a_deferred_step_is_ordered_after_its_data
         assert same(log[0], data)
     finally:
         link.close()
+
+
+def test_recv_takes_only_a_bool_and_names_the_seeds_recv_pp_group(kept):
+    gpu = sim.SimGPU(random.Random(9))
+    link = sim.Link(gpu, depth=2, persistent=persistent_tensors())
+    sim._current.stream = gpu.stream()
+    try:
+        data = {"ids": torch.arange(3)}
+        link.sender.send(data)
+        for wait in (object(), None, 0):
+            with pytest.raises(TypeError, match=r"recv\(wait=\.\.\.\) takes a bool; got .*recv\(pp_group\)"):
+                link.receiver.recv(wait)
+        assert link.receiver.error is None
+        out = link.receiver.recv()  # the step was not consumed by the refused calls
+        log = []
+        gpu.enqueue(sim._current.stream, "call", lambda: log.append(out["ids"].clone()))
+        _drain(gpu)
+        assert torch.equal(log[0], data["ids"])
+    finally:
+        link.close()
