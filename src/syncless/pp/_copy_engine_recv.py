@@ -89,7 +89,11 @@ class CopyEngineReceiving:
         try:
             meta = self._parts.meta_in.recv(self._timeout_s, self._recv_what.format(step))
         except BaseException as err:  # an interrupt too: part of a message may have been read
-            if self._failure is None:  # an abort() on another thread may have come first: it stays the error
+            if self._failure is not None and self._failure is not err:
+                # An abort() on another thread shut the socket (or the watchdog gave up): its error is this
+                # call's, as every later call's, not the closed socket it caused.
+                raise self._failure from err
+            if self._failure is None:
                 self._failure = err if isinstance(err, PeerTimeoutError) else TransportFailedError(
                     f"{self._recv_what.format(step)}: interrupted while reading its metadata ({err!r}); "
                     "this transport is unusable: close() or abort() it"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import pathlib
 import random
+import time
 
 import pytest
 import torch
@@ -310,5 +311,35 @@ def test_recv_takes_only_a_bool_and_names_the_seeds_recv_pp_group(kept):
         gpu.enqueue(sim._current.stream, "call", lambda: log.append(out["ids"].clone()))
         _drain(gpu)
         assert torch.equal(log[0], data["ids"])
+    finally:
+        link.close()
+
+
+def test_a_recv_blocked_in_the_metadata_socket_raises_the_aborts_error(kept):
+    # What abort() does for a recv() on another thread: record its error, then shut the metadata socket.
+    import threading
+
+    from syncless._core.errors import TransportFailedError
+
+    gpu = sim.SimGPU(random.Random(10))
+    link = sim.Link(gpu, depth=2, persistent=persistent_tensors())
+    raised = []
+
+    def receive():
+        sim._current.stream = gpu.stream()
+        try:
+            link.receiver.recv()
+        except BaseException as err:  # noqa: BLE001 - the test checks which error it was
+            raised.append(err)
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    time.sleep(0.2)  # recv() is blocked reading the metadata (nobody sends)
+    aborted = TransportFailedError("stage 1 (rank 1): this transport was aborted")
+    link.receiver._failure = aborted
+    link.endpoints[1].shutdown()
+    thread.join(10)
+    try:
+        assert raised and raised[0] is aborted and link.receiver.error is aborted
     finally:
         link.close()
