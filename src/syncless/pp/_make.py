@@ -198,7 +198,8 @@ def make_transport(
             use copy engines (no NVLink, ``CUDA_DEVICE_MAX_CONNECTIONS=1``, ...);
             raised on every stage with the same message.
         ValueError, TypeError: bad arguments (on every stage, naming the stage),
-            stages passing different ``depth`` included.
+            stages passing different ``depth`` included; ``group`` that is no process group nor a
+            coordinator holding both (``TypeError``, on this stage, before any collective).
         ConfigError: ``timeout_s`` (or ``SYNCLESS_PP_TIMEOUT_S``) is out of bounds (also a ``ValueError``).
         PeerTimeoutError: a stage did not take part in set-up.
         TransportSetupError: set-up failed otherwise on some stage (raised alike everywhere), e.g. a

@@ -397,9 +397,9 @@ class TorchDistTransport(Transport):
                 try:
                     self._wait_delivered(works)
                 except RuntimeError as err:
-                    logger.warning("%s: a send did not complete before close(): %s", self._stages.name(),
-                                   peer_error_text(err))
-                    self._failure = PeerTimeoutError(f"{self._stages.name()}: a send did not complete: {peer_error_text(err)}")
+                    said = peer_error_text(err)
+                    logger.warning("%s: a send did not complete before close(): %s", self._stages.name(), said)
+                    self._failure = PeerTimeoutError(f"{self._stages.name()}: a send did not complete: {said}")
             self._drop_sent(works)
         if _faults.hook is not None:
             _faults.hook("close")
