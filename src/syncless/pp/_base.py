@@ -133,7 +133,8 @@ class Transport(abc.ABC):
         stream, so work queued there afterwards sees it. The keys are the
         ones the sender sent. With ``wait=False`` the GPU wait is queued at
         first use of the returned :class:`~syncless.pp.ReceivedStep` instead
-        (input preparation queued in between overlaps the transfer).
+        (input preparation queued in between overlaps the transfer). ``wait``
+        must be a bool (the seed's ``recv(pp_group)`` raises ``TypeError``).
 
         The views are the persistent tensors themselves: the next step
         overwrites them in place, so consume or copy them before the next
