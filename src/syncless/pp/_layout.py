@@ -178,10 +178,10 @@ def specs_from_persistent(persistent: Mapping[str, torch.Tensor] | None) -> dict
         if tensor.is_conj() or tensor.is_neg():
             # A receive writes the raw bytes: a conjugate or negative view would read them back conjugated or
             # negated (gloo), or torch refuses to receive into it at the first recv().
-            kind = "conjugate" if tensor.is_conj() else "negative"
+            kind, read = ("conjugate", "conjugated") if tensor.is_conj() else ("negative", "negated")
             raise ValueError(
-                f"persistent[{name!r}] is a {kind} view (its values are its memory {kind}d on read), which a "
-                "receive cannot write: pass the plain tensor it views, or allocate one with torch.empty (or "
+                f"persistent[{name!r}] is a {kind} view (its memory is {read} on every read), which a receive "
+                "cannot write: pass the plain tensor it views, or allocate one with torch.empty (or "
                 "alloc_persistent)"
             )
         if not tensor.is_contiguous():

@@ -417,8 +417,9 @@ class TorchDistTransport(Transport):
         gloo group's connections (about 1 ms: ``break_side_group``), so a
         ``recv()`` waiting there on another thread raises this abort's
         :class:`~syncless.TransportFailedError` at once, and the peers see
-        the connections end. Posted sends are left to the backend. On NCCL a receive whose peer is gone stays queued on
-        the stream it was ordered on (the process group's own timeout and
+        the connections end. Posted sends are left to the backend. On NCCL
+        a receive whose peer is gone stays queued on the stream it was
+        ordered on (the process group's own timeout and
         ``torch.distributed``'s abort handle that group): rebuild on a new
         group (``docs/pp.md``: rebuilding).
         """
