@@ -37,6 +37,17 @@ def refuse_graph_capture(stage: str, call: str) -> None:
         )
 
 
+def check_wait(wait: object) -> None:
+    """Raise :class:`TypeError` unless ``recv``'s ``wait`` is a bool (``recv(pp_group)`` is the seed's form)."""
+    if wait is True or wait is False:
+        return
+    raise TypeError(
+        f"recv(wait=...) takes a bool; got {type(wait).__name__}. The seed's recv(pp_group) form is gone: the "
+        "group is bound when the transport is made (make_transport(pp_group, persistent)), so call recv() or "
+        "recv(wait=False)"
+    )
+
+
 class Transport(abc.ABC):
     """Moves one step's named tensors from each pipeline stage to the next.
 
@@ -122,7 +133,8 @@ class Transport(abc.ABC):
         stream, so work queued there afterwards sees it. The keys are the
         ones the sender sent. With ``wait=False`` the GPU wait is queued at
         first use of the returned :class:`~syncless.pp.ReceivedStep` instead
-        (input preparation queued in between overlaps the transfer).
+        (input preparation queued in between overlaps the transfer). ``wait``
+        must be a bool (the seed's ``recv(pp_group)`` raises ``TypeError``).
 
         The views are the persistent tensors themselves: the next step
         overwrites them in place, so consume or copy them before the next

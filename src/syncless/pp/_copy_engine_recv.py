@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from syncless._core.errors import PeerTimeoutError, TransportFailedError
-from syncless.pp._base import refuse_graph_capture
+from syncless.pp._base import check_wait, refuse_graph_capture
 from syncless.pp._layout import ABSENT, dense_spans, received_views, rows_are_valid
 from syncless.pp._received import ReceivedStep
 from syncless.pp._watchdog import Bracket
@@ -63,12 +63,14 @@ class CopyEngineReceiving:
         before that step's ``recv()``.
 
         Raises:
+            TypeError: ``wait`` is not a bool (the seed's ``recv(pp_group)``).
             PeerTimeoutError: the previous stage sent nothing within the timeout, or an earlier step timed out.
             RuntimeError: this is the first stage, the transport is closed, the peer's metadata does not
                 match (protocol error), or an earlier step failed part-way (the transport is unusable).
         """
         if self._closed or self._failure is not None:
             self._check_usable()
+        check_wait(wait)
         if self._stages.prev_rank is None:
             raise RuntimeError(f"{self._stages.name()} is the first stage: it has no previous stage to receive from")
         refuse_graph_capture(self._stages.name(), "recv")
@@ -87,7 +89,11 @@ class CopyEngineReceiving:
         try:
             meta = self._parts.meta_in.recv(self._timeout_s, self._recv_what.format(step))
         except BaseException as err:  # an interrupt too: part of a message may have been read
-            if self._failure is None:  # an abort() on another thread may have come first: it stays the error
+            if self._failure is not None and self._failure is not err:
+                # An abort() on another thread shut the socket (or the watchdog gave up): its error is this
+                # call's, as every later call's, not the closed socket it caused.
+                raise self._failure from err
+            if self._failure is None:
                 self._failure = err if isinstance(err, PeerTimeoutError) else TransportFailedError(
                     f"{self._recv_what.format(step)}: interrupted while reading its metadata ({err!r}); "
                     "this transport is unusable: close() or abort() it"
@@ -110,6 +116,7 @@ class CopyEngineReceiving:
         deferred = ReceivedStep(
             [name for name, count in zip(self._recv_layout.names, rows) if count != ABSENT],
             functools.partial(self._finish_deferred, step, half, stream, rows),
+            (self._caller_stream, functools.partial(self._order_reader, stream)),
         )
         self._deferred = deferred
         return deferred
@@ -145,6 +152,21 @@ class CopyEngineReceiving:
             self._fail_mid_step(f"receiving step {step}", err)
             raise
         return self._recv_done(stream, pre, post, step, rows)
+
+    def _order_reader(self, stream: int, reader: int) -> None:
+        """Make ``reader``, a later stream reading a deferred step already finished, wait for the step's end.
+
+        ``received`` was recorded on ``stream`` after the step's half (the later steps' halves record it
+        again, behind this one: waiting for them is late, never early). A closed or failed transport
+        enqueues nothing (its events may be gone; close() waited for the step, abort() made it undefined).
+        """
+        if reader == stream or self._closed or self._failure is not None:
+            return
+        pushed = self._binding.enter()
+        try:
+            self._hot.wait_event(self._parts.received, reader)
+        finally:
+            self._binding.exit(pushed)
 
     def _check_meta(self, step: int, meta: tuple[int, ...]) -> tuple[int, ...]:
         """Return the row counts of a fixed-depth step's metadata; a mismatch poisons the transport."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import operator
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -26,6 +27,7 @@ from syncless._core.errors import (
     PeerTimeoutError,
     TransportSetupError,
 )
+from syncless._core.logs import log_once
 from syncless.pp import _wire as wire
 
 logger = logging.getLogger(__name__)
@@ -61,6 +63,16 @@ class StageMap:
         """Return e.g. ``"stage 1 (rank 3)"``."""
         i = self.index if index is None else index
         return f"stage {i} (rank {self.ranks[i]})"
+
+
+#: A source location in a torch or gloo error (``[/__w/pytorch/pytorch/third_party/gloo/.../pair.cc:553] ``):
+#: the build machine's path, of no use to whoever reads the error.
+_SOURCE_LOCATION = re.compile(r"\[(?:[A-Za-z]:)?[/\\][^\]\s]*:\d+\]\s*")
+
+
+def peer_error_text(err: BaseException) -> str:
+    """The text of a torch.distributed (gloo) error without the source locations it embeds."""
+    return _SOURCE_LOCATION.sub("", str(err)).strip()
 
 
 def resolve_stages(group_ranks: Sequence[int], my_rank: int, stage_ranks: Sequence[int] | None) -> StageMap:
@@ -113,47 +125,96 @@ def cpu_group(ranks: Sequence[int], timeout_s: float) -> Any:
     Every ``make_transport`` makes a new one, and none is cached or reused:
     after a failure one rank may know its group is broken while another does
     not, and a cache would then hand one rank the broken group and the other
-    a new one (whose rendezvous waits for a peer that never comes). A new
-    group per transport keeps every rank's sequence of groups the same,
-    whoever saw the failure. Torch names a ``use_local_synchronization``
-    group by its ranks and by how many groups over the same ranks this
-    process holds, so the stages must hold the same such groups when they
-    call it (as torch requires of any such group). Each transport destroys
-    its group in ``close()`` (:func:`release_cpu_group`), and a failed
-    ``make_transport`` destroys it before it raises, on every stage alike:
-    so the stages hold the same groups again once every stage closed the
-    transports it closes (``docs/pp.md``: rebuilding), and a job that
-    rebuilds many times keeps no threads or sockets of old groups. Blocks
-    the host for the rendezvous (a few milliseconds over the store; at most
-    ``timeout_s``, plus the store's own polling).
+    a new one (whose rendezvous waits for a peer that never comes). Its name
+    (:func:`side_group_name`) comes from the ranks and how many private
+    groups over exactly these ranks this process has made in this world, so
+    the stages agree on it whatever other groups each holds (a link back
+    over the end stages only, the caller's own groups). A name is never
+    given twice: a destroyed group's stays registered
+    (:func:`release_cpu_group`), and so does one whose rendezvous failed.
+    Blocks the host for the rendezvous (a few milliseconds over the store;
+    at most ``timeout_s``, plus the store's own polling).
 
     Raises:
         PeerTimeoutError: some stage did not join within ``timeout_s`` (it died or never called
-            ``make_transport``, or holds other groups over these ranks).
+            ``make_transport``, or made a different number of transports over these ranks).
     """
-    import torch.distributed as dist
-
     members = sorted(int(r) for r in ranks)
+    name = side_group_name(members)
     try:
-        return dist.new_group(
-            ranks=members, backend="gloo", timeout=timedelta(seconds=timeout_s), use_local_synchronization=True
-        )
+        return _new_side_group(members, name, timeout_s)
     except RuntimeError as err:  # torch's store and gloo errors (DistStoreError, "Wait timeout", ...)
+        _retire_name(name)  # its rendezvous keys may be in the store: the next group gets the next name
         raise PeerTimeoutError(
             f"make_transport: ranks {members} did not all join this transport's private gloo group within "
-            f"{timeout_s:g} s: a stage died or has not called make_transport (every stage must call it the same "
-            f"number of times, after closing the same transports), or is only slow (raise timeout_s): {err}"
+            f"{timeout_s:g} s: a stage died or has not called make_transport (every stage of a transport must "
+            f"have made as many transports over these ranks before), or is only slow (raise timeout_s): "
+            f"{peer_error_text(err)}"
         ) from err
+
+
+#: Every private group's name starts so (torch's own names are counters and SHA-1 digests).
+SIDE_GROUP_PREFIX = "syncless_pp"
+
+
+def side_group_name(members: Sequence[int]) -> str | None:
+    """Name the next private group over ``members`` (ascending global ranks), e.g. ``"syncless_pp:0,2:1"``.
+
+    The last field counts the private groups over exactly these ranks already registered in this
+    world (torch clears its registry when the world is destroyed): the same on every stage that made
+    the same transports over these ranks, whatever else it holds. (torch's own name for such a group
+    counts every group the process holds, which differs once a link back made groups on the end stages
+    only.) None on a torch whose registry is not the dict this relies on.
+    """
+    names = _group_names()
+    if names is None:
+        return None
+    base = f"{SIDE_GROUP_PREFIX}:{','.join(map(str, members))}:"
+    made = sum(1 for name in names.values() if isinstance(name, str) and name.startswith(base))
+    return f"{base}{made}"
+
+
+def _new_side_group(members: list[int], name: str | None, timeout_s: float) -> Any:
+    """Make the gloo group ``name`` over ``members`` as ``new_group`` does, but under that name.
+
+    ``new_group`` takes no name; its private helper does (torch 2.11 to 2.13 share its first six
+    parameters), and the group's rendezvous keys then live under ``name`` in the default store. Without
+    the helper (or a name) it falls back to ``new_group(use_local_synchronization=True)``, logged once.
+    """
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    timeout = timedelta(seconds=timeout_s)
+    helper = getattr(c10d, "_new_process_group_helper", None)
+    world = getattr(c10d, "_world", None)
+    if name is None or helper is None or not isinstance(getattr(world, "pg_group_ranks", None), dict):
+        log_once(logger, logging.WARNING, "pp-side-group-names",
+                 "syncless.pp: this torch has no private group helper or registry of group names that syncless "
+                 "knows; the private gloo groups get torch's own names, which agree between stages only if "
+                 "every stage holds the same groups (a link back over the end stages breaks that)")
+        return dist.new_group(ranks=members, backend="gloo", timeout=timeout, use_local_synchronization=True)
+    store = world.pg_map[c10d._get_default_group()][1]
+    group, _ = helper(len(members), members.index(dist.get_rank()), members, dist.Backend("gloo"), store, name,
+                      timeout=timeout)
+    world.pg_group_ranks[group] = {rank: index for index, rank in enumerate(members)}
+    return group
+
+
+def _retire_name(name: str | None) -> None:
+    """Keep ``name`` taken in torch's registry of group names (a failed rendezvous registered nothing)."""
+    names = _group_names()
+    if name is not None and names is not None and name not in names.values():
+        names[_RetiredName(name)] = name
 
 
 class _RetiredName:
     """Holds a destroyed side group's name in torch's registry of group names, so it is never given again.
 
-    Torch names a ``use_local_synchronization`` group after its ranks and how many groups the process
-    holds (2.13: ``len(pg_names)``; earlier: rehashed while the name is held), and its rendezvous keys
-    in the store live under that name. Destroying a group would give its name, and its stale keys, to the
-    next group over the same ranks (measured: ``Gloo connectFullMesh failed ... Connection refused``).
-    torch calls ``shutdown()`` or ``abort()`` on every registered name when the world is destroyed.
+    A private group's rendezvous keys in the store live under its name (:func:`side_group_name`), which
+    counts the names registered over its ranks. Destroying a group would give its name, and its stale
+    keys, to the next group over the same ranks (measured: ``Gloo connectFullMesh failed ... Connection
+    refused``). torch calls ``shutdown()`` or ``abort()`` on every registered name when the world is
+    destroyed.
     """
 
     def __init__(self, name: str):
@@ -338,7 +399,9 @@ def _all_gather_bytes(side_group: Any, message: bytes, world: int, what: str) ->
         gathered = [torch.empty(max(sizes), dtype=torch.uint8) for _ in range(world)]
         dist.all_gather(gathered, mine, group=side_group)
     except RuntimeError as err:
-        raise PeerTimeoutError(f"{what}: exchanging set-up outcomes with the other stages failed: {err}") from err
+        raise PeerTimeoutError(
+            f"{what}: exchanging set-up outcomes with the other stages failed: {peer_error_text(err)}"
+        ) from err
     return [ctypes.string_at(t.data_ptr(), size) for t, size in zip(gathered, sizes)]
 
 
@@ -396,7 +459,8 @@ def barrier(side_group: Any, timeout_s: float, what: str) -> bool:
         work = dist.all_reduce(token, group=side_group, async_op=True)
         work.wait(timeout=timedelta(seconds=timeout_s))
     except RuntimeError as err:
-        logger.warning("%s: barrier with the other stages failed (a peer may have died): %s", what, err)
+        logger.warning("%s: barrier with the other stages failed (a peer may have died): %s", what,
+                       peer_error_text(err))
         return False
     return True
 
@@ -404,7 +468,8 @@ def barrier(side_group: Any, timeout_s: float, what: str) -> bool:
 def recv_meta(side_group: Any, src: int, tag: int, length: int, timeout_s: float, what: str) -> torch.Tensor:
     """Receive one step's metadata (int64 ``[step, rows...]``) from global rank ``src``.
 
-    Blocks the host until it arrives, at most ``timeout_s``.
+    Blocks the host until it arrives, at most ``timeout_s`` (another thread ends the wait early with
+    :func:`break_side_group`).
 
     Raises:
         PeerTimeoutError: nothing came within ``timeout_s`` or the peer's connection broke.
@@ -417,7 +482,31 @@ def recv_meta(side_group: Any, src: int, tag: int, length: int, timeout_s: float
         work.wait(timeout=timedelta(seconds=timeout_s))
     except RuntimeError as err:
         raise PeerTimeoutError(
-            f"{what}: rank {src} sent nothing within {timeout_s:g} s, or its connection broke "
-            f"(it may have died or stopped sending; raise SYNCLESS_PP_TIMEOUT_S if it is only slow): {err}"
+            f"{what}: rank {src} sent nothing within {timeout_s:g} s, or its connection broke (it may have died "
+            f"or stopped sending; raise SYNCLESS_PP_TIMEOUT_S if it is only slow): {peer_error_text(err)}"
         ) from err
     return buffer
+
+
+#: The tag of the receive :func:`break_side_group` lets time out (no message carries it).
+BREAK_TAG = TRANSPORT_TAG + 2
+
+
+def break_side_group(side_group: Any, peer: int, what: str) -> None:
+    """Close every connection of a transport's private gloo group, so that its blocked waits raise at once.
+
+    No other call wakes a gloo wait on another thread (torch 2.13: neither the group's ``abort()`` nor
+    its destruction do). gloo closes all of a group's connections when one receive times out, and every
+    wait on them then raises: so this posts a receive from global rank ``peer`` that no message matches
+    and lets it time out after 1 ms. The peers see the connections end. Local; blocks the host about
+    1 ms. The group is unusable afterwards (only ``abort()`` and ``close()`` call it).
+    """
+    import torch.distributed as dist
+
+    if side_group is None or not dist.is_available() or not dist.is_initialized():
+        return
+    try:
+        work = dist.irecv(torch.empty(1, dtype=torch.uint8), src=peer, group=side_group, tag=BREAK_TAG)
+        work.wait(timeout=timedelta(milliseconds=1))
+    except (RuntimeError, ValueError) as err:  # the timeout we asked for, or a group already broken or gone
+        logger.debug("%s: closed the private gloo group's connections: %s", what, peer_error_text(err))

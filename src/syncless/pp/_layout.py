@@ -155,7 +155,8 @@ def specs_from_persistent(persistent: Mapping[str, torch.Tensor] | None) -> dict
 
     Raises:
         TypeError: ``persistent`` is not a mapping of str to Tensor.
-        ValueError: a tensor has no leading (rows) dimension or is not contiguous.
+        ValueError: a tensor is not a plain dense tensor (sparse, or a conjugate or negative view), has no
+            leading (rows) dimension, or is not contiguous.
     """
     if persistent is None:
         return {}
@@ -167,8 +168,22 @@ def specs_from_persistent(persistent: Mapping[str, torch.Tensor] | None) -> dict
             raise TypeError(f"persistent keys must be str; got {name!r} ({type(name).__name__})")
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"persistent[{name!r}] must be a torch.Tensor; got {type(tensor).__name__}")
+        if tensor.layout != torch.strided:
+            raise ValueError(
+                f"persistent[{name!r}] must be a dense (strided) tensor, the receive target of a step; got "
+                f"layout {tensor.layout}: allocate it with torch.empty (or alloc_persistent)"
+            )
         if tensor.dim() < 1:
             raise ValueError(f"persistent[{name!r}] needs a leading rows dimension; got a 0-d tensor")
+        if tensor.is_conj() or tensor.is_neg():
+            # A receive writes the raw bytes: a conjugate or negative view would read them back conjugated or
+            # negated (gloo), or torch refuses to receive into it at the first recv().
+            kind, read = ("conjugate", "conjugated") if tensor.is_conj() else ("negative", "negated")
+            raise ValueError(
+                f"persistent[{name!r}] is a {kind} view (its memory is {read} on every read), which a receive "
+                "cannot write: pass the plain tensor it views, or allocate one with torch.empty (or "
+                "alloc_persistent)"
+            )
         if not tensor.is_contiguous():
             raise ValueError(
                 f"persistent[{name!r}] must be contiguous (rows are copied as one block); "
@@ -203,7 +218,7 @@ def validate_step(
 
     Raises:
         TypeError: ``tensors`` is not a dict of str -> Tensor.
-        ValueError: a key is not in the layout, or a tensor's dtype, row shape,
+        ValueError: a key is not in the layout, a tensor is not dense (sparse), or its dtype, row shape,
             row count or device does not fit; the message names the key, what
             was expected and what came.
     """
@@ -222,6 +237,11 @@ def validate_step(
         tensor = tensors[name]
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"send()[{name!r}] must be a torch.Tensor; got {type(tensor).__name__}")
+        if tensor.layout != torch.strided:
+            raise ValueError(
+                f"send()[{name!r}]: expected a dense (strided) tensor, got layout {tensor.layout}: send "
+                "t.to_dense()"
+            )
         if tensor.dtype != spec.dtype:
             raise ValueError(f"send()[{name!r}]: expected dtype {spec.dtype}, got {tensor.dtype}")
         if tensor.dim() < 1 or tuple(tensor.shape[1:]) != spec.row_shape:
@@ -305,6 +325,7 @@ class StepCheck:
         """
         if type(tensors) is dict:
             device = self.device
+            strided = torch.strided
             counts: list[int] = []
             found = 0
             for name, dtype, row_shape, max_rows in self._expect:
@@ -312,7 +333,7 @@ class StepCheck:
                 if tensor is None:
                     counts.append(ABSENT)
                     continue
-                if not isinstance(tensor, torch.Tensor) or tensor.dtype != dtype:
+                if not isinstance(tensor, torch.Tensor) or tensor.dtype != dtype or tensor.layout != strided:
                     break
                 shape = tensor.shape
                 if not shape or shape[1:] != row_shape or shape[0] > max_rows or tensor.device != device:

@@ -83,9 +83,45 @@ def _resolve_device(persistent: Mapping[str, torch.Tensor] | None, device: Any) 
         chosen = torch.device(device)
     if chosen.type == "cuda" and chosen.index is None:
         chosen = torch.device("cuda", torch.cuda.current_device())
+    elif chosen.type == "cpu":
+        chosen = torch.device("cpu")  # "cpu:0" is the CPU too, and CPU tensors report plain "cpu"
     if held is not None and held != chosen:
         raise ValueError(f"device={chosen} but the persistent tensors are on {held}")
     return chosen
+
+
+def _groups_of(group: Any) -> tuple[Any, Any]:
+    """Return ``(CPU group, device group)`` for ``make_transport``'s ``group`` (one process group: both).
+
+    vLLM's and SGLang's ``GroupCoordinator`` hold both: a gloo ``cpu_group`` and the ``device_group``
+    (NCCL) over the same ranks.
+
+    Raises:
+        TypeError: ``group`` is neither a process group nor an object with both groups.
+        ValueError: its two groups hold different ranks.
+    """
+    import torch.distributed as dist
+
+    if group is None:
+        group = dist.group.WORLD
+    if isinstance(group, dist.ProcessGroup):
+        return group, group
+    cpu, device = getattr(group, "cpu_group", None), getattr(group, "device_group", None)
+    if isinstance(cpu, dist.ProcessGroup) and isinstance(device, dist.ProcessGroup):
+        cpu_ranks, device_ranks = dist.get_process_group_ranks(cpu), dist.get_process_group_ranks(device)
+        if sorted(cpu_ranks) != sorted(device_ranks):
+            raise ValueError(
+                f"make_transport: {type(group).__name__}.cpu_group holds ranks {cpu_ranks} but its device_group "
+                f"{device_ranks}; pass one process group (the pipeline group of this rank)"
+            )
+        return cpu, device
+    held = ", ".join(f"{name}={type(value).__name__}" for name, value in (("cpu_group", cpu), ("device_group", device))
+                     if value is not None)
+    raise TypeError(
+        f"make_transport takes a torch.distributed ProcessGroup (or None for the world), or a coordinator with "
+        f"both cpu_group and device_group process groups (vLLM's and SGLang's GroupCoordinator); got "
+        f"{type(group).__name__}{f' ({held})' if held else ''}: pass pp_group.device_group (or the coordinator)"
+    )
 
 
 def make_transport(
@@ -112,7 +148,10 @@ def make_transport(
     Enqueues nothing on the caller's streams.
 
     Args:
-        group: a torch.distributed process group, or None for the world.
+        group: a torch.distributed process group, None for the world, or a coordinator holding
+            ``cpu_group`` and ``device_group`` (vLLM's and SGLang's ``GroupCoordinator``: the
+            torch.distributed transport then sends CUDA data over ``device_group`` and CPU data over
+            ``cpu_group``).
         persistent: name -> this stage's preallocated receive tensors
             (leading dimension = the most rows a step may carry, contiguous);
             None or ``{}`` on the first stage.
@@ -159,7 +198,8 @@ def make_transport(
             use copy engines (no NVLink, ``CUDA_DEVICE_MAX_CONNECTIONS=1``, ...);
             raised on every stage with the same message.
         ValueError, TypeError: bad arguments (on every stage, naming the stage),
-            stages passing different ``depth`` included.
+            stages passing different ``depth`` included; ``group`` that is no process group nor a
+            coordinator holding both (``TypeError``, on this stage, before any collective).
         ConfigError: ``timeout_s`` (or ``SYNCLESS_PP_TIMEOUT_S``) is out of bounds (also a ``ValueError``).
         PeerTimeoutError: a stage did not take part in set-up.
         TransportSetupError: set-up failed otherwise on some stage (raised alike everywhere), e.g. a
@@ -178,12 +218,11 @@ def make_transport(
         timeout = float(config.read("SYNCLESS_PP_TIMEOUT_S"))
     else:
         timeout = config.check_pp_timeout(timeout_s, "timeout_s")
-    if group is None:
-        group = dist.group.WORLD
-    stages = resolve_stages(dist.get_process_group_ranks(group), dist.get_rank(), stage_ranks)
+    groups = _groups_of(group)
+    stages = resolve_stages(dist.get_process_group_ranks(groups[1]), dist.get_rank(), stage_ranks)
     side = cpu_group(stages.ranks, timeout)  # a new one for every transport: see cpu_group
     try:
-        return _build(side, group, stages, persistent, choice, timeout, device, depth, _inject_failure)
+        return _build(side, groups, stages, persistent, choice, timeout, device, depth, _inject_failure)
     except BaseException:
         # Every stage raises here alike (the outcomes are agreed) or after its own timeout: each destroys
         # its group, so the stages hold the same groups for the next make_transport (see cpu_group).
@@ -191,7 +230,7 @@ def make_transport(
         raise
 
 
-def _build(side: Any, group: Any, stages: Any, persistent: Mapping[str, torch.Tensor] | None, choice: str,
+def _build(side: Any, groups: tuple[Any, Any], stages: Any, persistent: Mapping[str, torch.Tensor] | None, choice: str,
            timeout: float, device: Any, depth: int | str, _inject_failure: str | None) -> Transport:
     """make_transport's collective part, over this transport's private gloo group ``side``."""
     _faults.reach("setup:layout")
@@ -208,6 +247,7 @@ def _build(side: Any, group: Any, stages: Any, persistent: Mapping[str, torch.Te
         except ConfigError as err:  # shared as the ValueError it is (agree passes on ValueError and TypeError)
             raise ValueError(str(err)) from err
         chosen = resolved["device"] = _resolve_device(persistent, device)
+        group = resolved["group"] = groups[0] if chosen.type == "cpu" else groups[1]
         data_backend = "gloo" if chosen.type == "cpu" else backend_for(group, chosen.type)
         return layout, checked_depth, slots, (choice, list(stages.ranks), chosen.type, data_backend, os.getpid())
 
@@ -262,7 +302,7 @@ def _build(side: Any, group: Any, stages: Any, persistent: Mapping[str, torch.Te
                 fallback_reason,
             )
     return TorchDistTransport(
-        group=group,
+        group=resolved["group"],
         side_group=side,
         stages=stages,
         tag=TRANSPORT_TAG,

@@ -36,11 +36,11 @@ from typing import Any
 
 import torch
 
-from syncless._core.errors import PeerTimeoutError, TransportFailedError
+from syncless._core.errors import PeerTimeoutError, TransportClosedError, TransportFailedError
 from syncless.pp import _faults
-from syncless.pp._base import Transport, refuse_graph_capture
+from syncless.pp._base import Transport, check_wait, refuse_graph_capture
 from syncless.pp._copy_engine_auto import record_send_link
-from syncless.pp._group import StageMap, recv_meta
+from syncless.pp._group import StageMap, break_side_group, peer_error_text, recv_meta
 from syncless.pp._layout import ABSENT, StepCheck, TensorSpec, received_views, rows_are_valid
 from syncless.pp._received import ReceivedStep
 
@@ -76,6 +76,7 @@ class TorchDistTransport(Transport):
 
     backend = "torch_distributed"
     _deferred: ReceivedStep | None = None  # a step recv(wait=False) returned whose wait is not done yet
+    _host_waiting = False  # a recv() (or a step's first use) waits in gloo: abort() and close() break that wait
 
     def __init__(
         self,
@@ -125,6 +126,8 @@ class TorchDistTransport(Transport):
         # batch_isend_irecv must be the group's first P2P call on every rank when it is
         # the group's first collective; with exactly two ranks every rank takes part.
         self._batch = len(stages.ranks) == 2
+        # CUDA receivers: the end of the last received step, for readers on other streams (_order_reader).
+        self._received = torch.cuda.Event() if device.type == "cuda" and stages.prev_rank is not None else None
         # A depth="auto" copy-engine link of this process that receives from the next stage's process must
         # know about this link back to it (_copy_engine_auto: a cycle through a slot wait).
         self._forget_links = record_send_link(self, next_pid if send_specs is not None else None)
@@ -204,8 +207,10 @@ class TorchDistTransport(Transport):
 
         Raises:
             PeerTimeoutError: the previous stage sent nothing within the timeout or its connection broke.
+            TypeError: ``wait`` is not a bool (the seed's ``recv(pp_group)``).
         """
         self._check_usable()
+        check_wait(wait)
         if self._stages.prev_rank is None:
             raise RuntimeError(f"{self._stages.name()} is the first stage: it has no previous stage to receive from")
         if self.device.type == "cuda":
@@ -215,15 +220,20 @@ class TorchDistTransport(Transport):
         step = self._recv_step + 1
         what = f"{self._stages.name()} receiving step {step}"
         names = list(self._recv_specs)
+        self._host_waiting = True  # before the last check: an abort() or close() from now on breaks the wait
         try:
+            self._check_usable()
             meta = recv_meta(
                 self._side_group, self._stages.prev_rank, self._meta_tag, 1 + len(names), self._timeout_s, what
             ).tolist()
         except BaseException as err:  # an interrupt too: whether the metadata was consumed is unknown
+            self._raise_stopped(what, err)
             if self._failure is None:
                 self._failure = err if isinstance(err, PeerTimeoutError) else TransportFailedError(
                     f"{what}: interrupted while receiving its metadata ({err!r}); this transport is unusable")
             raise
+        finally:
+            self._host_waiting = False
         rows = dict(zip(names, meta[1:]))
         if meta[0] != step or not rows_are_valid(meta[1:], self._recv_specs):
             self._failure = TransportFailedError(f"{what}: the peer's metadata {meta} does not match (protocol error)")
@@ -231,14 +241,31 @@ class TorchDistTransport(Transport):
         try:
             finish = self._recv_data(step, what, names, rows)
             if wait:
-                return finish(None)
+                return finish(None, False)
         except BaseException as err:
             if self._failure is None:
                 self._failure = TransportFailedError(
                     f"{what}: stopped after its metadata arrived ({err!r}); this transport is unusable")
             raise
-        self._deferred = ReceivedStep([n for n in names if rows[n] != ABSENT], finish)
+        order = (self._current_stream, self._order_reader) if self.device.type == "cuda" else None
+        self._deferred = ReceivedStep([n for n in names if rows[n] != ABSENT], finish, order)
         return self._deferred
+
+    def _current_stream(self) -> int:
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    def _order_reader(self, reader: int) -> None:
+        """Make ``reader``, a later stream reading a deferred step already finished, wait for the step's end
+        (``_received``, recorded after its receives and copies; a later step records it again, later)."""
+        if self._received is not None:
+            torch.cuda.ExternalStream(reader, device=self.device).wait_event(self._received)
+
+    def _raise_stopped(self, what: str, err: BaseException) -> None:
+        """Raise what ended a host wait from another thread (abort(): its error; close(): the closed error)."""
+        if self._failure is not None and self._failure is not err:
+            raise self._failure from err
+        if self._failure is None and self._closed:
+            raise TransportClosedError(f"{what}: this transport was closed while the host waited") from err
 
     def _recv_data(self, step: int, what: str, names: list[str], rows: dict[str, int]) -> Any:
         """Post step ``step``'s data receives; return what waits for them (on a stream, or the host for gloo)."""
@@ -252,10 +279,11 @@ class TorchDistTransport(Transport):
         works = self._post(dist.irecv, landing, self._stages.prev_rank)
         self._recv_step = step  # posted: the next step's receives go after these
 
-        def finish(stream: int | None) -> dict[str, torch.Tensor]:
+        def finish(stream: int | None, deferred: bool = True) -> dict[str, torch.Tensor]:
             self._deferred = None
             if self._failure is not None:
                 raise self._failure
+            self._host_waiting = self._host_waits
             try:
                 with _on_stream(self.device, stream):
                     for work in works:
@@ -266,9 +294,16 @@ class TorchDistTransport(Transport):
                     if self._stage_via_host:
                         for target, landed in zip(targets, landing):
                             target.copy_(landed)
+                    if deferred and self._received is not None:
+                        self._received.record()  # where a later reader of a deferred step waits (_order_reader)
             except RuntimeError as err:
-                self._failure = PeerTimeoutError(f"{what}: the data did not arrive within {self._timeout_s:g} s: {err}")
+                self._raise_stopped(what, err)
+                self._failure = PeerTimeoutError(
+                    f"{what}: the data did not arrive within {self._timeout_s:g} s: {peer_error_text(err)}"
+                )
                 raise self._failure from err
+            finally:
+                self._host_waiting = False
             return received_views(self._persistent, names, [rows[n] for n in names])
 
         return finish
@@ -296,7 +331,7 @@ class TorchDistTransport(Transport):
                 self._failure = PeerTimeoutError(
                     f"{self._stages.name()}: a send of {MAX_SENDS_IN_FLIGHT} steps ago did not complete (its "
                     f"connection broke, or the timeout of {self._timeout_s:g} s passed); the next stage died or "
-                    f"stopped receiving: {err}"
+                    f"stopped receiving: {peer_error_text(err)}"
                 )
                 raise self._failure from err
             self._drop_sent(works)
@@ -342,7 +377,9 @@ class TorchDistTransport(Transport):
         """Finish this stage's sends, then refuse further calls; never waits for the peer to call close().
 
         Blocks the host until every posted send completed (at most the
-        timeout each), then destroys the transport's private gloo group; after
+        timeout each), then ends a ``recv()`` waiting on another thread
+        (it raises :class:`~syncless.TransportClosedError`) and destroys the
+        transport's private gloo group; after
         a failure, or once one send did not complete, it waits for none (their
         buffers are dropped: the backend holds what it still needs). Local: no
         collective. Resumable: an interrupted close() is finished by the next.
@@ -360,22 +397,29 @@ class TorchDistTransport(Transport):
                 try:
                     self._wait_delivered(works)
                 except RuntimeError as err:
-                    logger.warning("%s: a send did not complete before close(): %s", self._stages.name(), err)
-                    self._failure = PeerTimeoutError(f"{self._stages.name()}: a send did not complete: {err}")
+                    said = peer_error_text(err)
+                    logger.warning("%s: a send did not complete before close(): %s", self._stages.name(), said)
+                    self._failure = PeerTimeoutError(f"{self._stages.name()}: a send did not complete: {said}")
             self._drop_sent(works)
         if _faults.hook is not None:
             _faults.hook("close")
+        if self._host_waiting:  # a recv() on another thread waits in gloo: only breaking the group ends that
+            break_side_group(self._side_group, self._stages.prev_rank, self._stages.name())
         self._forget_links()
         # Last: what was posted on it is done or dropped. Local (destroying a gloo group is no collective).
         self._group = None
         self._release_side_group()
 
     def abort(self) -> int:
-        """Refuse every later call on this stage (local, no collective; waits for nothing); return :attr:`leaked_nbytes`.
+        """Refuse every later call on this stage (local, no collective); return :attr:`leaked_nbytes`.
 
-        Usable from a signal handler or another thread. Posted sends are left
-        to the backend. On NCCL a receive whose peer is gone stays queued on
-        the stream it was ordered on (the process group's own timeout and
+        Usable from a signal handler or another thread. Closes the private
+        gloo group's connections (about 1 ms: ``break_side_group``), so a
+        ``recv()`` waiting there on another thread raises this abort's
+        :class:`~syncless.TransportFailedError` at once, and the peers see
+        the connections end. Posted sends are left to the backend. On NCCL
+        a receive whose peer is gone stays queued on the stream it was
+        ordered on (the process group's own timeout and
         ``torch.distributed``'s abort handle that group): rebuild on a new
         group (``docs/pp.md``: rebuilding).
         """
@@ -383,6 +427,9 @@ class TorchDistTransport(Transport):
         if self._failure is None:
             self._failure = TransportFailedError(f"{self._stages.name()}: this transport was aborted")
         self._pending = deque()
+        # Ends a recv() waiting in gloo on another thread at once, and the peers see the connections end.
+        peer = self._stages.prev_rank if self._stages.prev_rank is not None else self._stages.next_rank
+        break_side_group(self._side_group, peer, self._stages.name())
         return self.leaked_nbytes
 
     @property

@@ -77,6 +77,7 @@ def test_abort_from_another_thread_and_a_dropped_transport():
     results = run_ranks(cases.abort_and_drop, 2, devices=[0, 1], timeout_s=150)
     receiver = results[1]
     assert receiver["recv_s"] < 3.0 and receiver["error"] == "TransportFailedError", receiver
+    assert receiver["recv_error"] == "TransportFailedError", receiver  # the abort's error, not the closed socket
     assert receiver["leaked_nbytes"] > 0 and receiver["raises_after"], receiver
     assert receiver["close_s"] < 3.0, receiver
     for stage in results:

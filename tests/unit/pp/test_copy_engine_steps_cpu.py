@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import pathlib
 import random
+import time
 
 import pytest
 import torch
@@ -248,3 +249,97 @@ def test_deferred_steps_stream_bit_exact_whether_used_on_another_stream_or_never
     assert [k for k, g in log.items() if g is None] == list(range(5, steps + 1, 5))
     wrong = [k for k, g in log.items() if g is not None and not same(g, sent[k - 1])]
     assert wrong == []
+
+
+class _Prefer(random.Random):
+    """The simulated GPU's scheduler, running ``stream`` whenever it can: a reader there races the copy-in."""
+
+    def __init__(self, seed: int, stream: int):
+        super().__init__(seed)
+        self.stream = stream
+
+    def choice(self, ready):
+        return self.stream if self.stream in ready else super().choice(ready)
+
+
+@pytest.mark.parametrize("how", ["wait(stream)", "current stream"])
+@pytest.mark.parametrize("depth", DEPTHS)
+def test_every_later_stream_that_reads_a_deferred_step_is_ordered_after_its_data(depth, how, kept):
+    # The first use fences one stream; a reader on a second stream (given to wait(), or current when it
+    # reads a key) must wait for the step's data too, however eagerly the GPU runs that stream.
+    gpu = sim.SimGPU(random.Random(0))
+    link = sim.Link(gpu, depth=depth, persistent=persistent_tensors())
+    send_stream, recv_stream, first_reader, late_reader = (gpu.stream() for _ in range(4))
+    gpu.rng = _Prefer(3, late_reader)
+    try:
+        data = {"hidden": torch.randn(MAX_ROWS, 8), "ids": torch.randint(-(2**40), 2**40, (4,))}
+        sim._current.stream = send_stream
+        link.sender.send(data)
+        sim._current.stream = recv_stream
+        step = link.receiver.recv(wait=False)
+        step.wait(SimStream(first_reader))
+        if how == "wait(stream)":
+            views = step.wait(SimStream(late_reader))
+        else:
+            sim._current.stream = late_reader
+            views = {name: step[name] for name in step}
+        before = len(gpu.queues[late_reader])
+        step.wait(SimStream(late_reader))
+        _ = step["ids"]
+        assert len(gpu.queues[late_reader]) == before  # once per stream
+        log = []
+        gpu.enqueue(late_reader, "call", lambda: log.append({n: t.clone() for n, t in views.items()}))
+        _drain(gpu)
+        assert same(log[0], data)
+    finally:
+        link.close()
+
+
+def test_recv_takes_only_a_bool_and_names_the_seeds_recv_pp_group(kept):
+    gpu = sim.SimGPU(random.Random(9))
+    link = sim.Link(gpu, depth=2, persistent=persistent_tensors())
+    sim._current.stream = gpu.stream()
+    try:
+        data = {"ids": torch.arange(3)}
+        link.sender.send(data)
+        for wait in (object(), None, 0):
+            with pytest.raises(TypeError, match=r"recv\(wait=\.\.\.\) takes a bool; got .*recv\(pp_group\)"):
+                link.receiver.recv(wait)
+        assert link.receiver.error is None
+        out = link.receiver.recv()  # the step was not consumed by the refused calls
+        log = []
+        gpu.enqueue(sim._current.stream, "call", lambda: log.append(out["ids"].clone()))
+        _drain(gpu)
+        assert torch.equal(log[0], data["ids"])
+    finally:
+        link.close()
+
+
+def test_a_recv_blocked_in_the_metadata_socket_raises_the_aborts_error(kept):
+    # What abort() does for a recv() on another thread: record its error, then shut the metadata socket.
+    import threading
+
+    from syncless._core.errors import TransportFailedError
+
+    gpu = sim.SimGPU(random.Random(10))
+    link = sim.Link(gpu, depth=2, persistent=persistent_tensors())
+    raised = []
+
+    def receive():
+        sim._current.stream = gpu.stream()
+        try:
+            link.receiver.recv()
+        except BaseException as err:  # noqa: BLE001 - the test checks which error it was
+            raised.append(err)
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    time.sleep(0.2)  # recv() is blocked reading the metadata (nobody sends)
+    aborted = TransportFailedError("stage 1 (rank 1): this transport was aborted")
+    link.receiver._failure = aborted
+    link.endpoints[1].shutdown()
+    thread.join(10)
+    try:
+        assert raised and raised[0] is aborted and link.receiver.error is aborted
+    finally:
+        link.close()

@@ -20,15 +20,25 @@ TIMEOUT_S = 7.75  # an unusual value, so cache keys are this file's own
 
 
 @pytest.fixture
-def groups(monkeypatch):
-    """``dist.new_group`` hands out numbered stand-ins and records its arguments."""
+def registry(monkeypatch):
+    """torch's registry of group names (group -> name), this process's own for the test."""
+    names: dict = {}
+    monkeypatch.setattr(_group, "_group_names", lambda: names)
+    return names
+
+
+@pytest.fixture
+def groups(monkeypatch, registry):
+    """Making a private group hands out numbered stand-ins, registers them as torch does, records the calls."""
     made = []
 
-    def new_group(**kwargs):
-        made.append(kwargs)
-        return f"group {len(made)}"
+    def new_side_group(members, name, timeout_s):
+        made.append({"ranks": members, "name": name, "timeout_s": timeout_s})
+        group = f"group {len(made)}"
+        registry[group] = name
+        return group
 
-    monkeypatch.setattr(dist, "new_group", new_group)
+    monkeypatch.setattr(_group, "_new_side_group", new_side_group)
     return made
 
 
@@ -49,10 +59,42 @@ def test_every_transport_gets_a_new_side_group_never_a_cached_one(groups):
     first = cpu_group([2, 0, 1], TIMEOUT_S)
     second = cpu_group([0, 1, 2], TIMEOUT_S)
     assert first != second and len(groups) == 2
-    assert groups[0]["ranks"] == [0, 1, 2] and groups[0]["backend"] == "gloo"  # the stage order does not matter
-    assert groups[0]["timeout"].total_seconds() == TIMEOUT_S
-    assert groups[0]["use_local_synchronization"] is True  # only the stages take part
+    assert groups[0]["ranks"] == [0, 1, 2]  # the stage order does not matter
+    assert groups[0]["timeout_s"] == TIMEOUT_S
     assert cpu_group([0, 1, 2], TIMEOUT_S) not in (first, second)
+    assert [g["name"] for g in groups] == ["syncless_pp:0,1,2:0", "syncless_pp:0,1,2:1", "syncless_pp:0,1,2:2"]
+
+
+def test_a_side_groups_name_counts_only_the_private_groups_over_the_same_ranks(groups, registry):
+    # A link back (docs/pp.md) makes groups on the end stages only: the caller's new_group([0, 2]) and
+    # the link back's private group. The middle stage holds neither, so a name that counted every group
+    # (torch's own) would differ between the stages of the rebuilt forward transport.
+    cpu_group([0, 1, 2], TIMEOUT_S)
+    registry["the caller's ends group"] = "7"
+    cpu_group([2, 0], TIMEOUT_S)  # the link back
+    cpu_group([0, 12], TIMEOUT_S)  # another group whose ranks begin alike
+    assert cpu_group([1, 0, 2], TIMEOUT_S) is not None
+    assert [g["name"] for g in groups] == [
+        "syncless_pp:0,1,2:0", "syncless_pp:0,2:0", "syncless_pp:0,12:0", "syncless_pp:0,1,2:1"]
+
+
+def test_a_destroyed_or_failed_side_groups_name_is_never_given_again(groups, registry, monkeypatch):
+    first = cpu_group([0, 1], TIMEOUT_S)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda group: registry.pop(group))
+    _group.release_cpu_group(first, "close")
+    assert first not in registry and list(registry.values()) == ["syncless_pp:0,1:0"]  # held by a retired name
+
+    def no_rendezvous(members, name, timeout_s):
+        groups.append({"ranks": members, "name": name, "timeout_s": timeout_s})
+        raise RuntimeError("Wait timeout")
+
+    with monkeypatch.context() as failing:
+        failing.setattr(_group, "_new_side_group", no_rendezvous)
+        with pytest.raises(PeerTimeoutError):
+            cpu_group([0, 1], TIMEOUT_S)
+    cpu_group([0, 1], TIMEOUT_S)
+    assert [g["name"] for g in groups] == ["syncless_pp:0,1:0", "syncless_pp:0,1:1", "syncless_pp:0,1:2"]
 
 
 def _gather_as_gloo(monkeypatch, others):
@@ -146,11 +188,31 @@ def test_metadata_that_never_comes_raises_peer_timeout(groups, monkeypatch):
 
 
 @pytest.mark.parametrize("raw", ["Wait timeout", "Gloo connectFullMesh failed with [...] Connection refused"])
-def test_a_side_group_whose_peer_never_joins_raises_a_peer_timeout_naming_the_ranks(monkeypatch, raw):
-    def new_group(**kwargs):
+def test_a_side_group_whose_peer_never_joins_raises_a_peer_timeout_naming_the_ranks(monkeypatch, registry, raw):
+    def new_side_group(members, name, timeout_s):
         raise RuntimeError(raw)  # what torch raises when a stage never reaches its rendezvous
 
-    monkeypatch.setattr(dist, "new_group", new_group)
+    monkeypatch.setattr(_group, "_new_side_group", new_side_group)
     with pytest.raises(PeerTimeoutError, match=r"ranks \[0, 1\] did not all join .* within 5 s") as info:
         cpu_group([1, 0], 5.0)
     assert raw in str(info.value) and isinstance(info.value.__cause__, RuntimeError)
+
+
+GLOO_SAID = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
+             "7750ms for recv operation to complete")
+
+
+def test_a_peer_timeout_keeps_what_gloo_said_without_its_build_path(groups, monkeypatch):
+    class _TimedOut:
+        def wait(self, timeout=None):
+            raise RuntimeError(GLOO_SAID)
+
+    side = cpu_group([0, 1], TIMEOUT_S)
+    monkeypatch.setattr(dist, "irecv", lambda tensor, src=None, group=None, tag=0: _TimedOut())
+    with pytest.raises(PeerTimeoutError) as info:
+        recv_meta(side, 1, 1000, 3, TIMEOUT_S, "stage 1 receiving step 4")
+    text = str(info.value)
+    assert "/__w/" not in text and "unbound_buffer.cc" not in text
+    assert text.endswith(": Timed out waiting 7750ms for recv operation to complete")
+    assert "[127.0.0.1]:4242." in _group.peer_error_text(RuntimeError(
+        "[/__w/pytorch/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4242."))

@@ -8,6 +8,7 @@ carries gloo traffic) run as they do between real ranks.
 
 from __future__ import annotations
 
+import threading
 import types
 from collections import deque
 
@@ -276,3 +277,61 @@ def test_abort_while_close_waits_for_a_send_lets_close_end_cleanly(wire, monkeyp
     assert len(waits) == 1 and not sender._pending
     with pytest.raises(TransportFailedError, match="aborted"):
         sender.send({"x": torch.randn(1, *ROW)})
+
+
+class _GlooWait:
+    """A metadata wait that, as gloo's, only a broken connection or the timeout ends (``break_side_group``)."""
+
+    def __init__(self):
+        self.entered, self.broken = threading.Event(), threading.Event()
+
+    def recv_meta(self, side_group, src, tag, length, timeout_s, what):
+        self.entered.set()
+        if self.broken.wait(timeout_s):
+            raise PeerTimeoutError(f"{what}: rank {src}'s connection broke: Application timeout caused pair closure")
+        raise PeerTimeoutError(f"{what}: rank {src} sent nothing within {timeout_s:g} s")
+
+    def break_side_group(self, side_group, peer, what):
+        self.broken.set()
+
+
+@pytest.mark.parametrize("stop", ["abort", "close"])
+def test_abort_or_close_on_another_thread_ends_a_recv_waiting_for_metadata_with_its_own_error(
+        wire, monkeypatch, stop):
+    gloo = _GlooWait()
+    monkeypatch.setattr(_torch_dist, "recv_meta", gloo.recv_meta)
+    monkeypatch.setattr(_torch_dist, "break_side_group", gloo.break_side_group, raising=False)
+    receiver = _receiver()
+    outcome = []
+
+    def receive():
+        try:
+            receiver.recv()
+        except TransportFailedError as err:  # TransportClosedError is one too
+            outcome.append(err)
+        except PeerTimeoutError as err:
+            outcome.append(err)
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    assert gloo.entered.wait(TIMEOUT_S)
+    getattr(receiver, stop)()
+    thread.join(TIMEOUT_S + 5)
+    assert not thread.is_alive() and len(outcome) == 1
+    if stop == "abort":
+        assert type(outcome[0]) is TransportFailedError and "aborted" in str(outcome[0])
+        assert outcome[0] is receiver.error
+    else:
+        assert type(outcome[0]) is TransportClosedError and "closed while the host waited" in str(outcome[0])
+        assert receiver.error is None
+
+
+@pytest.mark.parametrize("wait", [SIDE_GROUP, None, 1, "no"])
+def test_recv_takes_only_a_bool_and_names_the_seeds_recv_pp_group(wire, wait):
+    receiver = _receiver()
+    wire.metas.append([1, 1])
+    wire.data.append(torch.randn(1, *ROW))
+    with pytest.raises(TypeError, match=r"recv\(wait=\.\.\.\) takes a bool; got .*recv\(pp_group\)"):
+        receiver.recv(wait)
+    assert wire.meta_calls == 0 and receiver.error is None
+    assert receiver.recv(wait=True)["x"].shape == (1, *ROW)  # nothing was consumed
