@@ -138,9 +138,9 @@ def _report_failure(command: str, err: BaseException) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the process exit code."""
     with warnings.catch_warnings():
-        # The command line reports a bad SYNCLESS_SYNC_CHECK itself, in one line (below); the warning that
-        # importing syncless.syncs gives everywhere else would say it twice.
-        warnings.filterwarnings("ignore", message=r"SYNCLESS_SYNC_CHECK=")
+        # The command line reports a bad SYNCLESS_SYNC_CHECK or SYNCLESS_SYNC_BACKEND itself, in one line
+        # (below; doctor marks it); the warning that importing syncless.syncs gives elsewhere would say it twice.
+        warnings.filterwarnings("ignore", message=r"SYNCLESS_SYNC_(CHECK|BACKEND)=")
         parser = build_parser()
     args = parser.parse_args(argv)  # usage errors: argparse prints usage and the error, exits 2
     if args.command is None:

@@ -175,15 +175,31 @@ def test_error_with_a_real_gpu_sync(pytester, isolated):
     result.stdout.fnmatch_lines(["*SyncViolation: hidden GPU sync in a checked region at *test_gpu.py:6 (in test_item)*"])
 
 
-# ---- a bad SYNCLESS_SYNC_CHECK in the environment ------------------------------------
+# ---- a bad SYNCLESS_SYNC_CHECK or SYNCLESS_SYNC_BACKEND in the environment ------------------------------
 
 
-@pytest.fixture
-def bad_env(isolated, monkeypatch):
-    monkeypatch.setenv("SYNCLESS_SYNC_CHECK", "sometimes")
+class BadEnv:
+    def __init__(self, name, value, allowed, consequence, probe):
+        self.name, self.value, self.consequence = name, value, consequence
+        self.text = f"{name}={value!r} is not valid; allowed: {allowed}"
+        self.probe = probe  # what `import syncless.syncs` then prints
 
 
-BAD_ENV_TEXT = "SYNCLESS_SYNC_CHECK='sometimes' is not valid; allowed: off, warn, error, record"
+BAD_ENVS = {
+    "SYNCLESS_SYNC_CHECK": BadEnv("SYNCLESS_SYNC_CHECK", "sometimes", "off, warn, error, record",
+                                  "the hidden-sync detector stays off", "mode off"),
+    "SYNCLESS_SYNC_BACKEND": BadEnv("SYNCLESS_SYNC_BACKEND", "cuptii", "auto, torch, cupti",
+                                    "the hidden-sync detector uses the backend auto", "backend auto"),
+}
+PROBE = ("import syncless.syncs as s, syncless.compat.vllm; from syncless.syncs import _backend as b; "
+         "print('mode', s.mode()); print('backend', b.backend.requested); print('error', s.env_error() or b.env_error())")
+
+
+@pytest.fixture(params=list(BAD_ENVS))
+def bad_env(request, isolated, monkeypatch):
+    bad = BAD_ENVS[request.param]
+    monkeypatch.setenv(bad.name, bad.value)
+    return bad
 
 
 def test_a_bad_env_value_only_warns_in_a_run_without_sync_check(pytester, bad_env):
@@ -191,26 +207,34 @@ def test_a_bad_env_value_only_warns_in_a_run_without_sync_check(pytester, bad_en
     result = pytester.runpytest_subprocess(*PLUGIN)
     result.assert_outcomes(passed=3)
     output = result.stdout.str() + result.stderr.str()
-    assert output.count(BAD_ENV_TEXT) == 1, output
-    assert "the hidden-sync detector stays off" in output
+    assert output.count(bad_env.text) == 1, output
+    assert bad_env.consequence in output
+
+
+def test_a_bad_env_value_never_fails_a_test_that_does_not_use_syncless(pytester, bad_env):
+    # The plugin is loaded as the installed entry point would load it, and the test knows nothing of syncless.
+    pytester.makepyfile(test_trivial="def test_trivial():\n    assert 1 + 1 == 2\n")
+    result = pytester.runpytest_subprocess("-p", "no:syncless", "-p", "syncless.syncs._pytest_plugin", "-p",
+                                           "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str() + result.stderr.str()
+    result.assert_outcomes(passed=1, warnings=1)
 
 
 def test_a_bad_env_value_fails_a_run_with_sync_check_as_a_usage_error(pytester, bad_env):
     _fake_project(pytester)
     result = pytester.runpytest_subprocess(*PLUGIN, "--sync-check=error")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines([f"ERROR: --sync-check=error: {BAD_ENV_TEXT}; fix or unset it"])
+    result.stderr.fnmatch_lines([f"ERROR: --sync-check=error: {bad_env.text}; fix or unset it"])
     assert "Traceback" not in result.stderr.str()
 
 
 def test_a_bad_env_value_never_breaks_the_import(pytester, bad_env):
     # Even with every warning turned into an error: the message is logged instead.
-    probe = "import syncless.syncs as s; print('mode', s.mode()); print('error', s.env_error())"
     for warnings_flag in ("default", "error"):
-        result = pytester.run(sys.executable, "-W", warnings_flag, "-c", probe)
+        result = pytester.run(sys.executable, "-W", warnings_flag, "-c", PROBE)
         assert result.ret == 0, result.stderr.str()
-        result.stdout.fnmatch_lines(["mode off", f"error {BAD_ENV_TEXT}"])
-        assert result.stderr.str().count(BAD_ENV_TEXT) == 1, result.stderr.str()
+        result.stdout.fnmatch_lines([bad_env.probe, f"error {bad_env.text}"])
+        assert result.stderr.str().count(bad_env.text) == 1, result.stderr.str()
         assert "Traceback" not in result.stderr.str()
 
 

@@ -19,9 +19,10 @@ over is named). An ``async def`` test (pytest-asyncio) is checked inside
 the task that runs it: the region belongs to that task, not to the thread
 that started the loop.
 
-A bad ``SYNCLESS_SYNC_CHECK`` fails only a run with ``--sync-check`` (a usage
-error naming the variable, the value and the allowed values); every other
-run gets the one warning issued when :mod:`syncless.syncs` is imported.
+A bad ``SYNCLESS_SYNC_CHECK`` or ``SYNCLESS_SYNC_BACKEND`` fails only a run
+with ``--sync-check`` (a usage error naming the variable, the value and the
+allowed values); every other run gets the one warning issued when
+:mod:`syncless.syncs` is imported, and is otherwise unaffected.
 
 Everything it changes is put back at the end of the session; per-session
 state lives in ``config.stash``, not in module globals. Load it from a
@@ -39,7 +40,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from syncless import syncs
-from syncless.syncs import _hook, _report
+from syncless.syncs import _backend, _hook, _report, _state
 
 MARKER = "sync_checked"
 _WORKER_OUTPUT_KEY = "syncless_sync_check"
@@ -77,7 +78,7 @@ def _start(config: pytest.Config, wanted: str | None) -> None:
         return
     if wanted is None:
         return
-    bad_env = syncs.env_error()
+    bad_env = syncs.env_error() or _backend.env_error()
     if bad_env is not None:
         # Only a run that asks for the detector fails; any other run got the one warning at import.
         raise pytest.UsageError(f"--sync-check={wanted}: {bad_env}; fix or unset it")

@@ -1,6 +1,9 @@
 """``syncless doctor`` runs anywhere, names what is missing, and renders a two-GPU report."""
 
 import json
+import os
+import subprocess
+import sys
 
 from syncless import cli
 from syncless._core.hardware import cuda_device_count
@@ -89,6 +92,19 @@ def test_doctor_reports_a_bad_sync_check_instead_of_failing_to_load_the_detector
     # The build decides whether the detector can run, not the bad setting (which is reported above).
     expected = "no" if torch.version.cuda is None else "yes"
     assert f"can check syncs with this torch build: {expected} (" in out
+
+
+def test_a_bad_sync_backend_is_marked_by_doctor_in_a_fresh_process_and_falls_back_to_auto():
+    # A fresh process: the backend is read when syncless.syncs is imported, which this process did long ago.
+    env = {**os.environ, "SYNCLESS_SYNC_BACKEND": "cuptii"}
+    done = subprocess.run([sys.executable, "-m", "syncless", "doctor"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1, done.stderr
+    text = "SYNCLESS_SYNC_BACKEND='cuptii' is not valid; allowed: auto, torch, cupti"
+    assert f"SYNCLESS_SYNC_BACKEND = cuptii (env)  <- INVALID: {text}" in done.stdout
+    assert f"setting error: {text}; auto is used until it is fixed or unset" in done.stdout
+    assert "requested: auto" in done.stdout
+    assert done.stderr == "", done.stderr  # the command line says it once, in the report, not as a warning too
 
 
 def test_doctor_flags_a_misspelt_name_with_the_likely_one(monkeypatch, capsys):
