@@ -139,8 +139,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the process exit code."""
     with warnings.catch_warnings():
         # The command line reports a bad SYNCLESS_SYNC_CHECK or SYNCLESS_SYNC_BACKEND itself, in one line
-        # (below; doctor marks it); the warning that importing syncless.syncs gives elsewhere would say it twice.
-        warnings.filterwarnings("ignore", message=r"SYNCLESS_SYNC_(CHECK|BACKEND)=")
+        # (below; doctor marks them and VLLM_GPU_SYNC_CHECK); the warning that importing syncless.syncs (or
+        # syncless.compat.vllm) gives elsewhere would say it twice.
+        warnings.filterwarnings("ignore", message=r"(SYNCLESS_SYNC_CHECK|SYNCLESS_SYNC_BACKEND|VLLM_GPU_SYNC_CHECK)=")
         parser = build_parser()
     args = parser.parse_args(argv)  # usage errors: argparse prints usage and the error, exits 2
     if args.command is None:

@@ -107,6 +107,26 @@ def test_a_bad_sync_backend_is_marked_by_doctor_in_a_fresh_process_and_falls_bac
     assert done.stderr == "", done.stderr  # the command line says it once, in the report, not as a warning too
 
 
+def test_doctor_shows_vllm_gpu_sync_check_and_marks_a_bad_value(monkeypatch, capsys):
+    monkeypatch.setenv("VLLM_GPU_SYNC_CHECK", "error")
+    cli.main(["doctor"])
+    out = capsys.readouterr().out
+    assert "VLLM_GPU_SYNC_CHECK = error (syncless.compat.vllm sets syncless's mode to 'error')" in out
+    monkeypatch.setenv("VLLM_GPU_SYNC_CHECK", "loud")
+    assert cli.main(["doctor"]) == 1
+    captured = capsys.readouterr()
+    assert ("VLLM_GPU_SYNC_CHECK = loud  <- INVALID: VLLM_GPU_SYNC_CHECK='loud' is not one of: unset or off, warn, "
+            "error") in captured.out
+    assert "1 setting(s) to fix above" in captured.out
+    report = json.loads(_doctor_json(capsys))
+    assert [row["name"] for row in report["other_variables"]] == ["VLLM_GPU_SYNC_CHECK"]
+
+
+def _doctor_json(capsys):
+    cli.main(["doctor", "--json"])
+    return capsys.readouterr().out
+
+
 def test_doctor_flags_a_misspelt_name_with_the_likely_one(monkeypatch, capsys):
     monkeypatch.setenv("SYNCLESS_CC_MODE", "on")
     assert cli.main(["doctor"]) == 1
