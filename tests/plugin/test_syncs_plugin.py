@@ -115,15 +115,65 @@ def test_record_prints_the_sites_in_the_terminal_summary(pytester, isolated):
     ])
 
 
+CANNOT_START_CONFTEST = """
+from syncless.syncs import _debugmode
+
+_faking = _debugmode.fake()  # kept referenced: a collected generator would put the real one back
+_stand_in = _faking.__enter__()  # the plugin enables the detector after conftests load
+_stand_in.unavailable_reason = lambda: "this torch build has no CUDA sync debug mode (forced by the test)"
+"""
+
+
+@pytest.mark.parametrize("spread", [[], ["-p", "xdist", "-n", "2"]], ids=["serial", "xdist"])
+def test_error_fails_a_run_in_which_nothing_could_be_checked(pytester, isolated, spread):
+    # The strict form, as on a CPU-only torch: passing with "NOTHING WAS CHECKED" would read as all clear.
+    if spread:
+        pytest.importorskip("xdist")
+    pytester.makeconftest(CANNOT_START_CONFTEST)
+    pytester.makepyfile(test_cpu="import pytest\n\n@pytest.mark.sync_checked\ndef test_body():\n    assert True\n")
+    result = pytester.runpytest_subprocess(*PLUGIN, *spread, "--sync-check=error")
+    result.assert_outcomes(passed=1)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
+    result.stdout.fnmatch_lines(["syncless: NOTHING WAS CHECKED: this torch build has no CUDA sync debug mode*",
+                                 "syncless: --sync-check=error FAILS THIS RUN because nothing could be checked*"])
+    for lenient in ("warn", "record"):  # how to try the plugin without a GPU
+        assert pytester.runpytest_subprocess(*PLUGIN, *spread, f"--sync-check={lenient}").ret == pytest.ExitCode.OK
+
+
+FIRST_ONLY_TESTS = """
+import pytest
+from syncless import syncs
+from conftest import sync
+
+def load_weights():
+    with syncs.allowed(first_only=True):  # a sync meant to happen once per run of the code
+        sync()
+
+@pytest.mark.sync_checked
+def test_a():
+    load_weights()
+
+@pytest.mark.sync_checked
+def test_b():
+    load_weights()
+"""
+
+
+@pytest.mark.parametrize("selection", [[], ["-k", "test_b"], ["-p", "xdist", "-n", "2"]],
+                         ids=["both", "b-alone", "xdist"])
+def test_a_first_only_site_is_fresh_in_every_test(pytester, isolated, selection):
+    # Spent per session, test_b's outcome depended on whether test_a ran before it in the same process.
+    if "xdist" in selection:
+        pytest.importorskip("xdist")
+    pytester.makeconftest(FAKE_CONFTEST)
+    pytester.makepyfile(test_once=FIRST_ONLY_TESTS)
+    result = pytester.runpytest_subprocess(*PLUGIN, *selection, "--sync-check=error", "-W", "ignore::UserWarning")
+    result.assert_outcomes(passed=1 if "-k" in selection else 2)
+
+
 def test_where_the_detector_cannot_start_the_summary_says_so_once(pytester, isolated):
     # As on a CPU-only build of torch (forced here, so that it also holds on a GPU machine).
-    pytester.makeconftest("""
-        from syncless.syncs import _debugmode
-
-        _faking = _debugmode.fake()  # kept referenced: a collected generator would put the real one back
-        _stand_in = _faking.__enter__()  # the plugin enables the detector after conftests load
-        _stand_in.unavailable_reason = lambda: "this torch build has no CUDA sync debug mode (forced by the test)"
-    """)
+    pytester.makeconftest(CANNOT_START_CONFTEST)
     pytester.makepyfile(test_cpu="""
         import pytest
 
