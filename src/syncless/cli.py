@@ -31,6 +31,14 @@ from typing import Any
 from syncless import __version__
 from syncless._core import config
 from syncless._core.errors import ConfigError, SynclessError
+from syncless._core.exits import (  # noqa: F401 - the exit statuses are part of the command line's surface
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_TERMINATED,
+    EXIT_USAGE,
+    Terminated,
+    UsageError,
+)
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -46,19 +54,6 @@ REPORTS_BAD_CONFIG = {"doctor"}
 
 #: What the line after Ctrl-C or SIGTERM adds, for the subcommands that start processes.
 _STOPPED = {"demo": "; every process it started was stopped", "bench": "; every process it started was stopped"}
-
-EXIT_ERROR = 1
-EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
-EXIT_TERMINATED = 143
-
-
-class UsageError(SynclessError, ValueError):
-    """The command line asked for something that cannot run; the message says what to change (exit status 2)."""
-
-
-class Terminated(BaseException):
-    """SIGTERM arrived; raised in the main thread so that every ``finally`` (stopping stage processes) runs."""
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
