@@ -171,6 +171,37 @@ def test_a_first_only_site_is_fresh_in_every_test(pytester, isolated, selection)
     result.assert_outcomes(passed=1 if "-k" in selection else 2)
 
 
+PORTED_TESTS = """
+import pytest
+from syncless.compat import vllm
+from conftest import sync
+
+@vllm.with_gpu_sync_check
+def step():
+    sync()
+
+@pytest.mark.sync_checked
+def test_allowed_with_the_vllm_name():
+    with vllm.gpu_sync_allowed():  # intended, and allowed with the seed's name
+        sync()
+
+def test_a_hidden_sync_in_a_ported_step():
+    step()
+"""
+
+
+def test_ported_vllm_code_follows_sync_check_error(pytester, isolated, monkeypatch):
+    # VLLM_GPU_SYNC_CHECK unset: the compat allow held nothing (a nullcontext) and with_gpu_sync_check checked
+    # nothing, so the allowed sync failed its test and the hidden one passed.
+    monkeypatch.delenv("VLLM_GPU_SYNC_CHECK", raising=False)
+    pytester.makeconftest(FAKE_CONFTEST)
+    pytester.makepyfile(test_ported=PORTED_TESTS)
+    result = pytester.runpytest_subprocess(*PLUGIN, "--sync-check=error", "-W", "ignore::UserWarning")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*_ test_a_hidden_sync_in_a_ported_step _*",
+                                 "*SyncViolation: hidden GPU sync in a checked region at *test_ported.py:7 (in step)*"])
+
+
 def test_where_the_detector_cannot_start_the_summary_says_so_once(pytester, isolated):
     # As on a CPU-only build of torch (forced here, so that it also holds on a GPU machine).
     pytester.makeconftest(CANNOT_START_CONFTEST)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import pathlib
 import subprocess
 import sys
 import warnings
@@ -250,3 +251,21 @@ def test_install_without_cuda_patches_nothing(monkeypatch):
         pytest.skip("this checks a torch without CUDA")
     assert vllm.install() is False
     assert not cc.is_installed()
+
+
+def test_the_port_table_says_what_each_seed_name_does_and_raises():
+    # docs/porting-from-vllm.md: one row per name of the seed's sync check and CC modules, saying what ours does
+    # and what it raises (or that it raises nothing), and the differences a port meets (#35 items 6 and 7).
+    page = (pathlib.Path(__file__).resolve().parents[3] / "docs" / "porting-from-vllm.md").read_text()
+    rows = {line.split("|")[1].strip(): line for line in page.splitlines() if line.startswith("| ") and line.count("|") > 2}
+    seed_names = ["`VLLM_GPU_SYNC_CHECK`", "module attribute `_SYNC_CHECK_MODE`", "`enable_gpu_sync_check()`",
+                  "`with_gpu_sync_check(fn)`", "`gpu_sync_allowed(first_only=False)`", "`install()`",
+                  "`new_external_d2h_stream(device=None)`", "`register_inplace_h2d_target(t)`"]
+    for name in seed_names:
+        row = next((line for key, line in rows.items() if key.startswith(name)), None)
+        assert row is not None, f"no row for {name}"
+        assert "Raises" in row or "raises" in row, f"the row for {name} does not say what it raises: {row}"
+    assert "`RuntimeError` in mode `error`" in rows and "`SYNC_ERROR_MESSAGE`" in rows
+    differences = page[page.index("### The sync check"):page.index("### Confidential Computing copies")]
+    assert "One mode for the process, not one per decorated function" in differences
+    assert "`first_only` and warm-up" in differences
