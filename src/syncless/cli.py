@@ -7,7 +7,9 @@ them together, so ``syncless --help`` imports no CUDA.
 How a command ends (the same for every subcommand):
 
 * a usage error (a bad option, a bad ``SYNCLESS_*`` value): one line on
-  stderr naming the thing, the value and the fix; exit status 2;
+  stderr naming the subcommand, the thing, the value and the fix (or where
+  its help is: ``syncless demo: error: unrecognized arguments: --stpes 3
+  (see `syncless demo --help`)``), with no usage block; exit status 2;
 * any other error: one line on stderr; exit status 1;
 * Ctrl-C or SIGTERM: one line, every process the command started is
   stopped; exit status 130 or 143 (``trace`` prints the report gathered
@@ -26,11 +28,19 @@ import sys
 import warnings
 from collections.abc import Sequence
 from types import ModuleType
-from typing import Any
+from typing import Any, NoReturn
 
 from syncless import __version__
 from syncless._core import config
 from syncless._core.errors import ConfigError, SynclessError
+from syncless._core.exits import (  # noqa: F401 - the exit statuses are part of the command line's surface
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_TERMINATED,
+    EXIT_USAGE,
+    Terminated,
+    UsageError,
+)
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -47,19 +57,6 @@ REPORTS_BAD_CONFIG = {"doctor"}
 #: What the line after Ctrl-C or SIGTERM adds, for the subcommands that start processes.
 _STOPPED = {"demo": "; every process it started was stopped", "bench": "; every process it started was stopped"}
 
-EXIT_ERROR = 1
-EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
-EXIT_TERMINATED = 143
-
-
-class UsageError(SynclessError, ValueError):
-    """The command line asked for something that cannot run; the message says what to change (exit status 2)."""
-
-
-class Terminated(BaseException):
-    """SIGTERM arrived; raised in the main thread so that every ``finally`` (stopping stage processes) runs."""
-
 
 def _on_sigterm(signum: int, frame: Any) -> None:
     raise Terminated()
@@ -73,26 +70,33 @@ def _load(module_name: str) -> ModuleType | ConfigError:
         return err
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line: the command, what was wrong, where the help is."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Build the argument parser with every subcommand (never raises on a bad ``SYNCLESS_*`` value)."""
-    parser = argparse.ArgumentParser(prog="syncless", description="Keep GPU inference pipelines asynchronous.")
+    parser = _Parser(prog="syncless", description="Keep GPU inference pipelines asynchronous.")
     parser.add_argument("--version", action="version", version=f"syncless {__version__}")
     debug_help = "print the full traceback of an error (default: off; SYNCLESS_DEBUG=1 does the same)"
     parser.add_argument("--debug", action="store_true", help=debug_help)
     # The same flag after the subcommand (`syncless demo --debug`); SUPPRESS keeps the top level's value.
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         module = _load(module_name)
         sub = subparsers.add_parser(name, help=help_text, description=help_text, parents=[common])
         if isinstance(module, ConfigError):
             # The module cannot load with this environment: accept any arguments and report why at run time.
             sub.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-            sub.set_defaults(_module=None, _load_error=module)
+            sub.set_defaults(_module=None, _load_error=module, _parser=sub)
             continue
         module.add_arguments(sub)
-        sub.set_defaults(_module=module, _load_error=None)
+        sub.set_defaults(_module=module, _load_error=None, _parser=sub)
     return parser
 
 
@@ -138,11 +142,16 @@ def _report_failure(command: str, err: BaseException) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the process exit code."""
     with warnings.catch_warnings():
-        # The command line reports a bad SYNCLESS_SYNC_CHECK itself, in one line (below); the warning that
-        # importing syncless.syncs gives everywhere else would say it twice.
-        warnings.filterwarnings("ignore", message=r"SYNCLESS_SYNC_CHECK=")
+        # The command line reports a bad SYNCLESS_SYNC_CHECK or SYNCLESS_SYNC_BACKEND itself, in one line
+        # (below; doctor marks them and VLLM_GPU_SYNC_CHECK); the warning that importing syncless.syncs (or
+        # syncless.compat.vllm) gives elsewhere would say it twice.
+        warnings.filterwarnings("ignore", message=r"(SYNCLESS_SYNC_CHECK|SYNCLESS_SYNC_BACKEND|VLLM_GPU_SYNC_CHECK)=")
         parser = build_parser()
-    args = parser.parse_args(argv)  # usage errors: argparse prints usage and the error, exits 2
+    # A usage error is one line naming the subcommand (not the top level's usage) and exits 2: an unknown
+    # option of a subcommand is reported by that subcommand's parser.
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        (getattr(args, "_parser", None) or parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE

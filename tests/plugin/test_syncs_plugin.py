@@ -115,15 +115,96 @@ def test_record_prints_the_sites_in_the_terminal_summary(pytester, isolated):
     ])
 
 
+CANNOT_START_CONFTEST = """
+from syncless.syncs import _debugmode
+
+_faking = _debugmode.fake()  # kept referenced: a collected generator would put the real one back
+_stand_in = _faking.__enter__()  # the plugin enables the detector after conftests load
+_stand_in.unavailable_reason = lambda: "this torch build has no CUDA sync debug mode (forced by the test)"
+"""
+
+
+@pytest.mark.parametrize("spread", [[], ["-p", "xdist", "-n", "2"]], ids=["serial", "xdist"])
+def test_error_fails_a_run_in_which_nothing_could_be_checked(pytester, isolated, spread):
+    # The strict form, as on a CPU-only torch: passing with "NOTHING WAS CHECKED" would read as all clear.
+    if spread:
+        pytest.importorskip("xdist")
+    pytester.makeconftest(CANNOT_START_CONFTEST)
+    pytester.makepyfile(test_cpu="import pytest\n\n@pytest.mark.sync_checked\ndef test_body():\n    assert True\n")
+    result = pytester.runpytest_subprocess(*PLUGIN, *spread, "--sync-check=error")
+    result.assert_outcomes(passed=1)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
+    result.stdout.fnmatch_lines(["syncless: NOTHING WAS CHECKED: this torch build has no CUDA sync debug mode*",
+                                 "syncless: --sync-check=error FAILS THIS RUN because nothing could be checked*"])
+    for lenient in ("warn", "record"):  # how to try the plugin without a GPU
+        assert pytester.runpytest_subprocess(*PLUGIN, *spread, f"--sync-check={lenient}").ret == pytest.ExitCode.OK
+
+
+FIRST_ONLY_TESTS = """
+import pytest
+from syncless import syncs
+from conftest import sync
+
+def load_weights():
+    with syncs.allowed(first_only=True):  # a sync meant to happen once per run of the code
+        sync()
+
+@pytest.mark.sync_checked
+def test_a():
+    load_weights()
+
+@pytest.mark.sync_checked
+def test_b():
+    load_weights()
+"""
+
+
+@pytest.mark.parametrize("selection", [[], ["-k", "test_b"], ["-p", "xdist", "-n", "2"]],
+                         ids=["both", "b-alone", "xdist"])
+def test_a_first_only_site_is_fresh_in_every_test(pytester, isolated, selection):
+    # Spent per session, test_b's outcome depended on whether test_a ran before it in the same process.
+    if "xdist" in selection:
+        pytest.importorskip("xdist")
+    pytester.makeconftest(FAKE_CONFTEST)
+    pytester.makepyfile(test_once=FIRST_ONLY_TESTS)
+    result = pytester.runpytest_subprocess(*PLUGIN, *selection, "--sync-check=error", "-W", "ignore::UserWarning")
+    result.assert_outcomes(passed=1 if "-k" in selection else 2)
+
+
+PORTED_TESTS = """
+import pytest
+from syncless.compat import vllm
+from conftest import sync
+
+@vllm.with_gpu_sync_check
+def step():
+    sync()
+
+@pytest.mark.sync_checked
+def test_allowed_with_the_vllm_name():
+    with vllm.gpu_sync_allowed():  # intended, and allowed with the seed's name
+        sync()
+
+def test_a_hidden_sync_in_a_ported_step():
+    step()
+"""
+
+
+def test_ported_vllm_code_follows_sync_check_error(pytester, isolated, monkeypatch):
+    # VLLM_GPU_SYNC_CHECK unset: the compat allow held nothing (a nullcontext) and with_gpu_sync_check checked
+    # nothing, so the allowed sync failed its test and the hidden one passed.
+    monkeypatch.delenv("VLLM_GPU_SYNC_CHECK", raising=False)
+    pytester.makeconftest(FAKE_CONFTEST)
+    pytester.makepyfile(test_ported=PORTED_TESTS)
+    result = pytester.runpytest_subprocess(*PLUGIN, "--sync-check=error", "-W", "ignore::UserWarning")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*_ test_a_hidden_sync_in_a_ported_step _*",
+                                 "*SyncViolation: hidden GPU sync in a checked region at *test_ported.py:7 (in step)*"])
+
+
 def test_where_the_detector_cannot_start_the_summary_says_so_once(pytester, isolated):
     # As on a CPU-only build of torch (forced here, so that it also holds on a GPU machine).
-    pytester.makeconftest("""
-        from syncless.syncs import _debugmode
-
-        _faking = _debugmode.fake()  # kept referenced: a collected generator would put the real one back
-        _stand_in = _faking.__enter__()  # the plugin enables the detector after conftests load
-        _stand_in.unavailable_reason = lambda: "this torch build has no CUDA sync debug mode (forced by the test)"
-    """)
+    pytester.makeconftest(CANNOT_START_CONFTEST)
     pytester.makepyfile(test_cpu="""
         import pytest
 
@@ -175,15 +256,31 @@ def test_error_with_a_real_gpu_sync(pytester, isolated):
     result.stdout.fnmatch_lines(["*SyncViolation: hidden GPU sync in a checked region at *test_gpu.py:6 (in test_item)*"])
 
 
-# ---- a bad SYNCLESS_SYNC_CHECK in the environment ------------------------------------
+# ---- a bad SYNCLESS_SYNC_CHECK or SYNCLESS_SYNC_BACKEND in the environment ------------------------------
 
 
-@pytest.fixture
-def bad_env(isolated, monkeypatch):
-    monkeypatch.setenv("SYNCLESS_SYNC_CHECK", "sometimes")
+class BadEnv:
+    def __init__(self, name, value, allowed, consequence, probe):
+        self.name, self.value, self.consequence = name, value, consequence
+        self.text = f"{name}={value!r} is not valid; allowed: {allowed}"
+        self.probe = probe  # what `import syncless.syncs` then prints
 
 
-BAD_ENV_TEXT = "SYNCLESS_SYNC_CHECK='sometimes' is not valid; allowed: off, warn, error, record"
+BAD_ENVS = {
+    "SYNCLESS_SYNC_CHECK": BadEnv("SYNCLESS_SYNC_CHECK", "sometimes", "off, warn, error, record",
+                                  "the hidden-sync detector stays off", "mode off"),
+    "SYNCLESS_SYNC_BACKEND": BadEnv("SYNCLESS_SYNC_BACKEND", "cuptii", "auto, torch, cupti",
+                                    "the hidden-sync detector uses the backend auto", "backend auto"),
+}
+PROBE = ("import syncless.syncs as s, syncless.compat.vllm; from syncless.syncs import _backend as b; "
+         "print('mode', s.mode()); print('backend', b.backend.requested); print('error', s.env_error() or b.env_error())")
+
+
+@pytest.fixture(params=list(BAD_ENVS))
+def bad_env(request, isolated, monkeypatch):
+    bad = BAD_ENVS[request.param]
+    monkeypatch.setenv(bad.name, bad.value)
+    return bad
 
 
 def test_a_bad_env_value_only_warns_in_a_run_without_sync_check(pytester, bad_env):
@@ -191,26 +288,34 @@ def test_a_bad_env_value_only_warns_in_a_run_without_sync_check(pytester, bad_en
     result = pytester.runpytest_subprocess(*PLUGIN)
     result.assert_outcomes(passed=3)
     output = result.stdout.str() + result.stderr.str()
-    assert output.count(BAD_ENV_TEXT) == 1, output
-    assert "the hidden-sync detector stays off" in output
+    assert output.count(bad_env.text) == 1, output
+    assert bad_env.consequence in output
+
+
+def test_a_bad_env_value_never_fails_a_test_that_does_not_use_syncless(pytester, bad_env):
+    # The plugin is loaded as the installed entry point would load it, and the test knows nothing of syncless.
+    pytester.makepyfile(test_trivial="def test_trivial():\n    assert 1 + 1 == 2\n")
+    result = pytester.runpytest_subprocess("-p", "no:syncless", "-p", "syncless.syncs._pytest_plugin", "-p",
+                                           "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str() + result.stderr.str()
+    result.assert_outcomes(passed=1, warnings=1)
 
 
 def test_a_bad_env_value_fails_a_run_with_sync_check_as_a_usage_error(pytester, bad_env):
     _fake_project(pytester)
     result = pytester.runpytest_subprocess(*PLUGIN, "--sync-check=error")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines([f"ERROR: --sync-check=error: {BAD_ENV_TEXT}; fix or unset it"])
+    result.stderr.fnmatch_lines([f"ERROR: --sync-check=error: {bad_env.text}; fix or unset it"])
     assert "Traceback" not in result.stderr.str()
 
 
 def test_a_bad_env_value_never_breaks_the_import(pytester, bad_env):
     # Even with every warning turned into an error: the message is logged instead.
-    probe = "import syncless.syncs as s; print('mode', s.mode()); print('error', s.env_error())"
     for warnings_flag in ("default", "error"):
-        result = pytester.run(sys.executable, "-W", warnings_flag, "-c", probe)
+        result = pytester.run(sys.executable, "-W", warnings_flag, "-c", PROBE)
         assert result.ret == 0, result.stderr.str()
-        result.stdout.fnmatch_lines(["mode off", f"error {BAD_ENV_TEXT}"])
-        assert result.stderr.str().count(BAD_ENV_TEXT) == 1, result.stderr.str()
+        result.stdout.fnmatch_lines([bad_env.probe, f"error {bad_env.text}"])
+        assert result.stderr.str().count(bad_env.text) == 1, result.stderr.str()
         assert "Traceback" not in result.stderr.str()
 
 

@@ -274,6 +274,24 @@ def read(name: str, environ: Mapping[str, str] | None = None) -> Any:
         raise ConfigError(f"{name}={text!r} is not valid; allowed: {decl.allowed}") from None
 
 
+def read_or_default(name: str, environ: Mapping[str, str] | None = None) -> tuple[Any, str | None]:
+    """Read ``name`` as :func:`read` does, but fall back to its default instead of raising.
+
+    For a setting read when a module is imported (``SYNCLESS_SYNC_CHECK``,
+    ``SYNCLESS_SYNC_BACKEND``): an import must not fail on a bad value, because
+    the pytest plugin imports those modules in every pytest run of the
+    environment.
+
+    Returns:
+        ``(value, None)`` for a good (or unset) value; ``(default value, message)``
+        for a bad one, the message naming the variable, the value and the values allowed.
+    """
+    try:
+        return read(name, environ), None
+    except ConfigError as err:
+        return setting(name).parse(setting(name).default), str(err)
+
+
 def check_choice(value: object, what: str, name: str) -> str:
     """Validate an explicit argument against the values the choice setting ``name`` allows.
 

@@ -40,7 +40,7 @@ def _progress(name: str, start_s: float):
 
 def _check_out_dir(out: Path) -> None:
     """Refuse an --out that cannot hold the reports before anything is measured."""
-    from syncless.cli import UsageError
+    from syncless._core.exits import UsageError
 
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is a file, not a directory; pick a directory (default: bench-out)")

@@ -7,14 +7,17 @@ A port is one import line::
     from syncless.compat.vllm import (enable_gpu_sync_check, gpu_sync_allowed, with_gpu_sync_check,
                                       install, new_external_d2h_stream, register_inplace_h2d_target)
 
-The sync check's mode comes from ``VLLM_GPU_SYNC_CHECK`` (unset: off;
-``warn``; ``error``), read once at import into the module attribute
+The sync check's mode comes from ``VLLM_GPU_SYNC_CHECK`` (unset or ``off``:
+off; ``warn``; ``error``), read once at import into the module attribute
 ``_SYNC_CHECK_MODE`` (None, ``"warn"`` or ``"error"``), which every function
 here reads when it is called: tests set that attribute (``monkeypatch.
 setattr(vllm, "_SYNC_CHECK_MODE", "error")``), as vLLM's own tests do,
 rather than the variable. A bad value warns once and leaves the check off.
-When the check is on, these names set syncless's own mode to it (overriding
-``SYNCLESS_SYNC_CHECK``). In ``error`` mode a sync raises
+When it is on, these names set syncless's own mode to it (overriding
+``SYNCLESS_SYNC_CHECK``) and put syncless's own back when it is None again;
+when it is None they follow syncless's own mode (``SYNCLESS_SYNC_CHECK``,
+``pytest --sync-check``), so an allow written with the vLLM name holds under
+either. In ``error`` mode a sync raises
 :class:`syncless.SyncViolation`, a ``RuntimeError``. The deliberate
 differences from vLLM's modules, and why, are in ``docs/porting-from-vllm.md``.
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -44,53 +48,102 @@ __all__ = [
 
 ENV_VAR = "VLLM_GPU_SYNC_CHECK"
 VALUES = ("warn", "error")
+#: Words that mean the check is off, as unset does.
+OFF_VALUES = ("", "off")
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+_SYNCLESS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
-def mode_from_env(environ: Any = None) -> str | None:
-    """Return the check's mode from ``VLLM_GPU_SYNC_CHECK``: None (unset or empty), ``"warn"`` or ``"error"``.
 
-    A value that is neither warns (:class:`syncless.syncs.SyncCheckConfigWarning`,
-    naming the variable, the value and the values allowed) and returns None:
-    a bad value never makes the import fail, as with ``SYNCLESS_SYNC_CHECK``.
+def parse_mode(raw: str | None) -> tuple[str | None, str | None]:
+    """Parse a ``VLLM_GPU_SYNC_CHECK`` text: ``(mode, None)``, or ``(None, why)`` for a value not allowed.
+
+    The mode is None (unset, empty or ``off``), ``"warn"`` or ``"error"``; never raises, never warns.
     """
-    raw = (os.environ if environ is None else environ).get(ENV_VAR)
-    if raw is None or not raw.strip():
-        return None
+    if raw is None or raw.strip().lower() in OFF_VALUES:
+        return None, None
     value = raw.strip().lower()
     if value in VALUES:
-        return value
-    message = (f"{ENV_VAR}={raw!r} is not one of: unset (off), {', '.join(VALUES)}; the GPU sync check stays off")
+        return value, None
+    return None, f"{ENV_VAR}={raw!r} is not one of: unset or off, {', '.join(VALUES)}"
+
+
+def mode_from_env(environ: Any = None) -> str | None:
+    """Return the check's mode from ``VLLM_GPU_SYNC_CHECK``: None (unset, empty or ``off``), ``"warn"`` or ``"error"``.
+
+    A value that is none of these warns (:class:`syncless.syncs.SyncCheckConfigWarning`,
+    naming the variable, the value and the values allowed, at the first line
+    outside syncless: the ``import`` that read it) and returns None: a bad
+    value never makes the import fail, as with ``SYNCLESS_SYNC_CHECK``.
+    """
+    mode, error = parse_mode((os.environ if environ is None else environ).get(ENV_VAR))
+    if error is not None:
+        _warn_at_user_line(f"{error}; the GPU sync check stays off")
+    return mode
+
+
+def _warn_at_user_line(message: str) -> None:
+    """Warn, naming the first line outside syncless (and importlib's frames) as where it happened."""
+    frame = sys._getframe(1)
+    while frame is not None and (frame.f_code.co_filename.startswith(_SYNCLESS_DIR)
+                                 or frame.f_code.co_filename.startswith("<frozen importlib")):
+        frame = frame.f_back
     try:
-        warnings.warn(message, syncs.SyncCheckConfigWarning, stacklevel=2)
+        if frame is None:
+            warnings.warn(message, syncs.SyncCheckConfigWarning, stacklevel=2)
+            return
+        module_globals = frame.f_globals
+        warnings.warn_explicit(message, syncs.SyncCheckConfigWarning, frame.f_code.co_filename, frame.f_lineno,
+                               module=module_globals.get("__name__"),
+                               registry=module_globals.setdefault("__warningregistry__", {}))
     except syncs.SyncCheckConfigWarning:  # under -W error: the import still succeeds
         pass
-    return None
 
 
 # The seed's name: None (off), "warn" or "error". Read at every call, so a test may set it after import.
 _SYNC_CHECK_MODE: str | None = mode_from_env()
 
+# (the mode these names gave syncless, syncless's mode before), while _SYNC_CHECK_MODE overrides it.
+_overridden: tuple[str, str] | None = None
 
-def _apply_mode() -> str | None:
-    """Give syncless the check's mode (when on); return it."""
+
+def _apply_mode() -> str:
+    """Give syncless ``_SYNC_CHECK_MODE`` when it is set, or put syncless's own back; return the mode in force.
+
+    The names follow whichever of the two sets the mode: ``_SYNC_CHECK_MODE``
+    (``VLLM_GPU_SYNC_CHECK``) when it is on, else syncless's own
+    (``SYNCLESS_SYNC_CHECK``, ``syncs.set_mode``, ``pytest --sync-check``).
+    """
+    global _overridden
     mode = _SYNC_CHECK_MODE
-    if mode is not None and syncs.mode() != mode:
-        syncs.set_mode(mode)
-    return mode
+    current = syncs.mode()
+    if mode is not None:
+        if current != mode:
+            before = _overridden[1] if _overridden is not None else current
+            syncs.set_mode(mode)
+            _overridden = (mode, before)
+        return mode
+    if _overridden is not None:
+        given, before = _overridden
+        _overridden = None
+        if current == given:  # nobody set another mode since: syncless's own comes back
+            syncs.set_mode(before)
+            return before
+    return current
 
 
 def enable_gpu_sync_check() -> None:
     """Turn the check on from now: call it once per worker, after model load and warm-up.
 
-    Does nothing when the check is off. Otherwise it is :func:`syncless.syncs.enable`:
+    Does nothing when the check is off (``_SYNC_CHECK_MODE`` None and
+    syncless's own mode ``off``). Otherwise it is :func:`syncless.syncs.enable`:
     it installs the copy and wait checkers and torch's sync debug mode hook
     (compile-time work is never reported). Without a GPU, or on a torch
     without CUDA, nothing can be checked; that is logged once. Enqueues
     nothing and does not block the host.
     """
-    if _apply_mode() is None:
+    if _apply_mode() == "off":
         return
     syncs.enable()
 
@@ -101,9 +154,11 @@ def with_gpu_sync_check(fn: F) -> F:
     Returns ``fn`` itself when the check is off (decided here, when it
     decorates). Otherwise :func:`syncless.syncs.checked`: other threads (a
     transfer worker) are never checked; a call that torch.compile traces is
-    not checked (the compiled graph runs no Python).
+    not checked (the compiled graph runs no Python). What a sync then does
+    (warn, raise) follows the mode in force when it happens, for every
+    decorated function alike (``docs/porting-from-vllm.md``).
     """
-    if _apply_mode() is None:
+    if _apply_mode() == "off":
         return fn
     return syncs.checked(fn)
 
@@ -122,9 +177,10 @@ def gpu_sync_allowed(first_only: bool = False) -> Any:
     if first_only is not True and first_only is not False:
         raise TypeError(f"gpu_sync_allowed(first_only=...) expects a bool, got {type(first_only).__name__} "
                         f"{first_only!r}")
-    if _SYNC_CHECK_MODE is None or is_compiling():
+    if is_compiling():
         return contextlib.nullcontext()
-    return syncs._allowed_for(first_only, 2)  # the site is our caller's line, not this one
+    _apply_mode()
+    return syncs._allowed_for(first_only, 2)  # the site is our caller's line, not this one; a nullcontext when off
 
 
 def install() -> bool:

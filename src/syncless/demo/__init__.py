@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from syncless._core import config
 from syncless._core.hardware import cuda_device_count
 from syncless._core.launch import RanksTimedOut, run_ranks
-from syncless.cli import UsageError
+from syncless._core.exits import UsageError
 from syncless.demo._config import (
     DEFAULT_CPU_BATCH,
     DEFAULT_CPU_MODEL,

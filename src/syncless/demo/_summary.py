@@ -53,11 +53,14 @@ def format_summary(options: DemoOptions, results: list[StageResult], wall_s: flo
     if len(last.runs) == 2:
         ours, theirs = last.runs
         if results[0].runs[0].transport == results[0].runs[1].transport:
-            # A ratio of a transport against itself is run-to-run noise (0.4x to 9x seen on a shared CPU),
-            # and a newcomer would quote it: give none.
+            # The same transport twice, measured once each, one after the other: a gap between them is not
+            # the transport's, and a newcomer would quote a ratio. Not "noise" either: on a CPU the gap was
+            # seen one-sided in some series and either way in others (docs/demo.md), which one pair of runs
+            # cannot tell apart. Give no ratio, and say nothing can be concluded here.
             lines.append(f"  {ours.label} / {theirs.label}: no ratio: both runs used "
-                         f"{results[0].runs[0].transport} here, so their tokens/s differ by noise only; "
-                         "the transports differ on GPUs with copy engines")
+                         f"{results[0].runs[0].transport} here, each measured once, one after the other; "
+                         "nothing about syncless can be concluded from their tokens/s on a CPU (the transports "
+                         "differ on GPUs with copy engines)")
         else:
             ratio = _rate(ours) / _rate(theirs) if _rate(theirs) > 0 else float("nan")
             lines.append(f"  {ours.label} / {theirs.label}: {ratio:.2f}x the tokens/s")

@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """List the pages, or print one; return 2 for a page that does not exist."""
-    from syncless.cli import UsageError
+    from syncless._core.exits import UsageError
 
     found = pages()
     if not found:

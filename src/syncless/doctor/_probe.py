@@ -138,6 +138,25 @@ def probe_unknown_settings() -> list[dict[str, Any]]:
             for name, closest in config.unknown_names()]
 
 
+def probe_other_variables() -> list[dict[str, Any]]:
+    """The variables of other software that syncless reads (``VLLM_GPU_SYNC_CHECK``), like :func:`probe_config`'s rows."""
+    import os
+    import warnings
+
+    from syncless.syncs import SyncCheckConfigWarning
+
+    with warnings.catch_warnings():
+        # Importing the adapter reads the variable and warns about a bad value: this report says it instead.
+        warnings.simplefilter("ignore", SyncCheckConfigWarning)
+        from syncless.compat import vllm
+    raw = os.environ.get(vllm.ENV_VAR)
+    mode, error = vllm.parse_mode(raw)
+    meaning = (f"syncless.compat.vllm sets syncless's mode to {mode!r}" if mode is not None
+               else "off: syncless.compat.vllm follows SYNCLESS_SYNC_CHECK")
+    return [{"name": vllm.ENV_VAR, "value": "unset" if raw is None else raw,
+             "source": "default" if raw is None else "env", "error": error, "doc": meaning}]
+
+
 def probe_sync_detector() -> dict[str, Any]:
     """Whether the hidden-sync detector can check anything with this torch build, and why not."""
     try:
@@ -178,6 +197,7 @@ def collect() -> dict[str, Any]:
     report["sync_backend"] = _guarded(_sync_backend.describe)
     report["config"] = probe_config()
     report["unknown_settings"] = probe_unknown_settings()
+    report["other_variables"] = probe_other_variables()
     report["missing"] = merge_missing(missing)
     report["docs"] = _docs_location()
     return report
@@ -192,4 +212,5 @@ def _docs_location() -> str:
 
 def config_problems(report: dict[str, Any]) -> int:
     """How many settings are invalid or unknown in ``report`` (the doctor exits non-zero if any)."""
-    return sum(1 for row in report["config"] if row["error"]) + len(report.get("unknown_settings", []))
+    return (sum(1 for row in report["config"] + report.get("other_variables", []) if row["error"])
+            + len(report.get("unknown_settings", [])))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from syncless.doctor._probe import config_problems
+
 
 def _yes_no(value: Any) -> str:
     if value is None:
@@ -86,7 +88,12 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"  {row['name']} = {row['value']} ({origin}){error}")
     for row in report.get("unknown_settings", []):
         lines.append(f"  {row['name']}  <- UNKNOWN: {row['message']}")
-    problems = sum(1 for row in report["config"] if row["error"]) + len(report.get("unknown_settings", []))
+    if report.get("other_variables"):
+        lines += ["", "Variables of other software"]
+        for row in report["other_variables"]:
+            error = f"  <- INVALID: {row['error']}" if row["error"] else f" ({row['doc']})"
+            lines.append(f"  {row['name']} = {row['value']}{error}")
+    problems = config_problems(report)
     if problems:
         lines.append(f"  {problems} setting(s) to fix above (docs/configuration.md lists every one)")
     if "docs" in report:

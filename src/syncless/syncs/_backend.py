@@ -40,9 +40,10 @@ from dataclasses import dataclass
 from syncless._core import config
 from syncless._core.errors import MissingDependencyError
 from syncless._core.logs import log_once
-from syncless.syncs import _merge, _report
+from syncless.syncs import _merge, _report, _state
 
 BACKENDS = ("auto", "torch", "cupti")
+ENV_VAR = "SYNCLESS_SYNC_BACKEND"
 
 _log = logging.getLogger("syncless.syncs")
 
@@ -64,14 +65,17 @@ class BackendChoice:
 
 def validate_backend(name: object) -> str:
     """Return ``name`` if it is one of :data:`BACKENDS` (as ``SYNCLESS_SYNC_BACKEND`` reads it); raise otherwise."""
-    return config.check_choice(name, "backend", "SYNCLESS_SYNC_BACKEND")
+    return config.check_choice(name, "backend", ENV_VAR)
 
 
 class _Backend:
     """Process-wide: the requested backend, the subscription and the count of active regions."""
 
     def __init__(self) -> None:
-        self.requested: str = config.read("SYNCLESS_SYNC_BACKEND")
+        # A bad SYNCLESS_SYNC_BACKEND never makes the import fail (the pytest plugin imports this in every
+        # pytest run): it falls back to auto, warned once; env_error keeps why, for doctor and the plugin.
+        self.requested: str
+        self.requested, self.env_error = config.read_or_default(ENV_VAR)
         self.lock = threading.Lock()
         self.regions = 0
         self.subscriber = None
@@ -233,6 +237,17 @@ def _warn_if_profiler_ran() -> None:
 
 
 backend = _Backend()
+if backend.env_error is not None:
+    _state.warn_bad_setting(backend.env_error, "the hidden-sync detector uses the backend auto")
+
+
+def env_error() -> str | None:
+    """Return why ``SYNCLESS_SYNC_BACKEND`` was refused at import (the backend then started ``auto``), or None.
+
+    Like :func:`syncless.syncs.env_error`, it describes the environment as read
+    at import; :func:`set_backend` changes the backend but not this.
+    """
+    return backend.env_error
 
 
 def set_backend(name: str) -> None:
@@ -260,8 +275,15 @@ def describe() -> dict[str, str]:
     """What ``syncless doctor`` shows: the backend requested, the one that would be used, and why.
 
     Looks only at what is installed (no subscription is made, no CUDA call).
+    A bad ``SYNCLESS_SYNC_BACKEND`` adds ``setting_error``: the message, and that ``auto`` is used instead.
     """
-    requested = backend.requested
+    described = _describe_requested(backend.requested)
+    if backend.env_error is not None:
+        described["setting_error"] = f"{backend.env_error}; auto is used until it is fixed or unset"
+    return described
+
+
+def _describe_requested(requested: str) -> dict[str, str]:
     version = _package_version("cupti-python")
     if requested == "torch":
         return {"requested": requested, "would_use": "torch", "reason": "requested", "cupti_python": version or "missing"}

@@ -10,7 +10,8 @@ Registered through the ``pytest11`` entry point ``syncless``. Without
   region (fixtures' set-up and tear-down are not);
 * the terminal report ends with the table of sync sites found (or, where
   the detector could not start, one line saying that nothing was checked
-  and why).
+  and why; with ``--sync-check=error`` that also fails the run, exit status 1);
+* every test starts with each ``allowed(first_only=True)`` site unspent.
 
 Under pytest-xdist each worker checks its own tests and hands its record to
 the controller when it finishes (``workeroutput``); the controller's
@@ -19,9 +20,10 @@ over is named). An ``async def`` test (pytest-asyncio) is checked inside
 the task that runs it: the region belongs to that task, not to the thread
 that started the loop.
 
-A bad ``SYNCLESS_SYNC_CHECK`` fails only a run with ``--sync-check`` (a usage
-error naming the variable, the value and the allowed values); every other
-run gets the one warning issued when :mod:`syncless.syncs` is imported.
+A bad ``SYNCLESS_SYNC_CHECK`` or ``SYNCLESS_SYNC_BACKEND`` fails only a run
+with ``--sync-check`` (a usage error naming the variable, the value and the
+allowed values); every other run gets the one warning issued when
+:mod:`syncless.syncs` is imported, and is otherwise unaffected.
 
 Everything it changes is put back at the end of the session; per-session
 state lives in ``config.stash``, not in module globals. Load it from a
@@ -39,7 +41,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from syncless import syncs
-from syncless.syncs import _hook, _report
+from syncless.syncs import _backend, _hook, _report, _state
 
 MARKER = "sync_checked"
 _WORKER_OUTPUT_KEY = "syncless_sync_check"
@@ -55,6 +57,7 @@ class _Session:
     workers_lost: list[str] = field(default_factory=list)
     workers_checked: bool = False  # at least one worker's detector was active
     workers_not_checked: str | None = None  # why not, as a worker said
+    failed_unchecked: bool = False  # mode error and nothing could be checked: the run fails
 
 
 _SESSION = pytest.StashKey[_Session]()
@@ -77,7 +80,7 @@ def _start(config: pytest.Config, wanted: str | None) -> None:
         return
     if wanted is None:
         return
-    bad_env = syncs.env_error()
+    bad_env = syncs.env_error() or _backend.env_error()
     if bad_env is not None:
         # Only a run that asks for the detector fails; any other run got the one warning at import.
         raise pytest.UsageError(f"--sync-check={wanted}: {bad_env}; fix or unset it")
@@ -136,10 +139,35 @@ def _checked_coroutine(body):
     return checked_body
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # Each test starts with every allowed(first_only=True) site unspent: a site spent by an earlier test would
+    # make this one's outcome depend on the order and on how pytest-xdist splits the tests.
+    if _SESSION in item.config.stash:
+        _state.forget_first_only_sites()
+
+
+def _nothing_checked(session: _Session) -> str | None:
+    """Why nothing was checked in this run (the report's words), or None if something was."""
+    if session.workers_gathered or session.workers_lost:
+        # pytest-xdist's controller runs no test: its workers say whether anything was checked.
+        return None if session.workers_checked else (session.workers_not_checked or "no pytest-xdist worker "
+                                                                                    "handed over its record")
+    return syncs.report().not_checked
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
     config = session.config
     output = getattr(config, "workeroutput", None)
-    if output is None or config.stash.get(_SESSION, None) is None:
+    state = config.stash.get(_SESSION, None)
+    if state is None:
+        return
+    if output is None:
+        # --sync-check=error is the strict form: a run in which nothing could be checked fails, as
+        # `syncless trace --fail-on-sync` does, instead of passing with "NOTHING WAS CHECKED".
+        if state.mode == "error" and _nothing_checked(state) is not None and session.exitstatus == pytest.ExitCode.OK:
+            state.failed_unchecked = True
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
         return
     # A pytest-xdist worker: hand the record to the controller (plain values: execnet carries no objects).
     found = syncs.report()
@@ -178,13 +206,17 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     if session.workers_gathered or session.workers_lost:
         # pytest-xdist's controller runs no test: the workers' records are the report, and so is their word on
         # whether anything was checked.
-        found.not_checked = None if session.workers_checked else session.workers_not_checked
+        found.not_checked = _nothing_checked(session)
         terminalreporter.write_line(f"(gathered from {len(session.workers_gathered)} pytest-xdist worker(s): "
                                     f"{', '.join(session.workers_gathered) or 'none'})")
         if session.workers_lost:
             terminalreporter.write_line(f"NOT INCLUDED: worker(s) {', '.join(session.workers_lost)} went down "
                                         "without handing over their record; syncs they saw are missing")
     terminalreporter.write_line(found.format(stacks=session.mode == "record"))
+    if session.failed_unchecked:
+        terminalreporter.write_line("syncless: --sync-check=error FAILS THIS RUN because nothing could be checked "
+                                    "(above). Without a GPU, try the plugin with --sync-check=warn or record: they "
+                                    "say the same and pass.", red=True, bold=True)
 
 
 def _put_back(session: _Session) -> None:

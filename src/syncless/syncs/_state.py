@@ -26,7 +26,6 @@ from contextvars import ContextVar, Token
 from types import FrameType
 
 from syncless._core import config
-from syncless._core.errors import ConfigError
 from syncless.syncs import _debugmode
 
 MODES = ("off", "warn", "error", "record")
@@ -36,20 +35,17 @@ _log = logging.getLogger(__name__)
 
 
 class SyncCheckConfigWarning(UserWarning):
-    """``SYNCLESS_SYNC_CHECK`` has a value that is not allowed; the detector runs as ``off``."""
+    """A detector setting read at import has a value that is not allowed; it falls back to its default.
+
+    ``SYNCLESS_SYNC_CHECK`` (the detector then runs as ``off``),
+    ``SYNCLESS_SYNC_BACKEND`` (then ``auto``) and, in :mod:`syncless.compat.vllm`,
+    ``VLLM_GPU_SYNC_CHECK`` (then unset).
+    """
 
 
-def _mode_from_env() -> tuple[str, str | None]:
-    """Return (mode, error message or None) for ``SYNCLESS_SYNC_CHECK``; never raises for a bad value."""
-    try:
-        return config.read(ENV_VAR), None
-    except ConfigError as err:
-        return "off", str(err)
-
-
-def _warn_once(message: str) -> None:
+def warn_bad_setting(message: str, consequence: str) -> None:
     """Issue the bad-value warning; under ``-W error`` log it instead, so that the import still succeeds."""
-    message = f"{message}; the hidden-sync detector stays off"
+    message = f"{message}; {consequence}"
     try:
         # Line 0 of this module: Python prints the warning as one line, with no source line under it.
         warnings.warn_explicit(message, SyncCheckConfigWarning, __file__, 0, module=__name__)
@@ -61,14 +57,14 @@ class _Settings:
     """Process-wide switches (one instance; the plugin saves and restores them)."""
 
     def __init__(self) -> None:
-        self.mode, self.env_error = _mode_from_env()
+        self.mode, self.env_error = config.read_or_default(ENV_VAR)
         self.enabled = False
         self.lock = threading.RLock()
 
 
 settings = _Settings()
 if settings.env_error is not None:
-    _warn_once(settings.env_error)
+    warn_bad_setting(settings.env_error, "the hidden-sync detector stays off")
 
 
 def env_error() -> str | None:

@@ -202,7 +202,7 @@ def _exit_status(code: object) -> int:
 
 
 def _run_as_main(code: types.CodeType, target: "_Target", argv: list[str]) -> int:
-    from syncless.cli import EXIT_INTERRUPTED, EXIT_TERMINATED, Terminated
+    from syncless._core.exits import EXIT_INTERRUPTED, EXIT_TERMINATED, Terminated
 
     main = types.ModuleType("__main__")
     main.__file__ = target.file

@@ -229,3 +229,19 @@ def test_a_killed_stage_is_said_to_be_killed_by_a_signal_without_a_traceback_to_
     assert err[0] == ("syncless doctor: error: stage 1: killed by signal 9 (SIGKILL: out of memory?) without a "
                       "result; a killed process leaves no traceback")
     assert not any("--debug" in line for line in err)
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["demo", "--stpes", "3"], "syncless demo: error: unrecognized arguments: --stpes 3 (see `syncless demo --help`)"),
+    (["demo", "--steps", "0"],
+     "syncless demo: error: argument --steps: must be at least 1, got 0 (see `syncless demo --help`)"),
+    (["doctor", "--jsn"], "syncless doctor: error: unrecognized arguments: --jsn (see `syncless doctor --help`)"),
+    (["--bogus"], "syncless: error: unrecognized arguments: --bogus (see `syncless --help`)"),
+])
+def test_a_usage_error_is_one_line_naming_the_subcommand_and_its_help(argv, line, capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli.main(argv)
+    assert stop.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.err == line + "\n"  # no usage block before it, and not the top level's
+    assert captured.out == ""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import pathlib
 import subprocess
 import sys
 import warnings
@@ -58,7 +59,8 @@ def _fresh_import(env_value):
     return done.stdout.splitlines(), done.stderr
 
 
-@pytest.mark.parametrize("value, expected", [(None, "None"), ("", "None"), ("warn", "'warn'"), (" Error ", "'error'")])
+@pytest.mark.parametrize("value, expected", [(None, "None"), ("", "None"), ("off", "None"), (" OFF ", "None"),
+                                             ("warn", "'warn'"), (" Error ", "'error'")])
 def test_the_variable_is_read_at_import(value, expected):
     out, err = _fresh_import(value)
     assert out[0] == expected
@@ -68,17 +70,25 @@ def test_the_variable_is_read_at_import(value, expected):
     assert "VLLM_GPU_SYNC_CHECK" not in err
 
 
-def test_a_bad_value_warns_and_leaves_the_check_off():
+def test_a_bad_value_warns_at_the_users_import_and_leaves_the_check_off(tmp_path):
     out, err = _fresh_import("loud")
     assert out[0] == "None"
-    assert "VLLM_GPU_SYNC_CHECK='loud' is not one of: unset (off), warn, error" in err
-    with pytest.warns(syncs.SyncCheckConfigWarning, match="VLLM_GPU_SYNC_CHECK='1'"):
+    assert "VLLM_GPU_SYNC_CHECK='loud' is not one of: unset or off, warn, error" in err
+    with pytest.warns(syncs.SyncCheckConfigWarning, match="VLLM_GPU_SYNC_CHECK='1'") as caught:
         assert vllm.mode_from_env({vllm.ENV_VAR: "1"}) is None
+    assert caught[0].filename == __file__  # the caller's line, not compat/vllm.py
+    # Imported from the user's file: the warning names that file's import line.
+    script = tmp_path / "worker.py"
+    script.write_text("import os\nimport syncless.compat.vllm\n")
+    env = {**os.environ, vllm.ENV_VAR: "loud", "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120,
+                          check=True)
+    assert done.stderr.startswith(f"{script}:2: SyncCheckConfigWarning: VLLM_GPU_SYNC_CHECK='loud'"), done.stderr
 
 
 def test_off_changes_nothing(monkeypatch, detector_restored):
     monkeypatch.setattr(vllm, "_SYNC_CHECK_MODE", None)
-    syncs.set_mode("record")  # syncless's own mode does not turn the vLLM names on
+    syncs.set_mode("off")  # and syncless's own mode is off too
 
     def step():
         return 1
@@ -91,6 +101,61 @@ def test_off_changes_nothing(monkeypatch, detector_restored):
         assert not syncs.is_enabled() and fake.history == []
     with pytest.raises(TypeError, match=r"gpu_sync_allowed\(first_only=...\) expects a bool, got str"):
         vllm.gpu_sync_allowed(first_only="yes")
+
+
+@pytest.mark.parametrize("native_mode", ["error", "warn"])
+def test_the_vllm_names_follow_syncless_own_mode_when_theirs_is_unset(monkeypatch, detector_restored, native_mode):
+    # SYNCLESS_SYNC_CHECK=error or pytest --sync-check=error, with VLLM_GPU_SYNC_CHECK unset: an intended sync
+    # allowed with the vLLM name passes, as it does with syncs.allowed(); a hidden one is caught.
+    monkeypatch.setattr(vllm, "_SYNC_CHECK_MODE", None)
+    syncs.set_mode(native_mode)
+
+    @vllm.with_gpu_sync_check
+    def step(plant):
+        if plant == "allowed":
+            with vllm.gpu_sync_allowed():
+                torch_sync_warning()
+        elif plant == "native":
+            with syncs.allowed():
+                torch_sync_warning()
+        else:
+            torch_sync_warning()
+
+    with _debugmode.fake():
+        vllm.enable_gpu_sync_check()
+        assert syncs.is_enabled() and syncs.mode() == native_mode
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # an allowed sync neither raises nor warns
+            step("allowed")
+            step("native")
+        if native_mode == "error":
+            with pytest.raises(SyncViolation):
+                step("hidden")
+        else:
+            with pytest.warns(syncs.SyncWarning):
+                step("hidden")
+        syncs.disable()
+
+
+def test_setting_the_vllm_mode_back_to_none_gives_syncless_its_own_mode_back(monkeypatch, detector_restored):
+    syncs.set_mode("record")
+    monkeypatch.setattr(vllm, "_SYNC_CHECK_MODE", "error")
+    vllm.with_gpu_sync_check(lambda: None)
+    assert syncs.mode() == "error"
+    monkeypatch.setattr(vllm, "_SYNC_CHECK_MODE", "warn")
+    vllm.gpu_sync_allowed()
+    assert syncs.mode() == "warn"
+    monkeypatch.setattr(vllm, "_SYNC_CHECK_MODE", None)
+    vllm.gpu_sync_allowed()
+    assert syncs.mode() == "record"  # what it was before the vLLM mode overrode it
+    # A mode set by hand meanwhile is kept: the vLLM names put back only what they changed.
+    monkeypatch.setattr(vllm, "_SYNC_CHECK_MODE", "error")
+    vllm.enable_gpu_sync_check()
+    syncs.disable()
+    syncs.set_mode("warn")
+    monkeypatch.setattr(vllm, "_SYNC_CHECK_MODE", None)
+    vllm.gpu_sync_allowed()
+    assert syncs.mode() == "warn"
 
 
 @pytest.mark.parametrize("compiled_first", [True, False], ids=["warm-up-before-enable", "compiled-after-enable"])
@@ -186,3 +251,21 @@ def test_install_without_cuda_patches_nothing(monkeypatch):
         pytest.skip("this checks a torch without CUDA")
     assert vllm.install() is False
     assert not cc.is_installed()
+
+
+def test_the_port_table_says_what_each_seed_name_does_and_raises():
+    # docs/porting-from-vllm.md: one row per name of the seed's sync check and CC modules, saying what ours does
+    # and what it raises (or that it raises nothing), and the differences a port meets (#35 items 6 and 7).
+    page = (pathlib.Path(__file__).resolve().parents[3] / "docs" / "porting-from-vllm.md").read_text()
+    rows = {line.split("|")[1].strip(): line for line in page.splitlines() if line.startswith("| ") and line.count("|") > 2}
+    seed_names = ["`VLLM_GPU_SYNC_CHECK`", "module attribute `_SYNC_CHECK_MODE`", "`enable_gpu_sync_check()`",
+                  "`with_gpu_sync_check(fn)`", "`gpu_sync_allowed(first_only=False)`", "`install()`",
+                  "`new_external_d2h_stream(device=None)`", "`register_inplace_h2d_target(t)`"]
+    for name in seed_names:
+        row = next((line for key, line in rows.items() if key.startswith(name)), None)
+        assert row is not None, f"no row for {name}"
+        assert "Raises" in row or "raises" in row, f"the row for {name} does not say what it raises: {row}"
+    assert "`RuntimeError` in mode `error`" in rows and "`SYNC_ERROR_MESSAGE`" in rows
+    differences = page[page.index("### The sync check"):page.index("### Confidential Computing copies")]
+    assert "One mode for the process, not one per decorated function" in differences
+    assert "`first_only` and warm-up" in differences

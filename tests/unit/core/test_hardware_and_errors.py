@@ -82,3 +82,22 @@ def test_building_the_command_line_imports_no_torch():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_no_module_of_syncless_imports_the_command_line():
+    """The subcommands' modules raise UsageError and use the exit statuses from _core.exits, not from cli."""
+    import pathlib
+    import re
+
+    import syncless
+
+    root = pathlib.Path(syncless.__file__).parent
+    importers = [str(path.relative_to(root)) for path in sorted(root.rglob("*.py"))
+                 if path.name not in ("cli.py", "__main__.py")
+                 and re.search(r"^\s*(from syncless\.cli import|from syncless import cli\b|import syncless\.cli)",
+                               path.read_text(), flags=re.MULTILINE)]
+    assert importers == [], f"these modules import syncless.cli: {importers}"
+    from syncless import cli
+    from syncless._core import exits
+
+    assert cli.UsageError is exits.UsageError and cli.EXIT_USAGE == exits.EXIT_USAGE == 2

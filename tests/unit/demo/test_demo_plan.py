@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from syncless.cli import UsageError
+from syncless._core.exits import UsageError
 from syncless.demo import add_arguments, plan
 from syncless.demo._config import PRESETS, split_layers
 from syncless.demo._model import Stage

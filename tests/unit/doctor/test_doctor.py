@@ -1,6 +1,9 @@
 """``syncless doctor`` runs anywhere, names what is missing, and renders a two-GPU report."""
 
 import json
+import os
+import subprocess
+import sys
 
 from syncless import cli
 from syncless._core.hardware import cuda_device_count
@@ -89,6 +92,39 @@ def test_doctor_reports_a_bad_sync_check_instead_of_failing_to_load_the_detector
     # The build decides whether the detector can run, not the bad setting (which is reported above).
     expected = "no" if torch.version.cuda is None else "yes"
     assert f"can check syncs with this torch build: {expected} (" in out
+
+
+def test_a_bad_sync_backend_is_marked_by_doctor_in_a_fresh_process_and_falls_back_to_auto():
+    # A fresh process: the backend is read when syncless.syncs is imported, which this process did long ago.
+    env = {**os.environ, "SYNCLESS_SYNC_BACKEND": "cuptii"}
+    done = subprocess.run([sys.executable, "-m", "syncless", "doctor"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1, done.stderr
+    text = "SYNCLESS_SYNC_BACKEND='cuptii' is not valid; allowed: auto, torch, cupti"
+    assert f"SYNCLESS_SYNC_BACKEND = cuptii (env)  <- INVALID: {text}" in done.stdout
+    assert f"setting error: {text}; auto is used until it is fixed or unset" in done.stdout
+    assert "requested: auto" in done.stdout
+    assert done.stderr == "", done.stderr  # the command line says it once, in the report, not as a warning too
+
+
+def test_doctor_shows_vllm_gpu_sync_check_and_marks_a_bad_value(monkeypatch, capsys):
+    monkeypatch.setenv("VLLM_GPU_SYNC_CHECK", "error")
+    cli.main(["doctor"])
+    out = capsys.readouterr().out
+    assert "VLLM_GPU_SYNC_CHECK = error (syncless.compat.vllm sets syncless's mode to 'error')" in out
+    monkeypatch.setenv("VLLM_GPU_SYNC_CHECK", "loud")
+    assert cli.main(["doctor"]) == 1
+    captured = capsys.readouterr()
+    assert ("VLLM_GPU_SYNC_CHECK = loud  <- INVALID: VLLM_GPU_SYNC_CHECK='loud' is not one of: unset or off, warn, "
+            "error") in captured.out
+    assert "1 setting(s) to fix above" in captured.out
+    report = json.loads(_doctor_json(capsys))
+    assert [row["name"] for row in report["other_variables"]] == ["VLLM_GPU_SYNC_CHECK"]
+
+
+def _doctor_json(capsys):
+    cli.main(["doctor", "--json"])
+    return capsys.readouterr().out
 
 
 def test_doctor_flags_a_misspelt_name_with_the_likely_one(monkeypatch, capsys):
