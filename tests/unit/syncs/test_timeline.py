@@ -356,3 +356,17 @@ def test_trace_refuses_a_timeline_it_cannot_write(tmp_path, capsys, restored_glo
     script.write_text(SCRIPT)
     assert run_trace(["--timeline", str(tmp_path / "out.txt"), str(script)]) == 2
     assert "--timeline writes .json" in capsys.readouterr().err
+
+
+def test_the_profilers_ts_counts_realtime_microseconds_from_its_base(tmp_path):
+    """The clock docs/syncs.md names: ts * 1000 + baseTimeNanoseconds lies between time.time_ns() before and after."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        before = time.time_ns()
+        with record_function("probe"):
+            time.sleep(0.001)
+        after = time.time_ns()
+    trace, events = profiler_events(prof, tmp_path)
+    (probe,) = named(events, "probe")
+    start_ns = round(probe["ts"] * 1000) + trace["baseTimeNanoseconds"]
+    assert before <= start_ns <= start_ns + round(probe["dur"] * 1000) <= after
+    assert trace["baseTimeNanoseconds"] == _chrome_trace.base_ns(before)
