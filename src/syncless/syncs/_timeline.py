@@ -148,15 +148,19 @@ def _update() -> None:
     _state.settings.timeline = state.recording
 
 
+def _bool(on: object, caller: str) -> bool:
+    if on is not True and on is not False:
+        raise TypeError(f"{caller} expects a bool, got {type(on).__name__} {on!r}")
+    return on
+
+
 def set_nvtx(on: bool) -> None:
     """Put each recorded sync on the NVTX row too (``torch.cuda.nvtx``), or stop; overrides ``SYNCLESS_SYNC_NVTX``.
 
     Raises:
         TypeError: ``on`` is not a bool.
     """
-    if on is not True and on is not False:
-        raise TypeError(f"set_nvtx expects a bool, got {type(on).__name__} {on!r}")
-    state.nvtx = on
+    state.nvtx = _bool(on, "set_nvtx")
     _update()
 
 
@@ -169,9 +173,7 @@ def record_timeline(on: bool = True) -> None:
     Raises:
         TypeError: ``on`` is not a bool.
     """
-    if on is not True and on is not False:
-        raise TypeError(f"record_timeline expects a bool, got {type(on).__name__} {on!r}")
-    state.recording = on
+    state.recording = _bool(on, "record_timeline")
     _update()
 
 

@@ -21,6 +21,7 @@ detector holds CUPTI, and the profiler's CUDA activities would be lost.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -70,31 +71,38 @@ def queue_gpu_work(ms: float) -> None:
     torch.cuda._sleep(int(_cycles_per_ms[0] * ms))
 
 
-@pytest.fixture(params=["torch", "cupti"])
-def backend(request, cuda_device):
-    """The detector in record mode with the given backend, the timeline recorded; everything put back after."""
-    if request.param == "cupti":
-        require_cupti()
+@contextlib.contextmanager
+def detector(backend: str):
+    """The detector in record mode with ``backend``, the timeline recorded; everything put back after."""
     mode_before, backend_before = syncs.mode(), _backend.backend.requested
     if syncs.is_enabled():
         syncs.disable()
     syncs.set_mode("record")
-    syncs.set_backend(request.param)
+    syncs.set_backend(backend)
     syncs.reset()
     syncs.record_timeline(True)
+    queue_gpu_work(0)  # calibrates, before enable(): its event wait is not the test's
     torch.cuda.synchronize()
     assert syncs.enable(), "the detector must be active on a GPU machine"
-    with syncs.checking():
-        pass  # the first region takes CUPTI (cupti backend) before any profiler starts
     try:
-        yield request.param
-        assert syncs.backend_choice().active == request.param, syncs.backend_choice()
+        with syncs.checking():
+            pass  # the first region takes CUPTI (cupti backend) before any profiler starts
+        yield
+        assert syncs.backend_choice().active == backend, syncs.backend_choice()
     finally:
         syncs.disable()
         syncs.record_timeline(False)
         syncs.reset()
         syncs.set_backend(backend_before)
         syncs.set_mode(mode_before)
+
+
+@pytest.fixture(params=["torch", "cupti"])
+def backend(request, cuda_device):
+    if request.param == "cupti":
+        require_cupti()
+    with detector(request.param):
+        yield request.param
 
 
 def save(prof, name: str, tmp_path: Path) -> list[dict]:
@@ -170,18 +178,9 @@ def test_the_picture_for_the_docs(cuda_device, tmp_path):
         require_cupti()
     except pytest.skip.Exception:
         use = "torch"
-    mode_before, backend_before = syncs.mode(), _backend.backend.requested
-    if syncs.is_enabled():
-        syncs.disable()
-    syncs.set_mode("record")
-    syncs.set_backend(use)
-    syncs.reset()
-    syncs.record_timeline(True)
     x = torch.randn(1 << 20, device=cuda_device)
     pageable = torch.empty(1 << 20)
-    torch.cuda.synchronize()
-    assert syncs.enable()
-    try:
+    with detector(use):
         def worker():
             for _ in range(3):
                 with syncs.checking():
@@ -205,11 +204,5 @@ def test_the_picture_for_the_docs(cuda_device, tmp_path):
         found.to_chrome_trace(folder / "timeline.json")
         found.plot(folder / "timeline.png")
         print(found.format(stacks=False))
-        assert len(found.timeline.regions) == 11 and found.timeline.syncs
+        assert len(found.timeline.regions) == 12 and found.timeline.syncs  # and the warm-up region
         assert (folder / "timeline.png").stat().st_size > 0
-    finally:
-        syncs.disable()
-        syncs.record_timeline(False)
-        syncs.reset()
-        syncs.set_backend(backend_before)
-        syncs.set_mode(mode_before)
