@@ -156,6 +156,13 @@ _declare(
     "needs syncless[cupti]), auto (cupti when installed and free).",
 )
 _declare(
+    "SYNCLESS_SYNC_NVTX",
+    _boolean,
+    "0",
+    "1, true, yes, on / 0, false, no, off",
+    "Also put each recorded hidden sync on the NVTX row (torch.cuda.nvtx) for Nsight Systems (read once at import).",
+)
+_declare(
     "SYNCLESS_CC",
     _choice("auto", "on", "off", "emulate"),
     "auto",

@@ -15,7 +15,13 @@ Measured in one run, host time per call (median of repeats of a timed loop):
   inside a region), entering and leaving a region (CUPTI is subscribed and
   let go), a non-blocking pinned copy inside a region (its callback runs and
   asks the driver what memory it copies), and a detected sync: a raw
-  ``cuStreamSynchronize`` on an idle stream, reported each time.
+  ``cuStreamSynchronize`` on an idle stream, reported each time;
+* the timeline (``syncs.record_timeline``, torch.profiler, NVTX): the check
+  made per recorded sync while every sink is off (a flag read and torch's
+  profiler flag), and the time each sink adds to one recorded sync (an
+  ``.item()`` of an idle GPU tensor; on the CPU the stand-in warning)
+  against the same sync allowed (not recorded, nothing emitted) under the
+  same sinks.
 
 On a GPU the copies are ``non_blocking`` pinned host-to-device copies of
 4 KiB (enqueued on the current stream; the host only enqueues) and the real
@@ -199,6 +205,71 @@ def measure_cupti(torch: Any, batches: int, progress: Callable[[str], None]) -> 
     return rows, {"cupti": results}
 
 
+def measure_timeline(torch: Any, on_gpu: bool, repeats: int, progress: Callable[[str], None]) -> list[list[Any]]:
+    """What the timeline costs per recorded sync (see the module docstring); the detector is enabled in record mode.
+
+    Returns rows ``[what, ns per sync allowed, ns per sync recorded, us added by the sink]``: what a sink adds is
+    the recorded sync's time with it against without any sink (the first row: the check alone).
+    """
+    import functools
+    import warnings
+
+    from syncless import syncs
+    from syncless.syncs import _hook, _timeline
+
+    if on_gpu:
+        value = torch.ones(1, device="cuda")
+        sync = value.item
+    else:  # what torch issues for a sync, from C code on the caller's line (the detector's CPU tests do this)
+        sync = functools.partial(warnings.warn, _hook.TORCH_SYNC_TEXT, UserWarning)
+    per_batch = 200
+
+    def syncs_in(block: Callable[[], Any]) -> Callable[[int], None]:
+        def body(n: int) -> None:
+            for _ in range(n):
+                with syncs.checking(), block():
+                    for _ in range(per_batch):
+                        sync()
+        return body
+
+    def per_sync(block: Callable[[], Any]) -> float:
+        return _ns_per_call(syncs_in(block), 1, repeats) / per_batch
+
+    def profiler() -> Any:
+        return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+
+    saved = (_timeline.state.nvtx, _timeline.state.recording)
+    rows: list[list[Any]] = []
+    try:
+        syncs.set_nvtx(False)
+        syncs.record_timeline(False)
+        check = _ns_per_call(_call_loop(_timeline.is_live), 100_000, repeats)
+        rows.append(["the check per recorded sync, every sink off (no work after it)", 0.0, check, check / 1000])
+        sinks: list[tuple[str, Callable[[], None], Callable[[], Any]]] = [
+            ("sinks off", lambda: None, contextlib.nullcontext),
+            ("record_timeline(True)", lambda: syncs.record_timeline(True), contextlib.nullcontext),
+            ("torch.profiler active (CPU activities)", lambda: None, profiler),
+        ]
+        if on_gpu:
+            sinks.append(("NVTX on (torch.cuda.nvtx)", lambda: syncs.set_nvtx(True), contextlib.nullcontext))
+        recorded_off = None
+        for what, switch_on, outer in sinks:
+            switch_on()
+            with outer():
+                allowed_ns = per_sync(syncs.allowed)
+                recorded_ns = per_sync(contextlib.nullcontext)
+            syncs.set_nvtx(False)
+            syncs.record_timeline(False)
+            syncs.reset()
+            recorded_off = recorded_ns if recorded_off is None else recorded_off
+            rows.append([f"one sync, {what}", allowed_ns, recorded_ns, (recorded_ns - recorded_off) / 1000])
+            progress(f"timeline, {what}: {allowed_ns:.0f} ns allowed, {recorded_ns:.0f} ns recorded")
+    finally:
+        syncs.set_nvtx(saved[0])
+        syncs.record_timeline(saved[1])
+    return rows
+
+
 def run(args: Any, progress: Callable[[str], None]) -> BenchOutput:
     """Measure the detector's costs; see the module docstring."""
     import torch
@@ -216,7 +287,7 @@ def run(args: Any, progress: Callable[[str], None]) -> BenchOutput:
     mode_before, enabled_before = syncs.mode(), syncs.is_enabled()
     if enabled_before:
         syncs.disable()
-    rows_allowed, rows_region, rows_copy, rows_cupti = [], [], [], []
+    rows_allowed, rows_region, rows_copy, rows_cupti, rows_timeline = [], [], [], [], []
     cupti_skipped = ""
     backend_before = _backend.backend.requested
     data: dict[str, Any] = {"on_gpu": on_gpu, "loops": loops, "copy_batches": copy_batches, "copy_batch": COPY_BATCH, "repeats": repeats}
@@ -265,7 +336,10 @@ def run(args: Any, progress: Callable[[str], None]) -> BenchOutput:
             if report:
                 raise RuntimeError("the benchmark's own copies were reported:\n" + report.format())
 
-            # 4. the CUPTI backend, where there is a GPU and cupti-python.
+            # 4. the timeline's sinks, per recorded sync (torch backend).
+            rows_timeline = measure_timeline(torch, on_gpu, repeats, progress)
+
+            # 5. the CUPTI backend, where there is a GPU and cupti-python.
             if on_gpu and importlib.util.find_spec("cupti") is not None:
                 rows_cupti, cupti_data = measure_cupti(torch, copy_batches, progress)
                 data.update(cupti_data)
@@ -286,7 +360,7 @@ def run(args: Any, progress: Callable[[str], None]) -> BenchOutput:
             if enabled_before:
                 syncs.enable()
 
-    data.update(allowed=rows_allowed, region=rows_region, copies=rows_copy)
+    data.update(allowed=rows_allowed, region=rows_region, copies=rows_copy, timeline=rows_timeline)
     worst_added_us = max(row[3] for row in rows_copy)
     goals = [
         Goal(f"disabled allowed() vs bare nullcontext ({'GPU' if on_gpu else 'CPU'})", rows_allowed[1][2], ALLOWED_GOAL_RATIO, "x"),
@@ -302,6 +376,9 @@ def run(args: Any, progress: Callable[[str], None]) -> BenchOutput:
         ("Entering and leaving a checked region (detector on)", ["what", "ns per use", "added ns"], rows_region),
         (f"Copies: {copy_kind}", ["op", "original ns", "wrapped ns", "added us", "in region ns", "added in region us"], rows_copy),
     ]
+    if rows_timeline:
+        tables.append(("The timeline: per recorded sync, against the same sync allowed (torch backend)",
+                       ["what", "sync allowed ns", "sync recorded ns", "added by the sink us"], rows_timeline))
     if rows_cupti:
         tables.append(("CUPTI backend against the torch backend (host ns per call; a region holds CUPTI while active)",
                        ["what", "torch backend ns", "cupti backend ns", "added us"], rows_cupti))

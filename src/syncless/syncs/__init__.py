@@ -35,8 +35,11 @@ host waits (``torch.cuda.synchronize()``, ``Event.synchronize()``, ...)
 through wrappers of those. With the CUPTI backend (``set_backend``,
 ``SYNCLESS_SYNC_BACKEND``, extra ``syncless[cupti]``) every driver/runtime
 call that blocks the host is seen too, from any library, with the host time
-it blocked (see ``docs/syncs.md``). Nothing here enqueues GPU work or blocks
-the host by itself.
+it blocked (see ``docs/syncs.md``). Each recorded sync also shows on a
+timeline: as a range in an active ``torch.profiler`` trace, on NVTX
+(:func:`set_nvtx`), and, with :func:`record_timeline`, in
+``report().to_chrome_trace()`` and ``report().plot()``. Nothing here enqueues
+GPU work or blocks the host by itself.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from syncless.syncs._backend import backend as _layers
 from syncless.syncs._backend import choice as backend_choice
 from syncless.syncs._report import SyncReport, SyncSite, SyncWarning, Violation, recorder
 from syncless.syncs._state import MODES, SyncCheckConfigWarning, env_error, settings
+from syncless.syncs._timeline import Timeline, TimelineRegion, TimelineSync, record_timeline, set_nvtx
 
 __all__ = [
     "BACKENDS",
@@ -68,6 +72,9 @@ __all__ = [
     "SyncSite",
     "SyncViolation",
     "SyncWarning",
+    "Timeline",
+    "TimelineRegion",
+    "TimelineSync",
     "Violation",
     "allowed",
     "backend_choice",
@@ -79,10 +86,12 @@ __all__ = [
     "is_enabled",
     "mode",
     "print_report",
+    "record_timeline",
     "report",
     "reset",
     "set_backend",
     "set_mode",
+    "set_nvtx",
 ]
 
 _log = logging.getLogger(__name__)
@@ -367,6 +376,6 @@ def print_report(file: Any = None, stacks: bool = True) -> None:
 
 
 def reset() -> None:
-    """Forget the recorded sites and which ``allowed(first_only=True)`` sites were entered."""
+    """Forget the recorded sites, the timeline, and which ``allowed(first_only=True)`` sites were entered."""
     recorder.reset()
     _state.forget_first_only_sites()

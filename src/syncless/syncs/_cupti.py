@@ -32,7 +32,7 @@ from syncless._core.driver_waits import is_standing_for_the_driver
 from syncless._core.cuda import DRIVER_HINT, import_optional
 from syncless._core.errors import MissingDependencyError
 from syncless.syncs import _cupti_rules as rules
-from syncless.syncs import _merge, _report, _state
+from syncless.syncs import _merge, _report, _state, _timeline
 from syncless.syncs._cupti_rules import ApiRule
 
 INSTALL_HINT = "install it with `pip install 'syncless[cupti]'` (cupti-python matching the driver's CUDA version)"
@@ -221,6 +221,9 @@ class Subscriber:
                 return  # inside another watched call of this thread: that one counts
             local.reason = None
             local.reason = self._decide(watched, cbdata)
+            # A range around the call in torch.profiler / NVTX, opened before it blocks (._timeline).
+            local.span = (_timeline.open_span(sys._getframe(1))
+                          if local.reason is not None and _timeline.is_live() else None)
             local.started_ns = time.perf_counter_ns()
             return
         if depth == 0:
@@ -228,8 +231,10 @@ class Subscriber:
         local.depth = depth - 1
         if depth > 1 or local.reason is None:
             return
-        blocked_ns = time.perf_counter_ns() - local.started_ns
-        self._report(watched, local.reason, blocked_ns, sys._getframe(1))
+        returned_ns = time.perf_counter_ns()
+        if local.span is not None:
+            _timeline.close_span(local.span)
+        self._report(watched, local.reason, returned_ns - local.started_ns, sys._getframe(1), returned_ns)
 
     def _decide(self, watched: _Watched, cbdata) -> str | None:
         """Return why this call blocks the host, or None (at the call's entry)."""
@@ -267,20 +272,24 @@ class Subscriber:
             dst = self._pointer_types(words[layout.dst])
         return rules.copy_blocks(layout.is_async, src, dst)
 
-    def _report(self, watched: _Watched, reason: str, blocked_ns: int, start) -> None:
+    def _report(self, watched: _Watched, reason: str, blocked_ns: int, start, returned_ns: int) -> None:
         if not _state.is_violation_context():
             _merge.cupti_join(start, watched.name, reason, blocked_ns)
             return
         if _report.is_under_compile(start):
             return  # compile-time work (torch.compile, triton autotuning) synchronizes by design
+        # When the call returned (perf_counter_ns), on the timeline's clock (time.time_ns).
+        returned_ns = time.time_ns() - (time.perf_counter_ns() - returned_ns)
         violation = _report.locate(watched.kind, rules.operation_text, watched.fix, start)
         if violation is None:
             return
+        violation.at_ns = returned_ns
         violation.layers = (_report.LAYER_CUPTI,)
         violation.apis = {watched.name: 1}
         violation.reasons = {watched.name: reason}
         violation.blocked_ns = blocked_ns
         violation.timed = True
+        _timeline.take_cupti(violation)
         _merge.cupti_event(violation)
 
 

@@ -23,6 +23,7 @@ import os
 import sys
 import sysconfig
 import threading
+import time
 import traceback
 import warnings
 from contextvars import ContextVar
@@ -31,6 +32,7 @@ from types import FrameType
 
 import syncless
 from syncless._core.errors import SyncViolation
+from syncless.syncs import _timeline
 from syncless.syncs._state import settings
 
 
@@ -245,6 +247,7 @@ class Violation:
             back together (their CUDA calls and blocked time summed, ``blocked_max_ns`` the longest one).
         via: the installed package's frame the sync was made through (``package/file.py:line (function)``,
             relative to its site-packages), empty when the user's frame made it directly.
+        at_ns: when it was seen, ``time.time_ns()`` (for CUPTI, when the call returned).
     """
 
     kind: str
@@ -264,6 +267,7 @@ class Violation:
     repeats: int = field(default=1, repr=False, compare=False)
     blocked_max_ns: int = field(default=0, repr=False, compare=False)
     via: str = ""
+    at_ns: int = field(default_factory=time.time_ns, repr=False, compare=False)  # when seen (the timeline's clock)
 
     def absorb(self, other: "Violation") -> None:
         """Fold another layer's view of the same sync into this one (no second count)."""
@@ -500,11 +504,25 @@ class SyncReport:
         not_checked: why nothing could be checked (the detector never became
             active since the record started), or None when it was active.
         backend: which layers checked, in words (e.g. ``"torch + CUPTI"``), and why CUPTI was not used.
+        timeline: each sync with its time and each checked region, while ``syncs.record_timeline()`` was on.
     """
 
     sites: list[SyncSite] = field(default_factory=list)
     not_checked: str | None = None
     backend: str = ""
+    timeline: _timeline.Timeline | None = None
+
+    def to_chrome_trace(self, path) -> None:
+        """Write :attr:`timeline` as Chrome trace-event JSON (Perfetto, ``chrome://tracing``); see ``._chrome_trace``."""
+        from syncless.syncs import _chrome_trace
+
+        _chrome_trace.write(self, path)
+
+    def plot(self, path) -> None:
+        """Draw :attr:`timeline` to an image (one lane per thread; needs matplotlib); see ``._plot``."""
+        from syncless.syncs import _plot
+
+        _plot.plot(self, path)
 
     @property
     def total(self) -> int:
@@ -620,11 +638,12 @@ class _Recorder:
         with self._lock:
             # Copies, taken under the lock: the record keeps changing on other threads, a report does not.
             sites = sorted((site.snapshot() for site in self._sites.values()), key=lambda s: (-s.count, s.site))
-        return SyncReport(sites, self.not_checked, self.backend)
+        return SyncReport(sites, self.not_checked, self.backend, _timeline.snapshot())
 
     def reset(self) -> None:
         with self._lock:
             self._sites.clear()
+        _timeline.forget()
 
     def print_at_exit(self) -> None:
         """Arrange for the record to be printed (to stderr) when the process exits."""
@@ -680,6 +699,7 @@ def handle(violation: Violation, forward_warning=None) -> None:
     events = region_events.get()
     if events is not None:
         merge_into_torch_level(events, violation)
+    _timeline.take_reported(violation)
     record_and_act(violation, forward_warning)
 
 

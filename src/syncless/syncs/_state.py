@@ -21,6 +21,7 @@ import inspect
 import logging
 import sys
 import threading
+import time
 import warnings
 from contextvars import ContextVar, Token
 from types import FrameType
@@ -59,6 +60,7 @@ class _Settings:
     def __init__(self) -> None:
         self.mode, self.env_error = config.read_or_default(ENV_VAR)
         self.enabled = False
+        self.timeline = False  # syncs.record_timeline(): regions are kept with their times (._timeline)
         self.lock = threading.RLock()
 
 
@@ -150,6 +152,12 @@ def _not_installed() -> None:
 
 # Set by ._hook when it is imported: puts the warnings hook and filter back in front.
 reassert_warnings = _not_installed
+def _no_timeline(started_ns: int) -> None:
+    return None
+
+
+# Set by ._timeline: keeps an outermost checked region that started at ``started_ns`` (time.time_ns()) and ends now.
+on_region_closed = _no_timeline
 
 # Call sites of allowed(first_only=True) already entered once: (filename, line).
 _first_only_seen: set[tuple[str, int]] = set()
@@ -188,7 +196,8 @@ class RegionToken:
         events: the CUPTI layer's state of an outermost checked region (set by ``._backend``).
     """
 
-    __slots__ = ("depth_token", "owner_token", "owner", "outermost", "level", "scope", "events", "events_token")
+    __slots__ = ("depth_token", "owner_token", "owner", "outermost", "level", "scope", "events", "events_token",
+                 "started_ns")
 
     def __init__(self, depth_token: Token[int], owner_token: Token, owner: _Owner, outermost: bool, level: int):
         self.depth_token = depth_token
@@ -199,6 +208,7 @@ class RegionToken:
         self.scope: int | None = None
         self.events = None
         self.events_token: Token | None = None
+        self.started_ns = 0  # time.time_ns() at entry, while the timeline is recorded
 
 
 def _enter(depth: ContextVar[int], owner: ContextVar[_Owner | None]) -> RegionToken:
@@ -254,6 +264,8 @@ def enter_checked() -> RegionToken | None:
         exit_checked(token)
         return None
     reassert_warnings()
+    if settings.timeline and token.outermost:
+        token.started_ns = time.time_ns()
     return token
 
 
@@ -261,6 +273,8 @@ def exit_checked(token: RegionToken | None) -> None:
     """Leave the region entered with ``token`` (on any thread: the disarm always happens)."""
     if token is None:
         return
+    if token.started_ns:
+        on_region_closed(token.started_ns)
     try:
         _leave(token, checked_depth, _checked_owner)
     finally:

@@ -1,4 +1,4 @@
-"""``syncless trace [--fn module:qualname]... [--fail-on-sync] (script.py | -m module) [args...]``.
+"""``syncless trace [--fn module:qualname]... [--fail-on-sync] [--timeline out.json|out.png] (script.py | -m module) [args...]``.
 
 Runs a script (or, with ``-m``, a module, as ``python -m`` does) as
 ``__main__`` with the named functions checked in ``record`` mode, then
@@ -17,7 +17,9 @@ re-exports it). A class is refused: its methods are named instead.
 Exit status: the script's, as Python gives it; with ``--fail-on-sync``, 1
 when the script succeeded but a sync was recorded or nothing could be
 checked. Ctrl-C (or SIGTERM) prints the report gathered so far, marked as
-interrupted, and exits 130 (143). See ``docs/trace.md``.
+interrupted, and exits 130 (143). ``--timeline PATH`` also records the
+timeline and writes it there: Chrome trace-event JSON for ``.json``, a
+picture (matplotlib) for ``.png``/``.svg``/``.pdf``. See ``docs/trace.md``.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from pathlib import Path
 
 from syncless import syncs
 from syncless._core.errors import MissingDependencyError
-from syncless.syncs import _backend
+from syncless.syncs import _backend, _timeline
 
 _DECORATOR_NAME = "__syncless_checked__"
 
@@ -62,6 +64,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="exit with status 1 when a hidden sync was recorded, or nothing could be checked, although the "
         "script succeeded; for CI (default: off, the script's own exit status)",
     )
+    parser.add_argument(
+        "--timeline",
+        default=None,
+        metavar="PATH",
+        help="also write the syncs and checked regions on a timeline: Chrome trace JSON (PATH ends in .json, "
+        "for Perfetto or chrome://tracing) or a picture (.png, .svg, .pdf; needs matplotlib) (default: none)",
+    )
     # REMAINDER: everything after the module's name goes to it, as with `python -m module ARGS`.
     parser.add_argument("-m", dest="module", nargs=argparse.REMAINDER, default=None, metavar="MODULE",
                         help="run a module as `python -m MODULE` does, instead of a script (default: none)")
@@ -71,7 +80,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
                         help="arguments passed to the script (default: none)")
     parser.usage = ("%(prog)s [-h] [--debug] [--fn MODULE:QUALNAME]... [--backend {auto,torch,cupti}] "
-                    "[--fail-on-sync] {script [ARGS...] | -m MODULE [ARGS...]}")
+                    "[--fail-on-sync] [--timeline PATH] {script [ARGS...] | -m MODULE [ARGS...]}")
+
+
+TIMELINE_SUFFIXES = (".json", ".png", ".svg", ".pdf")
+
+
+def _timeline_path(text: str | None) -> Path | None:
+    """``--timeline``'s path, checked before the script runs; None without the option."""
+    if text is None:
+        return None
+    path = Path(text)
+    if path.suffix.lower() not in TIMELINE_SUFFIXES:
+        raise ValueError(f"--timeline writes {', '.join(TIMELINE_SUFFIXES)} (JSON trace or a picture); got {text!r}")
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"--timeline {text}: no such directory {path.parent}")
+    return path
+
+
+def _write_timeline(found, path: Path) -> None:
+    """Write the trace JSON or the picture; a missing matplotlib is said, and the report stands."""
+    try:
+        if path.suffix.lower() == ".json":
+            found.to_chrome_trace(path)
+        else:
+            found.plot(path)
+    except MissingDependencyError as err:
+        print(f"syncless trace: --timeline: {err}", file=sys.stderr)
+        return
+    print(f"syncless trace: timeline written to {path}")
 
 
 class _TargetError(Exception):
@@ -302,6 +339,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             target, script_args = _script_target(args.script), list(args.script_args)
         targets = [parse_target(text) for text in args.fn]
+        timeline = _timeline_path(getattr(args, "timeline", None))
     except (FileNotFoundError, ValueError) as err:
         print(f"syncless trace: error: {err}", file=sys.stderr)
         return 2
@@ -314,6 +352,9 @@ def run(args: argparse.Namespace) -> int:
         syncs.set_backend(getattr(args, 'backend', None))
     syncs.set_mode("record")
     syncs.reset()
+    was_recording = _timeline.is_recording()
+    if timeline is not None:
+        syncs.record_timeline(True)
     restore: list[tuple[object, str, object]] = []
     interrupted: _Interrupted | None = None
     try:
@@ -347,6 +388,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"syncless trace: {interrupted}: the report covers what ran until then", file=sys.stderr)
         print(f"syncless trace: {target.shown} (checked: {checked})" + (f" [{interrupted}]" if interrupted else ""))
         print(found.format())
+        if timeline is not None:
+            _write_timeline(found, timeline)
         if getattr(args, "fail_on_sync", False) and status == 0 and interrupted is None:
             if found:
                 print(f"syncless trace: --fail-on-sync: {found.total} hidden GPU sync(s) at {len(found.sites)} "
@@ -361,6 +404,7 @@ def run(args: argparse.Namespace) -> int:
         for owner, name, raw in reversed(restore):
             setattr(owner, name, raw)
         syncs.reset()
+        syncs.record_timeline(was_recording)
         if not was_enabled or getattr(args, 'backend', None) is not None:
             syncs.disable()
         if getattr(args, 'backend', None) is not None:
