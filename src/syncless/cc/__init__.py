@@ -83,20 +83,8 @@ def install(mode: str | None = None, *, max_staged_bytes: int | None = None) -> 
     check_bindings()
     if decision.mode == "emulate":
         _emulation_install()
-    # Under real CC a copy's call returns after its transfer, which lets staged copies skip torch's pinned-memory
-    # bookkeeping (._staging.land); NVML is asked once, here (False where it cannot say).
-    _mark_copies_block_host(decision.mode == "on" and is_confidential_compute())
     install_shim(max_staged_bytes)
     return True
-
-
-def _mark_copies_block_host(blocking: bool) -> None:
-    from syncless.cc import _staging
-
-    _staging.COPIES_BLOCK_HOST[0] = blocking
-
-
-_warned_no_cuda: set[str] = set()
 
 
 def _warn_no_cuda(what: str) -> None:
@@ -160,7 +148,6 @@ def uninstall(timeout_s: float = 60.0) -> None:
                         f"({type(timeout_s).__name__})")
     if not timeout_s >= 0:  # also refuses NaN
         raise ValueError(f"uninstall(timeout_s=...) must be >= 0 seconds, got {timeout_s!r}")
-    _mark_copies_block_host(False)
     uninstall_all(timeout_s)
 
 

@@ -128,39 +128,7 @@ def copy_to_host_and_wait(host_ptr: int, device_ptr: int, nbytes: int, stream: A
         _ok("cuStreamSynchronize", drv.cuStreamSynchronize(handle))
 
 
-def copy_to_device(device_ptr: int, host_ptr: int, nbytes: int, stream: Any) -> None:
-    """Enqueue a copy of ``nbytes`` from pinned host memory to the device on torch stream ``stream``.
-
-    Without CC it returns at once; under CC (and the emulator's wait, which the caller makes) after the transfer.
-    """
-    if nbytes:
-        _ok("cuMemcpyHtoDAsync", _drv().cuMemcpyHtoDAsync(device_ptr, host_ptr, nbytes, stream.cuda_stream))
-
-
-_order_events = threading.local()  # per thread: {device index: driver event}
-
-
-def order_after(waiter: Any, producer: Any, index: int) -> None:
-    """Make future work on torch stream ``waiter`` wait for the work enqueued on ``producer`` so far (GPU ``index``).
-
-    GPU-side only (an event record and a stream wait, two driver calls); the host does not block. One driver event
-    per thread and GPU, re-recorded each time: a wait enqueued earlier keeps the record it saw, and within one
-    thread the next record comes only after this wait is enqueued (a record by another thread in between would
-    make ``waiter`` wait on that thread's stream instead). The caller has GPU ``index``'s context current.
-    """
-    events = getattr(_order_events, "by_device", None)
-    if events is None:
-        events = _order_events.by_device = {}
-    event = events.get(index)
-    drv = _drv()
-    if event is None:
-        event = events[index] = _ok("cuEventCreate", drv.cuEventCreate(int(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING)))
-    _ok("cuEventRecord", drv.cuEventRecord(event, producer.cuda_stream))
-    _ok("cuStreamWaitEvent", drv.cuStreamWaitEvent(waiter.cuda_stream, event, 0))
-
-
 def forget_after_fork() -> None:
     """In a forked child: forget the pools (the parent's driver objects are not valid there)."""
     _ready_pools.clear()
     _primary.clear()
-    _order_events.__dict__.clear()

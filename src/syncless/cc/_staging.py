@@ -20,7 +20,7 @@ from typing import Any
 
 from syncless._core import patching
 from syncless._core.layouts import broadcasts_to, same_dense_layout
-from syncless.cc import _d2h_job, _emulation, _host_writes, _raw, _streams
+from syncless.cc import _emulation, _host_writes, _streams
 
 # Registered targets by (device index, storage address). The values are weak: an entry lapses when its
 # tensor dies, and the old tensor's death never removes the entry of a newer tensor at the same address
@@ -128,55 +128,15 @@ def land(src: Any, index: int, how: str = "to") -> Any:
     current = _streams.current_stream(index)
     staging = _streams.staging_stream(index)
     _host_writes.order_after_pending_writes(staging, src)
-    if _copies_block_host() and _is_one_block(src):
-        # The copy blocks the host until its transfer is done (CC, or the emulator's wait below), so the pinned
-        # source is free again when the call returns and torch's pinned allocator needs no record of it: the
-        # copy can be one driver call. (Without CC it would run later, and torch must record the source.)
-        with _streams.OnStream(staging, current):
-            landed = torch_empty_like_on(src, staging)  # from the staging stream's pool
-        with _raw.InContext(index):
-            _raw.copy_to_device(landed.data_ptr(), src.data_ptr(), landed.numel() * landed.element_size(), staging)
-            _emulation.wait_after_copy_on(staging)
-            # current : [wait E] consumer       staging : copy H->D  E
-            _raw.order_after(current, staging, index)
-        landed.record_stream(current)
-        return landed
-    else:
-        with _streams.OnStream(staging, current):
-            if how == "cuda":
-                landed = _torch_own("cuda")(src, index, non_blocking=True)
-            else:
-                landed = _torch_own("to")(src, device=staging.device, non_blocking=True)
+    with _streams.OnStream(staging, current):
+        if how == "cuda":
+            landed = _torch_own("cuda")(src, index, non_blocking=True)
+        else:
+            landed = _torch_own("to")(src, device=staging.device, non_blocking=True)
     _emulation.wait_after_copy_on(staging)
     _streams.order_after(current, staging)
     landed.record_stream(current)
     return landed
-
-
-# Whether host<->device copies block the host here (real CC, as NVML said at install(); the emulator is asked at
-# each copy). Set by cc.install().
-COPIES_BLOCK_HOST = [False]
-
-
-def _copies_block_host() -> bool:
-    return COPIES_BLOCK_HOST[0] or _emulation.is_emulating()
-
-
-def _is_one_block(src: Any) -> bool:
-    """Whether host ``src`` is one dense block a raw copy moves as torch would (strided, no conj/neg bits)."""
-    import torch
-
-    if src.layout != torch.strided or src.is_conj() or src.is_neg() or not src.is_pinned():
-        return False
-    return src.is_contiguous() or _d2h_job.is_dense(src)
-
-
-def torch_empty_like_on(src: Any, stream: Any) -> Any:
-    """A new tensor with ``src``'s shape, strides and dtype on ``stream``'s GPU (the current stream's pool: the caller
-    makes ``stream`` current)."""
-    import torch
-
-    return torch.empty_strided(src.shape, src.stride(), dtype=src.dtype, device=stream.device)
 
 
 def land_converted(src: Any, index: int, dtype: Any, memory_format: Any) -> Any:

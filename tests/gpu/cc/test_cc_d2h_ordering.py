@@ -208,14 +208,14 @@ def test_no_room_for_a_snapshot_runs_torchs_own_copy(shim, cycles_per_ms, monkey
     """When the snapshot cannot be allocated, the copy is torch's own on the D2H stream: ordered, not offloaded."""
     import torch
 
-    from syncless.cc import _d2h
+    from syncless.cc import _d2h_job
 
     cc = shim
 
-    def no_room(src, dst):
+    def no_room(src, dst, stream):
         raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
 
-    monkeypatch.setattr(_d2h, "snapshot", no_room)
+    monkeypatch.setattr(_d2h_job, "snapshot", no_room)
     before = cc.stats().offloaded
     dev, src, new, old, host = _setup()
     producer = torch.cuda.Stream(dev)

@@ -4,9 +4,7 @@ import types
 
 import pytest
 
-import contextlib
-
-from syncless.cc import _emulation, _host_writes, _raw, _staging, _streams
+from syncless.cc import _emulation, _host_writes, _staging, _streams
 
 
 @pytest.fixture
@@ -44,7 +42,6 @@ def steps(monkeypatch):
     monkeypatch.setattr(_host_writes, "order_after_pending_writes", lambda stream, src: taken.append(
         ("after pending host writes", stream.name)))
     monkeypatch.setattr(_staging, "_torch_own", torch_own)
-    monkeypatch.setattr(_staging, "_is_one_block", lambda src: False)  # torch's path (see the raw test below)
     return taken
 
 
@@ -80,45 +77,3 @@ def test_land_refuses_a_method_it_does_not_know(steps):
     with pytest.raises(ValueError, match="how='copy_'"):
         _staging.land(object(), 0, how="copy_")
     assert steps == []
-
-
-def test_a_pinned_block_under_emulated_cc_is_one_driver_copy_on_staging(steps, monkeypatch):
-    """Issue 33: where the copy blocks the host anyway (CC, or its emulation), the staged H2D of a dense pinned block
-    is one driver copy on the staging stream and two driver calls to order the current stream after it, in the same
-    order as torch's path: host writes, the copy, the host's wait for the transfer, the GPU-side order, the record."""
-    class Landed:
-        def data_ptr(self):
-            return 64
-
-        def numel(self):
-            return 4
-
-        def element_size(self):
-            return 8
-
-        def record_stream(self, stream):
-            steps.append(("record_stream", stream.name))
-
-    class Source:
-        def data_ptr(self):
-            return 128
-
-    monkeypatch.setattr(_emulation, "_installed", True)
-    monkeypatch.setattr(_staging, "_is_one_block", lambda src: True)
-    monkeypatch.setattr(_staging, "torch_empty_like_on", lambda src, stream: steps.append(("empty on", stream.name))
-                        or Landed())
-    monkeypatch.setattr(_raw, "InContext", lambda index: contextlib.nullcontext())
-    monkeypatch.setattr(_raw, "copy_to_device", lambda dst, src, nbytes, stream: steps.append(
-        ("driver copy", dst, src, nbytes, stream.name)))
-    monkeypatch.setattr(_raw, "order_after", lambda waiter, producer, index: steps.append(
-        ("order", waiter.name, "after", producer.name)))
-    _staging.land(Source(), 0)
-    assert steps == [("after pending host writes", "staging"), ("switch to", "staging"), ("empty on", "staging"),
-                     ("switch back to", "current"), ("driver copy", 64, 128, 32, "staging"),
-                     ("host waits for", "staging"), ("order", "current", "after", "staging"),
-                     ("record_stream", "current")]
-    steps.clear()
-    monkeypatch.setattr(_emulation, "_installed", False)  # no CC: torch's copy, which records the pinned source
-    monkeypatch.setattr(_staging, "COPIES_BLOCK_HOST", [False])
-    _staging.land(Source(), 0)
-    assert ("torch's own to", {"device": "cuda:0", "non_blocking": True}) in steps
