@@ -236,7 +236,7 @@ def open_span(start) -> _Span | None:
 
     if not (state.nvtx or _profiling()) or not _state.is_violation_context() or _report.is_under_compile(start):
         return None
-    frame, compile_time = _report._user_frame(start)
+    frame, compile_time, _ = _report._user_frame(start)
     if frame is None or compile_time:
         return None
     _local.span_key = _report.call_key(frame)
