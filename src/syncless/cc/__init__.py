@@ -87,6 +87,9 @@ def install(mode: str | None = None, *, max_staged_bytes: int | None = None) -> 
     return True
 
 
+_warned_no_cuda: set[str] = set()
+
+
 def _warn_no_cuda(what: str) -> None:
     """Say once per process and form (a ``RuntimeWarning`` at the caller's line, and the log) that nothing is patched.
 

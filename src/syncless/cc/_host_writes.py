@@ -183,15 +183,21 @@ def _unfinished_writes(start: int, end: int) -> list[tuple]:
     failed = None
     pending = []
     with _lock:
-        for first, item in _overlapping(start, end):
-            entry = item[1]
-            if entry[0] == "job" and not entry[1][0].is_pending(entry[1][1]) and not _is_done(entry):
-                failed = failed or entry[1][0].failure_of(entry[1][1])
-                _set_bucket(first, [other for other in _by_start[first] if other is not item])
-            elif _is_done(entry):
-                _set_bucket(first, _unfinished(_by_start[first]))
-            else:
-                pending.append(entry)
+        for first in sorted({first for first, _ in _overlapping(start, end)}):
+            kept = []
+            for item in _by_start[first]:
+                entry = item[1]
+                if item[0] <= start:  # this entry of the bucket misses the bytes asked about
+                    kept.append(item)
+                elif entry[0] == "job" and not entry[1][0].is_pending(entry[1][1]) and not _is_done(entry):
+                    failed = failed or entry[1][0].failure_of(entry[1][1])  # raised once: dropped
+                elif _is_done(entry):
+                    if entry[0] == "event":
+                        _spare_events.append(entry[1])
+                else:
+                    pending.append(entry)
+                    kept.append(item)
+            _set_bucket(first, kept)
     if failed is not None:
         raise failed
     return pending

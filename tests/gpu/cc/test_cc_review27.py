@@ -219,15 +219,16 @@ def test_a_failed_copy_reaches_the_issuing_threads_covering_call(emulated_cc):
     src = torch.randn(16, device=dev)
     doomed = torch.empty(16).pin_memory()
 
-    def failing_driver_copy(next_copy):  # stands in for a copy the driver fails, beneath the shim
-        def copy_(self, *args, **kwargs):
-            if self.device.type == "cpu" and self.untyped_storage().data_ptr() == doomed.untyped_storage().data_ptr():
-                raise RuntimeError("injected copy failure")
-            return next_copy(self, *args, **kwargs)
+    from syncless.cc import _raw
 
-        return copy_
+    real_copy = _raw.copy_to_host_and_wait
 
-    patching.add_layer(torch.Tensor, "copy_", "test.failing-copy", patching.RANK_CC_EMULATION - 1, failing_driver_copy)
+    def failing_driver_copy(host_ptr, device_ptr, nbytes, stream):  # stands in for a copy the driver fails
+        if host_ptr == doomed.data_ptr():
+            raise RuntimeError("injected copy failure")
+        return real_copy(host_ptr, device_ptr, nbytes, stream)
+
+    _raw.copy_to_host_and_wait = failing_driver_copy
     try:
         with torch.cuda.stream(d):
             doomed.copy_(src, non_blocking=True)
@@ -242,7 +243,7 @@ def test_a_failed_copy_reaches_the_issuing_threads_covering_call(emulated_cc):
             ready.synchronize()
         ready.synchronize()  # raised once
     finally:
-        patching.remove_layer(torch.Tensor, "copy_", "test.failing-copy")
+        _raw.copy_to_host_and_wait = real_copy
 
 
 def _raised(fn):

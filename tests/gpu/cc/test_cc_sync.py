@@ -182,16 +182,16 @@ def test_worker_failure_surfaces_at_next_synchronize(emulated_cc, cycles_per_ms)
     src = torch.randn(16, device="cuda")
     doomed = torch.empty(16).pin_memory()
 
-    def failing_driver_copy(next_copy):  # stands in for a copy the driver fails, beneath the shim
-        def copy_(self, *args, **kwargs):
-            # The worker writes through an alias of ``doomed`` (a version counter of its own): match the bytes.
-            if self.device.type == "cpu" and self.untyped_storage().data_ptr() == doomed.untyped_storage().data_ptr():
-                raise RuntimeError("injected copy failure")
-            return next_copy(self, *args, **kwargs)
+    from syncless.cc import _raw
 
-        return copy_
+    real_copy = _raw.copy_to_host_and_wait
 
-    patching.add_layer(torch.Tensor, "copy_", "test.failing-copy", patching.RANK_CC_EMULATION - 1, failing_driver_copy)
+    def failing_driver_copy(host_ptr, device_ptr, nbytes, stream):  # stands in for a copy the driver fails
+        if host_ptr == doomed.data_ptr():
+            raise RuntimeError("injected copy failure")
+        return real_copy(host_ptr, device_ptr, nbytes, stream)
+
+    _raw.copy_to_host_and_wait = failing_driver_copy
     try:
         d2h.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(d2h):
@@ -199,7 +199,7 @@ def test_worker_failure_surfaces_at_next_synchronize(emulated_cc, cycles_per_ms)
         with pytest.raises(cc.D2HCopyError) as info:
             torch.cuda.synchronize()
     finally:
-        patching.remove_layer(torch.Tensor, "copy_", "test.failing-copy")
+        _raw.copy_to_host_and_wait = real_copy
     assert "injected copy failure" in info.value.worker_traceback
     assert "copy_" in str(info.value)
     torch.cuda.synchronize()  # reported once
