@@ -20,24 +20,12 @@ from __future__ import annotations
 from typing import Any
 
 from syncless._core import patching
+from syncless._core.layouts import is_dense_layout
 from syncless.cc import _raw
 
 # A copy this large is handed to the queue's own thread at once, so that its transfer overlaps the host's work;
 # a smaller one is run by the thread that first waits for it (docs/cc.md, "Who runs the copy").
 EAGER_BYTES = 1 << 20
-
-
-def is_dense(t: Any) -> bool:
-    """Whether ``t``'s elements fill one block of memory exactly, each once (contiguous, or a permutation of it)."""
-    if t.is_contiguous():
-        return True
-    strides = sorted((stride, size) for size, stride in zip(t.shape, t.stride()) if size != 1)
-    expected = 1
-    for stride, size in strides:
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def snapshot(src: Any, dst: Any, stream: Any) -> Any:
@@ -55,7 +43,8 @@ def snapshot(src: Any, dst: Any, stream: Any) -> Any:
     snap = torch.empty_strided(dst.shape, dst.stride(), dtype=dst.dtype, device=src.device)
     conj, neg = dst.is_conj(), dst.is_neg()
     if (not conj and not neg and src.dtype == dst.dtype and src.shape == dst.shape and src.stride() == dst.stride()
-            and not src.is_conj() and not src.is_neg() and (src.is_contiguous() or is_dense(src))):
+            and not src.is_conj() and not src.is_neg() and (src.is_contiguous()
+                                                             or is_dense_layout(src.shape, src.stride()))):
         with _raw.InContext(src.device.index):
             _raw.copy_device_block(snap.data_ptr(), src.data_ptr(), snap.numel() * snap.element_size(), stream)
         return snap

@@ -2,7 +2,34 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
+
+
+@pytest.fixture
+def driver_fails_copies_into():
+    """``with driver_fails_copies_into(doomed):`` makes the offloaded job's driver copy into ``doomed`` fail."""
+    return _driver_fails_copies_into
+
+
+@contextlib.contextmanager
+def _driver_fails_copies_into(doomed):
+    """While open, the offloaded job's driver copy into pinned ``doomed`` fails, as a copy the driver fails would."""
+    from syncless.cc import _raw
+
+    real_copy = _raw.copy_to_host_and_wait
+
+    def failing_copy(host_ptr, device_ptr, nbytes, stream):
+        if host_ptr == doomed.data_ptr():
+            raise RuntimeError("injected copy failure")
+        return real_copy(host_ptr, device_ptr, nbytes, stream)
+
+    _raw.copy_to_host_and_wait = failing_copy
+    try:
+        yield
+    finally:
+        _raw.copy_to_host_and_wait = real_copy
 
 
 @pytest.fixture

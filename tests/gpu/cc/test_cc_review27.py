@@ -207,29 +207,17 @@ def test_d2h_streams_made_per_request_can_be_closed(emulated_cc):
     assert emulated_cc.stats().offloaded == 40
 
 
-def test_a_failed_copy_reaches_the_issuing_threads_covering_call(emulated_cc):
+def test_a_failed_copy_reaches_the_issuing_threads_covering_call(emulated_cc, driver_fails_copies_into):
     """Item 4: an unrelated thread's torch.cuda.synchronize() used to take (and forget) the error of a copy this
     thread issued; now it raises it too (once), and this thread's own event synchronize still raises it."""
     import torch
-
-    from syncless._core import patching
 
     dev = torch.device("cuda", 0)
     d = _d2h_after_current(emulated_cc)
     src = torch.randn(16, device=dev)
     doomed = torch.empty(16).pin_memory()
 
-    from syncless.cc import _raw
-
-    real_copy = _raw.copy_to_host_and_wait
-
-    def failing_driver_copy(host_ptr, device_ptr, nbytes, stream):  # stands in for a copy the driver fails
-        if host_ptr == doomed.data_ptr():
-            raise RuntimeError("injected copy failure")
-        return real_copy(host_ptr, device_ptr, nbytes, stream)
-
-    _raw.copy_to_host_and_wait = failing_driver_copy
-    try:
+    with driver_fails_copies_into(doomed):
         with torch.cuda.stream(d):
             doomed.copy_(src, non_blocking=True)
             ready = torch.cuda.Event()
@@ -242,8 +230,6 @@ def test_a_failed_copy_reaches_the_issuing_threads_covering_call(emulated_cc):
         with pytest.raises(emulated_cc.D2HCopyError, match="injected copy failure"):
             ready.synchronize()
         ready.synchronize()  # raised once
-    finally:
-        _raw.copy_to_host_and_wait = real_copy
 
 
 def _raised(fn):

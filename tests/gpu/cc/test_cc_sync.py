@@ -172,34 +172,20 @@ def test_wrong_shape_d2h_is_refused_at_the_call(emulated_cc):
     torch.cuda.synchronize()  # nothing was queued, nothing fails later
 
 
-def test_worker_failure_surfaces_at_next_synchronize(emulated_cc, cycles_per_ms):
+def test_worker_failure_surfaces_at_next_synchronize(emulated_cc, cycles_per_ms, driver_fails_copies_into):
     import torch
-
-    from syncless._core import patching
 
     cc = emulated_cc
     d2h = cc.new_d2h_stream()
     src = torch.randn(16, device="cuda")
     doomed = torch.empty(16).pin_memory()
 
-    from syncless.cc import _raw
-
-    real_copy = _raw.copy_to_host_and_wait
-
-    def failing_driver_copy(host_ptr, device_ptr, nbytes, stream):  # stands in for a copy the driver fails
-        if host_ptr == doomed.data_ptr():
-            raise RuntimeError("injected copy failure")
-        return real_copy(host_ptr, device_ptr, nbytes, stream)
-
-    _raw.copy_to_host_and_wait = failing_driver_copy
-    try:
+    with driver_fails_copies_into(doomed):
         d2h.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(d2h):
             doomed.copy_(src, non_blocking=True)  # returns; the worker's copy fails
         with pytest.raises(cc.D2HCopyError) as info:
             torch.cuda.synchronize()
-    finally:
-        _raw.copy_to_host_and_wait = real_copy
     assert "injected copy failure" in info.value.worker_traceback
     assert "copy_" in str(info.value)
     torch.cuda.synchronize()  # reported once

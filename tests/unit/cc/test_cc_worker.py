@@ -127,11 +127,8 @@ def test_bounded_wait_for_a_stuck_copy_raises_in_time(worker):
     worker.wait_for(seq)
 
 
-def _wait_while_lock_is_held(worker, seq):
-    """Call wait_and_raise(seq) while another thread holds the worker's lock.
-
-    Returns (whether it returned while the lock was held, what it raised once it could finish).
-    """
+def _hold_the_lock(worker):
+    """Have another thread hold the worker's lock; return (an event set once it holds it, a function releasing it)."""
     held, release = threading.Event(), threading.Event()
 
     def hold():
@@ -142,6 +139,20 @@ def _wait_while_lock_is_held(worker, seq):
     holder = threading.Thread(target=hold, daemon=True)
     holder.start()
     assert held.wait(5)
+
+    def let_go():
+        release.set()
+        holder.join(5)
+
+    return held, let_go
+
+
+def _wait_while_lock_is_held(worker, seq):
+    """Call wait_and_raise(seq) while another thread holds the worker's lock.
+
+    Returns (whether it returned while the lock was held, what it raised once it could finish).
+    """
+    held, release = _hold_the_lock(worker)
     finished = threading.Event()
     raised = []
 
@@ -155,8 +166,7 @@ def _wait_while_lock_is_held(worker, seq):
     caller = threading.Thread(target=call, daemon=True)
     caller.start()
     early = finished.wait(0.5)
-    release.set()
-    holder.join(5)
+    release()
     caller.join(5)
     return early, (raised[0] if raised else None)
 
@@ -180,22 +190,11 @@ def test_unraised_failure_still_takes_the_slow_path(worker):
     # Every thread has it once (issue 33 item 2): this one too, and then its waits take the fast path again.
     with pytest.raises(D2HCopyError, match="kept"):
         worker.wait_and_raise(ok)
-    held = threading.Event()
-    release = threading.Event()
-
-    def hold():
-        with worker._cv:
-            held.set()
-            release.wait(10)
-
-    holder = threading.Thread(target=hold, daemon=True)
-    holder.start()
-    assert held.wait(5)
+    _, release = _hold_the_lock(worker)
     try:
         worker.wait_and_raise(ok)  # would block on the held lock if it took the slow path
     finally:
-        release.set()
-        holder.join(5)
+        release()
 
 
 def test_failure_after_the_waited_range_does_not_block_the_fast_path(worker):
