@@ -1,0 +1,165 @@
+"""Where the host-bound decode loop's time goes, per phase of a step, per setup (a probe, not a test).
+
+Run on a GPU from the source tree::
+
+    PYTHONPATH=src python3 tests/gpu/cc/probe_hostbound.py [--steps 400] [--rounds 3] [--profile]
+
+Runs :func:`syncless.bench._cc_hostbound.decode_loop`'s loop with a timer around each phase (the H2D of the
+position, its device copy, the graph replay, the eager launches, ``d2h.wait_stream``, the offloaded ``.to``, the
+event, the one-step-late synchronize and ``int``) in the setups ``plain``, ``emulated``, ``emulated+shim`` and
+``emulated+shim+inplace`` (the H2D into a registered in-place target instead of a staged fresh tensor), rounds
+interleaved, and prints each phase's median host microseconds per step and the step's. For the shim it also
+counts, per thread, how many jobs each ran and how often the queue's thread woke. ``--profile`` adds a cProfile
+of the shim's loop (top functions by own time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import io
+import pstats
+import statistics
+import threading
+import time
+
+PHASES = ("h2d", "d2d", "replay", "launches", "wait_stream", "to_cpu", "event", "sync_prev", "int")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+
+    import torch
+
+    import syncless.cc as cc
+    from syncless.bench import _cc_hostbound
+    from syncless.cc import _worker
+
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    step = _cc_hostbound.build_step(torch, dev)
+    print(f"graph: {step.gpu_us():.0f} us of GPU time, {_cc_hostbound.EAGER_LAUNCHES} eager launches per step")
+    d2h = cc.new_d2h_stream(dev)
+    ran_by: collections.Counter = collections.Counter()
+    woke: collections.Counter = collections.Counter()
+    run_head = _worker.OrderedWorker._run_head
+
+    def counting_run_head(self):
+        ran_by[threading.current_thread().name] += 1
+        return run_head(self)
+
+    _worker.OrderedWorker._run_head = counting_run_head
+    original_loop = _worker.OrderedWorker._loop
+
+    def counting_loop(self):
+        cv_wait = self._cv.wait
+
+        def wait(timeout=None):
+            result = cv_wait(timeout)
+            woke[threading.current_thread().name] += 1
+            return result
+
+        self._cv.wait = wait
+        return original_loop(self)
+
+    _worker.OrderedWorker._loop = counting_loop
+
+    def enter(setup: str) -> None:
+        cc.uninstall()
+        if setup == "emulated":
+            cc.emulate()
+        elif setup.startswith("emulated+shim"):
+            cc.install("emulate")
+
+    def loop(setup: str, steps: int, warmup: int = 50):
+        current = torch.cuda.current_stream(dev)
+        inplace = setup.endswith("+inplace")
+        if inplace:
+            cc.register_inplace_h2d_target(step.pos)
+        ring = [torch.zeros(1, dtype=torch.int64, pin_memory=True) for _ in range(4)]
+        spent = {p: [] for p in PHASES}
+        totals = []
+        pending = None
+        clock = time.perf_counter
+        for index in range(warmup + steps):
+            t = [clock()]
+            pos_host = ring[index % 4]
+            pos_host[0] = index
+            if inplace:
+                step.pos.copy_(pos_host, non_blocking=True)
+                t.append(clock())
+                t.append(clock())
+            else:
+                pos = pos_host.to(dev, non_blocking=True)
+                t.append(clock())
+                step.pos.copy_(pos)
+                t.append(clock())
+            step.graph.replay()
+            t.append(clock())
+            for _ in range(_cc_hostbound.EAGER_LAUNCHES):
+                step.scratch.add_(1.0)
+            t.append(clock())
+            d2h.wait_stream(current)
+            t.append(clock())
+            with torch.cuda.stream(d2h):
+                token_host = step.token.to("cpu", non_blocking=True)
+                t.append(clock())
+                ready = torch.cuda.Event()
+                ready.record(d2h)
+            t.append(clock())
+            if pending is not None:
+                pending[1].synchronize()
+                t.append(clock())
+                int(pending[0][0])
+                t.append(clock())
+            else:
+                t += [clock(), clock()]
+            pending = (token_host, ready)
+            if index >= warmup:
+                for name, a, b in zip(PHASES, t, t[1:]):
+                    spent[name].append((b - a) * 1e6)
+                totals.append((t[-1] - t[0]) * 1e6)
+        pending[1].synchronize()
+        torch.cuda.synchronize(dev)
+        return {p: statistics.median(v) for p, v in spent.items()}, statistics.median(totals)
+
+    setups = ("plain", "emulated", "emulated+shim", "emulated+shim+inplace")
+    results = {s: [] for s in setups}
+    for round_index in range(args.rounds):
+        for setup in setups:
+            enter(setup)
+            ran_by.clear()
+            woke.clear()
+            phases, total = loop(setup, args.steps)
+            results[setup].append((phases, total))
+            extra = ""
+            if "shim" in setup:
+                extra = f"  jobs run by {dict(ran_by)}, queue thread woke {dict(woke)}"
+            print(f"round {round_index + 1} {setup:24s} step {total:7.1f} us ({1e6 / total:6.0f} tokens/s){extra}")
+    print()
+    print(f"{'phase (median us)':18s}" + "".join(f"{s:>24s}" for s in setups))
+    for name in PHASES + ("step",):
+        row = []
+        for setup in setups:
+            values = [(r[1] if name == "step" else r[0][name]) for r in results[setup]]
+            row.append(statistics.median(values))
+        print(f"{name:18s}" + "".join(f"{v:24.1f}" for v in row))
+    if args.profile:
+        enter("emulated+shim")
+        profiler = cProfile.Profile()
+        profiler.enable()
+        loop("emulated+shim", 200, warmup=10)
+        profiler.disable()
+        buffer = io.StringIO()
+        pstats.Stats(profiler, stream=buffer).sort_stats("tottime").print_stats(45)
+        print(buffer.getvalue())
+    cc.uninstall()
+
+
+if __name__ == "__main__":
+    main()
