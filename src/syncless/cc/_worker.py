@@ -139,7 +139,7 @@ class OrderedWorker:
 
     def __init__(self, name: str = "syncless-d2h") -> None:
         self._name = name
-        self._cv = threading.Condition()
+        self._make_conditions()
         self._jobs: collections.deque[_Job] = collections.deque()
         self._submitted = 0
         self._completed = 0
@@ -147,6 +147,8 @@ class OrderedWorker:
         self._runner: threading.Thread | None = None  # that thread
         self._wake = False  # run everything queued now (kick(), a bounded wait, shutdown)
         self._idle = False  # the queue's thread sleeps with no deadline: a submit must wake it
+        self._thread_awaits_end = False  # the queue's thread sleeps until the running job ends
+        self._waiters = 0  # threads asleep in wait_for()
         self._failures: list[_Failure] = []  # in sequence order
         self._newest_failure = 0  # seq of the newest failure kept (0: none); read without the lock
         self._oldest_failure = 0  # and of the oldest
@@ -155,6 +157,19 @@ class OrderedWorker:
         self._stopping = False
         self._atexit_registered = False
         self._dropped_logged = False
+
+    def _make_conditions(self) -> None:
+        # Two conditions on one lock: ``_cv`` for threads in wait_for(), ``_thread_cv`` for the queue's own thread.
+        # A job's end wakes only who needs it: waking the queue's thread at every end (one Condition for both)
+        # made it take the GIL twice per job, each time the decode loop was running Python (issue 33: ~2 takes
+        # per step, and every phase of the step slowed down).
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._thread_cv = threading.Condition(self._lock)
+
+    def _wake_thread(self) -> None:
+        """Wake the queue's thread (the caller holds the lock)."""
+        self._thread_cv.notify()
 
     # -- state ------------------------------------------------------------
     @property
@@ -205,7 +220,7 @@ class OrderedWorker:
             if self._thread is None or not self._thread.is_alive():
                 self._start_thread()
             elif eager or self._idle:
-                self._cv.notify_all()
+                self._wake_thread()
             return seq
 
     def kick(self) -> None:
@@ -213,7 +228,7 @@ class OrderedWorker:
         with self._cv:
             if self._jobs and not self._wake:
                 self._wake = True
-                self._cv.notify_all()
+                self._wake_thread()
 
     def _start_thread(self) -> None:
         self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
@@ -240,15 +255,15 @@ class OrderedWorker:
                         return
                 timeout = None
                 if self._running:
-                    pass  # whoever runs it notifies at its end
+                    self._thread_awaits_end = True  # whoever runs it wakes this thread at its end
                 elif self._jobs:
                     timeout = max(0.0, self._jobs[0].due - time.monotonic())
                 elif self._submitted != submitted_at_last_sleep:
                     timeout = GRACE_S  # jobs came and went: look again once before going idle
                 submitted_at_last_sleep = self._submitted
                 self._idle = timeout is None and not self._running
-                self._cv.wait(timeout)
-                self._idle = False
+                self._thread_cv.wait(timeout)
+                self._idle = self._thread_awaits_end = False
 
     def _run_head(self) -> None:
         """Run the head job on this thread and record its end (the caller holds the lock; it is released meanwhile).
@@ -279,6 +294,7 @@ class OrderedWorker:
             self._jobs.appendleft(job)
             self._wake = True
             self._cv.notify_all()
+            self._wake_thread()
             raise
         settled = getattr(job.run, "settled", None)  # called once the job's end is on record (see _d2h)
         job.run = None  # the job (and what it holds) goes now, not at the next one
@@ -290,7 +306,10 @@ class OrderedWorker:
         self._runner = None
         if settled is not None:
             settled()
-        self._cv.notify_all()
+        if self._waiters:
+            self._cv.notify_all()
+        if self._thread_awaits_end:
+            self._wake_thread()
 
     def _failure_of(self, job: _Job, err: BaseException) -> _Failure:
         text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
@@ -351,9 +370,13 @@ class OrderedWorker:
                         )
                     if not self._wake:
                         self._wake = True
-                        self._cv.notify_all()
+                        self._wake_thread()
                 wait_s = poll_s if deadline is None else max(0.0, min(poll_s, deadline - time.monotonic()))
-                self._cv.wait(wait_s)
+                self._waiters += 1
+                try:
+                    self._cv.wait(wait_s)
+                finally:
+                    self._waiters -= 1
 
     def _seen_upto(self) -> int:
         return getattr(self._seen, "upto", 0)
@@ -433,6 +456,7 @@ class OrderedWorker:
         with self._cv:
             self._stopping = True
             self._cv.notify_all()
+            self._wake_thread()
             thread = self._thread
         if thread is None or thread is threading.current_thread():
             return True
@@ -450,10 +474,11 @@ class OrderedWorker:
 
     def forget_after_fork(self) -> None:
         """In a forked child: drop everything (its thread does not exist there; its lock may be held)."""
-        self._cv = threading.Condition()
+        self._make_conditions()
         self._jobs.clear()
         self._completed = self._submitted
-        self._running = self._wake = self._idle = False
+        self._running = self._wake = self._idle = self._thread_awaits_end = False
+        self._waiters = 0
         self._failures = []
         self._newest_failure = self._oldest_failure = 0
         self._thread = None

@@ -458,3 +458,37 @@ def test_an_interrupt_while_a_waiter_runs_the_job_puts_it_back_for_the_queue():
         worker.raise_errors(seq)  # not a failure
     finally:
         worker.shutdown(5)
+
+
+def test_jobs_run_by_their_waiter_do_not_wake_the_queue_thread(monkeypatch):
+    """Issue 33: a job's end woke the queue's thread (one condition for it and the waiters), which then took the GIL
+    while the decode loop ran Python, twice per job on the H200. Now 200 jobs, each waited for half a millisecond after
+    its submit,
+    wake it only for its grace deadlines (a few times in all), not once per job."""
+    wakes = []
+    original_wait = threading.Condition.wait
+
+    def counting_wait(self, timeout=None):
+        result = original_wait(self, timeout)
+        if threading.current_thread().name == "test-wakes":
+            wakes.append(timeout)
+        return result
+
+    monkeypatch.setattr(threading.Condition, "wait", counting_wait)
+    worker = OrderedWorker("test-wakes")
+    try:
+        ran_on = set()
+        started = time.monotonic()
+        for _ in range(200):
+            seq = worker.submit(lambda: ran_on.add(threading.current_thread()), eager=False)
+            time.sleep(0.0005)  # the rest of the step (the queue's thread may be scheduled meanwhile)
+            worker.wait_for(seq)
+        elapsed = time.monotonic() - started
+        assert ran_on == {threading.current_thread()}
+        from syncless.cc import _worker
+
+        # One wake per grace period that passed (its deadline), and a couple more to go idle; never one per job.
+        assert len(wakes) <= 3 + 2 * elapsed / _worker.GRACE_S, (len(wakes), elapsed)
+        assert len(wakes) < 50
+    finally:
+        worker.shutdown(5)
