@@ -365,10 +365,38 @@ def offload(record: _D2HStream, dst: Any, src: Any, verb: str, *, into_existing:
     try:
         snap = _d2h_job.snapshot(src, dst, stream)
     except torch.OutOfMemoryError:
-        _log.warning("syncless.cc: no GPU memory for a %d-byte snapshot of an offloaded D2H copy; it runs as "
-                     "torch's own copy (blocking under CC)", src.numel() * src.element_size())
+        _warn_no_room(src)
         return 0
-    index = stream.device.index
+    return _queue(record, dst, snap, src, verb, into_existing, stream.device.index)
+
+
+def offload_block(record: _D2HStream, dst: Any, src: Any, index: int) -> int:
+    """:func:`offload` of ``src.to("cpu", non_blocking=True)`` into the fresh pinned ``dst`` (the shim's fast lane).
+
+    ``src`` is one contiguous block on GPU ``index`` (the current device) with ``dst``'s dtype, shape and strides,
+    no conjugate or negative bit (:mod:`._fast` checked): its snapshot is one raw device copy. Same stream ordering
+    and return value as :func:`offload`; does not block the host.
+    """
+    import torch
+
+    if _CLOSING[0]:
+        return 0
+    try:
+        snap = _d2h_job.snapshot_block(src, record.stream, index)
+    except torch.OutOfMemoryError:
+        _warn_no_room(src)
+        return 0
+    return _queue(record, dst, snap, src, ".to('cpu', non_blocking=True)", False, index)
+
+
+def _warn_no_room(src: Any) -> None:
+    _log.warning("syncless.cc: no GPU memory for a %d-byte snapshot of an offloaded D2H copy; it runs as "
+                 "torch's own copy (blocking under CC)", src.numel() * src.element_size())
+
+
+def _queue(record: _D2HStream, dst: Any, snap: Any, src: Any, verb: str, into_existing: bool, index: int) -> int:
+    """Record the ready event after ``snap`` on the D2H stream and queue the job that copies it into ``dst``."""
+    stream = record.stream
     ready = _raw.take_ready_event(index)
     copy_stream = record.copy_stream if record.copy_stream is not None else _streams.worker_stream(index)
     job = _d2h_job.CopyJob(index, ready, dst, snap, copy_stream, verb, src)

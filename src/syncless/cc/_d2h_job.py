@@ -58,6 +58,16 @@ def snapshot(src: Any, dst: Any, stream: Any) -> Any:
     return snap
 
 
+def snapshot_block(src: Any, stream: Any, index: int) -> Any:
+    """:func:`snapshot` of a contiguous ``src`` that its destination stores as it lies (same dtype, shape, strides,
+    no conjugate or negative bit): a new device tensor and one raw device copy on ``stream``. Does not block."""
+    import torch
+
+    snap = torch.empty_like(src)
+    _raw.copy_device_block_in(index, snap.data_ptr(), src.data_ptr(), src.nbytes, stream.cuda_stream)
+    return snap
+
+
 class CopyJob:
     """Job ``#n`` of a D2H stream's queue: wait for ``ready``, copy ``snap``'s bytes into ``dst``, wait for that.
 
@@ -86,9 +96,8 @@ class CopyJob:
 
     def __call__(self) -> None:
         try:
-            with _raw.InContext(self.index):
-                _raw.wait_ready(self.ready)
-                _raw.copy_to_host_and_wait(self.dst.data_ptr(), self.snap.data_ptr(), self.nbytes, self.copy_stream)
+            _raw.run_copy_job(self.index, self.ready, self.dst.data_ptr(), self.snap.data_ptr(), self.nbytes,
+                              self.copy_stream)
         except Exception:
             self._release()
             raise

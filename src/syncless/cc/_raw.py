@@ -27,8 +27,15 @@ _ready_pools: dict[int, list[Any]] = {}
 _primary: dict[int, Any] = {}  # device index -> its primary context (retained once, kept for the process)
 
 
+_DRIVER: list[Any] = [None]
+
+
 def _drv():
-    return _cuda.ensure_driver()
+    """cuda-bindings' driver module, initialized (looked up once: every hot path here starts with it)."""
+    drv = _DRIVER[0]
+    if drv is None:
+        drv = _DRIVER[0] = _cuda.ensure_driver()
+    return drv
 
 
 def _ok(name: str, result: Any) -> Any:
@@ -112,6 +119,47 @@ def wait_ready(event: Any) -> None:
 def copy_device_block(dst_ptr: int, src_ptr: int, nbytes: int, stream: Any) -> None:
     """Enqueue a device-to-device copy of ``nbytes`` on torch stream ``stream`` (asynchronous, CC or not)."""
     _ok("cuMemcpyDtoDAsync", _drv().cuMemcpyDtoDAsync(dst_ptr, src_ptr, nbytes, stream.cuda_stream))
+
+
+def copy_device_block_in(index: int, dst_ptr: int, src_ptr: int, nbytes: int, handle: int) -> None:
+    """:func:`copy_device_block` on raw stream ``handle`` of GPU ``index``, its context made current if it is not."""
+    drv = _drv()
+    pushed = _enter_context(drv, index)
+    try:
+        result = drv.cuMemcpyDtoDAsync(dst_ptr, src_ptr, nbytes, handle)
+    finally:
+        if pushed:
+            _ok("cuCtxPopCurrent", drv.cuCtxPopCurrent())
+    if result[0]:
+        _cuda.check("cuMemcpyDtoDAsync", result)
+
+
+def _enter_context(drv: Any, index: int) -> bool:
+    """Make GPU ``index``'s primary context current if it is not; return whether it was pushed (pop it after)."""
+    context = _primary.get(index) or primary_context(index)
+    current = _ok("cuCtxGetCurrent", drv.cuCtxGetCurrent())
+    if current is not None and int(current) == int(context):
+        return False
+    _ok("cuCtxPushCurrent", drv.cuCtxPushCurrent(context))
+    return True
+
+
+def run_copy_job(index: int, ready: Any, host_ptr: int, device_ptr: int, nbytes: int, stream: Any) -> None:
+    """An offloaded copy's job in three driver calls: wait for ``ready``, copy to the host on torch stream
+    ``stream``, wait for that stream. Blocks the calling thread (GIL released in each call) for the ready event and the
+    transfer; GPU ``index``'s context is made current for it if it is not (and put back after)."""
+    drv = _drv()
+    handle = stream.cuda_stream
+    pushed = _enter_context(drv, index)
+    try:
+        with standing_for_the_driver():
+            _ok("cuEventSynchronize", drv.cuEventSynchronize(ready))
+            if nbytes:
+                _ok("cuMemcpyDtoHAsync", drv.cuMemcpyDtoHAsync(host_ptr, device_ptr, nbytes, handle))
+            _ok("cuStreamSynchronize", drv.cuStreamSynchronize(handle))
+    finally:
+        if pushed:
+            _ok("cuCtxPopCurrent", drv.cuCtxPopCurrent())
 
 
 def copy_to_host_and_wait(host_ptr: int, device_ptr: int, nbytes: int, stream: Any) -> None:

@@ -23,7 +23,7 @@ from syncless._core import config, patching
 from syncless._core.compiling import is_compiling
 from syncless._core.layouts import broadcasts_to
 from syncless._core.tensor_calls import maybe_non_blocking_to, parse_to, read_copy, read_cuda, reads_as_cuda_device
-from syncless.cc import _d2h, _emulation, _host_writes, _routing, _staging, _streams, _sync_patches
+from syncless.cc import _d2h, _emulation, _fast, _host_writes, _routing, _staging, _streams, _sync_patches
 from syncless.cc._layers import SHIM_KEY, SYNCING_ATTRS, TENSOR_ATTRS, call_for_routing
 from syncless.cc._stats import COUNTERS
 
@@ -174,6 +174,11 @@ def _wrap_to(next_to):
         # Takes and passes on exactly what the caller gave (see ._layers); reads only torch's own forms.
         if is_compiling() or not args:
             return next_to(*args, **kwargs)
+        if len(args) == 2 and len(kwargs) == 1 and kwargs.get("non_blocking") is True:
+            # x.to(device, non_blocking=True): the decode loop's upload and readback (the fast lane, ._fast)
+            result = _fast.to(args[0], args[1], _STATE.max_staged_bytes)
+            if result is not None:
+                return result
         rest = args[1:]
         if not maybe_non_blocking_to(rest, kwargs):  # the hot path: reads no tensor
             if _d2h.pending() and call_for_routing(args, kwargs) is not None:
@@ -303,6 +308,15 @@ def _settle_for_cuda(device: Any) -> None:
     _settle_d2h_stream(index)
 
 
+def _plain_same_side(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` are plain tensors both on a GPU or both off one (a copy between them touches no host
+    memory an offloaded copy writes): two type checks and two attribute reads, before the call is read in full."""
+    import torch
+
+    tensor = torch.Tensor
+    return type(a) is tensor and type(b) is tensor and a.is_cuda == b.is_cuda
+
+
 def _cuda_index(*tensors: Any) -> int | None:
     """The GPU of the first CUDA tensor among ``tensors`` (None: none is)."""
     import torch
@@ -347,7 +361,8 @@ def _wrap_copy(next_copy):
         if non_blocking is not True or "async" in kwargs:
             # The hot path: a blocking copy goes straight beneath, unless D2H copies are still queued (asked
             # after is_compiling(), which dynamo folds: see _wrap_cuda).
-            if (not is_compiling() and _d2h.pending() and call_for_routing(args, kwargs) is not None
+            if (not is_compiling() and _d2h.pending() and not _plain_same_side(args[0], other)
+                    and call_for_routing(args, kwargs) is not None
                     and isinstance(other, torch.Tensor) and _touches_host(args[0].device.type, other.device.type)):
                 _settle_d2h_stream(_cuda_index(args[0], other))
             return next_copy(*args, **kwargs)

@@ -104,7 +104,13 @@ def _torch_own(name: str):
     """
     import torch
 
-    return patching.original(torch.Tensor, name)
+    own = _TORCH_OWN.get(name)
+    if own is None:
+        own = _TORCH_OWN[name] = patching.original(torch.Tensor, name)
+    return own
+
+
+_TORCH_OWN: dict[str, Any] = {}  # torch's own Tensor methods by name (what patching.original gives; never changes)
 
 
 def land(src: Any, index: int, how: str = "to") -> Any:
@@ -132,11 +138,24 @@ def land(src: Any, index: int, how: str = "to") -> Any:
         if how == "cuda":
             landed = _torch_own("cuda")(src, index, non_blocking=True)
         else:
-            landed = _torch_own("to")(src, device=staging.device, non_blocking=True)
+            landed = _torch_own("to")(src, device=landed_on(index), non_blocking=True)
     _emulation.wait_after_copy_on(staging)
     _streams.order_after(current, staging)
     landed.record_stream(current)
     return landed
+
+
+_DEVICES: dict[int, Any] = {}
+
+
+def landed_on(index: int) -> Any:
+    """``torch.device("cuda", index)``, made once per GPU."""
+    device = _DEVICES.get(index)
+    if device is None:
+        import torch
+
+        device = _DEVICES[index] = torch.device("cuda", index)
+    return device
 
 
 def land_converted(src: Any, index: int, dtype: Any, memory_format: Any) -> Any:

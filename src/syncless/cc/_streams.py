@@ -132,7 +132,7 @@ class _OnDevice:
     def __enter__(self) -> None:
         import torch
 
-        if torch.cuda.current_device() != self._index:
+        if _current_device() != self._index:
             self._switch = torch.cuda.device(self._index)
             self._switch.__enter__()
 
@@ -163,19 +163,37 @@ class OnStream:
     def __enter__(self) -> None:
         import torch
 
-        if self._stream.device_index == torch.cuda.current_device():
-            torch.cuda.set_stream(self._stream)
+        stream = self._stream
+        if stream.device_index == _current_device():
+            _set_stream(stream)
         else:
-            self._fallback = torch.cuda.stream(self._stream)
+            self._fallback = torch.cuda.stream(stream)
             self._fallback.__enter__()
 
     def __exit__(self, *exc_info: Any) -> None:
-        import torch
-
         if self._fallback is not None:
             self._fallback.__exit__(*exc_info)
         else:
-            torch.cuda.set_stream(self._previous)
+            _set_stream(self._previous)
+
+
+def _current_device() -> int:
+    """``torch.cuda.current_device()`` through torch's C layer (no lazy-init check: CUDA is up on these paths)."""
+    import torch
+
+    getter = getattr(torch._C, "_cuda_getDevice", None)
+    return getter() if getter is not None else torch.cuda.current_device()
+
+
+def _set_stream(stream: Any) -> None:
+    """``torch.cuda.set_stream(stream)`` as its one C call (what torch's function makes of it)."""
+    import torch
+
+    setter = getattr(torch._C, "_cuda_setStream", None)
+    if setter is None:
+        torch.cuda.set_stream(stream)
+        return
+    setter(stream_id=stream.stream_id, device_index=stream.device_index, device_type=stream.device_type)
 
 
 def create_private_stream(index: int) -> Any:
@@ -238,16 +256,29 @@ def order_after(waiter: Any, producer: Any) -> None:
     """
     import torch
 
-    index = producer.device.index
+    index = producer.device_index
     events = getattr(_order_events, "by_device", None)
     if events is None:
         events = _order_events.by_device = {}
     event = events.get(index)
     if event is None:
         event = events[index] = torch.cuda.Event()
-    base = torch.cuda.Event.__mro__[1]
+    base = _event_base()
     base.record(event, producer)
     base.wait(event, waiter)
+
+
+_EVENT_BASE: list[Any] = [None]
+
+
+def _event_base() -> type:
+    """torch's C event class beneath ``torch.cuda.Event`` (its record/wait are C methods, beneath every patch)."""
+    base = _EVENT_BASE[0]
+    if base is None:
+        import torch
+
+        base = _EVENT_BASE[0] = torch.cuda.Event.__mro__[1]
+    return base
 
 
 def wait_stream_raw(stream: Any) -> None:
@@ -255,8 +286,11 @@ def wait_stream_raw(stream: Any) -> None:
 
     Marked as a wait that stands for the driver's own, so the detector's CUPTI layer does not count it either.
     """
+    drv = _cuda.ensure_driver()
     with _OnDevice(stream.device_index), standing_for_the_driver():
-        _cuda.call("cuStreamSynchronize", stream.cuda_stream)
+        result = drv.cuStreamSynchronize(stream.cuda_stream)
+    if result[0]:
+        _cuda.check("cuStreamSynchronize", result)
 
 
 def wait_event_raw(event: Any) -> None:
@@ -272,9 +306,7 @@ def record_event_raw(event: Any, stream: Any) -> None:
 
     GPU-side only; the host does not block.
     """
-    import torch
-
-    torch.cuda.Event.__mro__[1].record(event, stream)
+    _event_base().record(event, stream)
 
 
 def is_capturing(stream: Any) -> bool:

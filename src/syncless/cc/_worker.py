@@ -441,6 +441,10 @@ class OrderedWorker:
                 not self._newest_failure or seq < self._oldest_failure or self._newest_failure <= self._seen_upto()):
             return
         self.wait_for(seq, timeout_s=timeout_s)
+        if not any_thread and not self._newest_failure:
+            # Every job up to seq has finished, and a failure is kept before its job counts as finished: none
+            # of them failed (or their failures were taken by uninstall/close), so there is nothing to raise or mark.
+            return
         self.raise_errors(seq, any_thread=any_thread)
 
     def failures_pending(self) -> int:

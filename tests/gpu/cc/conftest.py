@@ -18,18 +18,18 @@ def _driver_fails_copies_into(doomed):
     """While open, the offloaded job's driver copy into pinned ``doomed`` fails, as a copy the driver fails would."""
     from syncless.cc import _raw
 
-    real_copy = _raw.copy_to_host_and_wait
+    real_job = _raw.run_copy_job
 
-    def failing_copy(host_ptr, device_ptr, nbytes, stream):
+    def failing_job(index, ready, host_ptr, device_ptr, nbytes, stream):
         if host_ptr == doomed.data_ptr():
             raise RuntimeError("injected copy failure")
-        return real_copy(host_ptr, device_ptr, nbytes, stream)
+        return real_job(index, ready, host_ptr, device_ptr, nbytes, stream)
 
-    _raw.copy_to_host_and_wait = failing_copy
+    _raw.run_copy_job = failing_job
     try:
         yield
     finally:
-        _raw.copy_to_host_and_wait = real_copy
+        _raw.run_copy_job = real_job
 
 
 @pytest.fixture

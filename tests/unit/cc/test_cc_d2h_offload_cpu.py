@@ -58,7 +58,7 @@ def gpu_calls(monkeypatch):
         with lock:
             log.append(entry)
 
-    worker_stream = SimpleNamespace(name="W", device=torch.device("cuda", 0))
+    worker_stream = SimpleNamespace(name="W", device=torch.device("cuda", 0), cuda_stream=99)
     monkeypatch.setattr(torch.cuda, "Event", _Ready)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
@@ -84,11 +84,15 @@ def stand_in_raw_driver(monkeypatch):
     monkeypatch.setattr(_raw, "copy_device_block",
                         lambda dst_ptr, src_ptr, nbytes, stream: ctypes.memmove(dst_ptr, src_ptr, nbytes))
 
-    def copy_to_host_and_wait(host_ptr, device_ptr, nbytes, stream):
+    monkeypatch.setattr(_raw, "copy_device_block_in",
+                        lambda index, dst_ptr, src_ptr, nbytes, handle: ctypes.memmove(dst_ptr, src_ptr, nbytes))
+
+    def run_copy_job(index, ready, host_ptr, device_ptr, nbytes, stream):
+        _streams.wait_event_raw(ready)
         ctypes.memmove(host_ptr, device_ptr, nbytes)
         _streams.wait_stream_raw(stream)
 
-    monkeypatch.setattr(_raw, "copy_to_host_and_wait", copy_to_host_and_wait)
+    monkeypatch.setattr(_raw, "run_copy_job", run_copy_job)
 
 
 def _d2h_stream(name="D"):
@@ -285,7 +289,7 @@ def test_each_d2h_stream_has_its_own_worker(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", _Ready)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-    monkeypatch.setattr(_streams, "worker_stream", lambda index: SimpleNamespace(name="W"))
+    monkeypatch.setattr(_streams, "worker_stream", lambda index: SimpleNamespace(name="W", cuda_stream=99))
     monkeypatch.setattr(_streams, "record_event_raw", lambda event, stream: None)
     monkeypatch.setattr(_streams, "wait_stream_raw", lambda stream: None)
     slow_ready = threading.Event()

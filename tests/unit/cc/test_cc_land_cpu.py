@@ -3,6 +3,7 @@
 import types
 
 import pytest
+import torch
 
 from syncless.cc import _emulation, _host_writes, _staging, _streams
 
@@ -50,7 +51,7 @@ def steps(monkeypatch):
 def test_land_copies_on_staging_then_hands_the_result_to_the_current_stream(steps, monkeypatch, emulated, how):
     monkeypatch.setattr(_emulation, "_installed", emulated)
     _staging.land(object(), 0, how=how)
-    copy = ("torch's own to", {"device": "cuda:0", "non_blocking": True}) if how == "to" else (
+    copy = ("torch's own to", {"device": torch.device("cuda", 0), "non_blocking": True}) if how == "to" else (
         "torch's own cuda", {"non_blocking": True})
     expected = [("after pending host writes", "staging"), ("switch to", "staging"), copy,
                 ("switch back to", "current")]
