@@ -317,13 +317,20 @@ def pinned_like(src: Any, dtype: Any, memory_format: Any) -> Any:
     """
     import torch
 
-    dtype = src.dtype if dtype is None else dtype
     if src.is_contiguous() and (memory_format is None or memory_format is torch.preserve_format):
-        # torch keeps a dense source's strides exactly, a size-1 dim's odd stride included
-        return torch.empty_strided(src.shape, src.stride(), dtype=dtype, pin_memory=True)
+        return pinned_block(src, src.dtype if dtype is None else dtype)
+    dtype = src.dtype if dtype is None else dtype
     fmt = torch.preserve_format if memory_format is None else memory_format
     layout = patching.beneath(torch.Tensor, "to", SHIM_KEY)(src, device="meta", dtype=dtype, memory_format=fmt)
     return torch.empty_strided(layout.shape, layout.stride(), dtype=dtype, pin_memory=True)
+
+
+def pinned_block(src: Any, dtype: Any) -> Any:
+    """The pinned result of torch's ``src.to("cpu", dtype, non_blocking=True)`` for a contiguous ``src``: its shape
+    and strides exactly (torch keeps a dense source's strides, a size-1 dim's odd stride included). Host only."""
+    import torch
+
+    return torch.empty_strided(src.shape, src.stride(), dtype=dtype, pin_memory=True)
 
 
 # Set under _offload_lock when uninstall() begins, and cleared only by the next install(): no offload may slip in

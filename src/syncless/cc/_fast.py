@@ -37,7 +37,6 @@ class _Lane:
         self.tensor = torch.Tensor
         self.device_type = torch.device
         self.strided = torch.strided
-        self.empty_strided = torch.empty_strided
         self.grad_enabled = torch.is_grad_enabled
         self.has_override = c._has_torch_function_unary
         self.dispatch_depth = getattr(c, "_len_torch_dispatch_stack", None)
@@ -122,7 +121,7 @@ def _offload(lane: _Lane, self: Any, device: Any, max_staged_bytes: int) -> Any:
         return None
     if self.requires_grad and lane.grad_enabled():
         return None  # torch records the copy for autograd: its own copy (general path: "autograd")
-    dst = lane.empty_strided(self.shape, self.stride(), dtype=self.dtype, pin_memory=True)
+    dst = _d2h.pinned_block(self, self.dtype)
     if not _d2h.offload_block(record, dst, self, index):
         return None  # no room for the snapshot, or offloading is closed: the general path runs torch's own
     COUNTERS.add("offloaded")

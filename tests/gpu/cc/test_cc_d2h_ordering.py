@@ -212,10 +212,11 @@ def test_no_room_for_a_snapshot_runs_torchs_own_copy(shim, cycles_per_ms, monkey
 
     cc = shim
 
-    def no_room(src, dst, stream):
+    def no_room(*args):
         raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
 
     monkeypatch.setattr(_d2h_job, "snapshot", no_room)
+    monkeypatch.setattr(_d2h_job, "snapshot_block", no_room)  # the fast lane's (a contiguous source's)
     before = cc.stats().offloaded
     dev, src, new, old, host = _setup()
     producer = torch.cuda.Stream(dev)

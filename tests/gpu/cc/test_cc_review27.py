@@ -57,14 +57,14 @@ def test_a_thread_inside_a_wrapper_during_uninstall_does_not_offload_behind_it(e
     src = expected.to(dev)
     d = _d2h_after_current(emulated_cc)
     entered, release = threading.Event(), threading.Event()
-    real = _d2h.pinned_like
+    real = _d2h.pinned_block
 
     def held(*args, **kwargs):
         entered.set()
-        release.wait(10)  # "blocked in the pinned allocation"
+        release.wait(10)  # "blocked in the pinned allocation" (the fast lane's and the general path's)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(_d2h, "pinned_like", held)
+    monkeypatch.setattr(_d2h, "pinned_block", held)
     out = []
 
     def issue():
