@@ -13,6 +13,8 @@ were the ready event recorded on the last ``wait_stream`` producer.
 from __future__ import annotations
 
 import contextlib
+import os
+import time
 import ctypes
 import threading
 from types import SimpleNamespace
@@ -623,3 +625,84 @@ def test_the_snapshot_is_converted_and_broadcast_on_the_d2h_stream(gpu_calls, mo
     worker.wait_and_raise(seq, timeout_s=5.0)
     assert copied == [(torch.float32, (4, 8), (8, 1))]
     assert torch.equal(dst, src.float().expand(4, 8))
+
+
+def test_a_fresh_to_result_keeps_version_0_and_an_existing_target_is_bumped_once(gpu_calls):
+    """Issue 33 item 8: a fresh offloaded ``.to()`` result had ``_version`` 1 (bumped as if it were a ``copy_``);
+    torch's own fresh result has 0."""
+    log, worker = gpu_calls
+    src = torch.randn(16)
+    fresh = torch.empty(16)
+    seq = _d2h.offload(_d2h_stream(), fresh, src, ".to('cpu', non_blocking=True)", into_existing=False)
+    worker.wait_and_raise(seq, timeout_s=5.0)
+    assert fresh._version == 0 and torch.equal(fresh, src)
+    assert torch.empty(16)._version == 0 == src.to("cpu")._version  # what torch gives a new tensor
+    existing = torch.zeros(16)
+    seq = _d2h.offload(_d2h_stream(), existing, src, "copy_(non_blocking=True)", into_existing=True)
+    worker.wait_and_raise(seq, timeout_s=5.0)
+    assert existing._version == 1 and torch.equal(existing, src)
+
+
+def test_two_concurrent_closes_of_one_stream_pool_it_once(gpu_calls, monkeypatch):
+    """Issue 33 item 5: two close_d2h_stream(d) calls at once both went on and pooled the same CUDA stream twice,
+    so the next two new_d2h_stream() calls returned one stream. The second is refused while the first runs."""
+    log, worker = gpu_calls
+    made = SimpleNamespace(name="D", device=torch.device("cuda", 0), cuda_stream=61)
+    copy_stream = SimpleNamespace(name="W'", device=torch.device("cuda", 0), cuda_stream=62)
+    created = iter([made, copy_stream])
+    monkeypatch.setattr(_d2h, "_require_cuda", lambda: None)
+    monkeypatch.setattr(_streams, "device_index", lambda device: 0)
+    monkeypatch.setattr(_streams, "create_private_stream", lambda index: next(created))
+    monkeypatch.setattr(_d2h, "_released_pairs", {})
+    monkeypatch.setattr(_streams, "current_stream", lambda index: SimpleNamespace(cuda_stream=1))
+    monkeypatch.setattr(_d2h, "_streams_by_key", {})
+    stream = cc.new_d2h_stream()
+    hold = threading.Event()
+    monkeypatch.setattr(_streams, "wait_event_raw", lambda event: hold.wait(5))
+    _d2h.offload(_d2h.lookup(stream), torch.empty(8), torch.randn(8), "copy", into_existing=True)
+    first = threading.Thread(target=cc.close_d2h_stream, args=(stream,))
+    first.start()
+    deadline = time.monotonic() + 5
+    while not _d2h.lookup(stream).closing and time.monotonic() < deadline:
+        time.sleep(0.001)
+    with pytest.raises(ValueError, match="already being closed"):
+        cc.close_d2h_stream(stream)
+    hold.set()
+    first.join(5)
+    assert not first.is_alive()
+    assert _d2h._released_pairs == {0: [(made, copy_stream)]}  # pooled once
+    assert cc.new_d2h_stream() is made
+    with pytest.raises(StopIteration):  # the pool is empty: a second stream is a new one, never the same again
+        cc.new_d2h_stream()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_has_nothing_pending_and_its_as_tensor_touches_no_cuda(monkeypatch):
+    """Issue 33 item 6: a child forked with a copy pending inherited the count and no worker thread; its
+    ``torch.as_tensor`` (a DataLoader worker collating numpy batches) then asked CUDA for the current stream."""
+    import numpy as np
+
+    from syncless.cc import _bypass
+
+    record = _d2h._D2HStream(SimpleNamespace(name="D", device=torch.device("cuda", 0), cuda_stream=71))
+    monkeypatch.setattr(_d2h, "_streams_by_key", {(0, 71): record})
+    monkeypatch.setattr(_d2h, "_PENDING", [3])
+    touched = []
+    monkeypatch.setattr(_streams, "current_stream", lambda index: touched.append(index))
+    as_tensor = _bypass._wrap_settling(torch.as_tensor)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, then leave at once (no atexit, no pytest)
+        try:
+            value = as_tensor(np.arange(3)).tolist()
+            answer = f"{_d2h._PENDING[0]} {len(_d2h._streams_by_key)} {len(touched)} {value}"
+        except BaseException as err:  # noqa: BLE001 - reported to the parent
+            answer = f"error {err!r}"
+        os.write(write, answer.encode())
+        os._exit(0)
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    answer = os.read(read, 1000).decode()
+    os.close(read)
+    assert os.WIFEXITED(status) and answer == "0 0 0 [0, 1, 2]", answer
+    assert _d2h._PENDING[0] == 3 and _d2h._streams_by_key  # the parent's own state is untouched

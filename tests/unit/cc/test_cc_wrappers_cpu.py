@@ -264,3 +264,36 @@ def test_a_plain_d2h_is_noted_while_another_thread_captures(monkeypatch):
     monkeypatch.setattr(_streams, "is_current_stream_capturing", lambda index: True)  # this thread's own capture
     _shim._note_plain_d2h(torch.empty(4), src)
     assert noted == [h]
+
+
+def test_compiled_code_compiles_once_while_the_pending_count_changes(monkeypatch):
+    """Issue 33 item 1: the bypass and syncing wrappers read the pending count before ``is_compiling()``; dynamo
+    guarded on it and recompiled the frame at every change, up to its limit, then ran it eagerly. Asked first, the
+    count is never read while tracing: one compile for any count."""
+    from torch._dynamo.testing import CompileCounter
+
+    from syncless.cc import _d2h
+
+    cc.install("on")
+    try:
+        counter = CompileCounter()
+
+        def step(x, y):
+            a = torch.as_tensor(x)              # the bypass layer (settles D2H streams while a copy is pending)
+            torch.Tensor.copy_(y, x)            # unbound copy_
+            y[0] = x[1]                         # __setitem__
+            return a + y.cpu() + x.to("cpu")   # a syncing read, a blocking .to
+
+        torch._dynamo.reset()
+        compiled = torch.compile(step, backend=counter, fullgraph=True)
+        x, y = torch.randn(4), torch.zeros(4)
+        for pending in (0, 1, 2, 5, 0, 3):
+            monkeypatch.setattr(_d2h, "_PENDING", [pending])
+            expected = step(x.clone(), y.clone()) if pending == 0 else None
+            got = compiled(x, y)
+            if expected is not None:
+                assert torch.equal(got, expected)
+        assert counter.frame_count == 1, f"compiled {counter.frame_count} times"
+    finally:
+        cc.uninstall()
+        torch._dynamo.reset()
