@@ -519,6 +519,7 @@ def _forget_after_fork() -> None:
     _PENDING[0] = 0
     _worker.forget_unraised_after_fork()
     _raw.forget_after_fork()
+    _streams.forget_after_fork()
     _host_writes.clear()
 
 

@@ -89,7 +89,7 @@ class CopyJob:
         self.dst = dst
         self.snap = snap
         self.copy_stream = copy_stream
-        self.nbytes = snap.numel() * snap.element_size()
+        self.nbytes = snap.nbytes
         self.verb = verb
         self.shape, self.src_dtype, self.device = src.shape, src.dtype, src.device
         self.settled = None

@@ -84,11 +84,13 @@ def to(self: Any, where: Any, max_staged_bytes: int) -> Any:
     The caller has checked the call's form (two positional arguments, ``non_blocking=True`` alone as a keyword)
     and that dynamo is not tracing.
     """
-    lane = _lane()
+    lane = _LANE[0] or _lane()
     if (not lane.ready or type(self) is not lane.tensor or lane.has_override(self) or lane.dispatch_depth()
             or lane.functorch_peek() is not None or lane.functorch_wrapped(self)):
         return None
-    device = _device(lane, where)
+    device = lane.devices.get(where) if type(where) is str else None
+    if device is None:
+        device = _device(lane, where)
     if device is None or _streams.CAPTURES[0]:
         return None
     if self.is_cuda:

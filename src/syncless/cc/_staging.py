@@ -132,7 +132,7 @@ def land(src: Any, index: int, how: str = "to") -> Any:
     if how not in ("to", "cuda"):
         raise ValueError(f"land copies with Tensor.to or Tensor.cuda, got how={how!r}")
     current = _streams.current_stream(index)
-    staging = _streams.staging_stream(index)
+    staging = _streams._staging.get(index) or _streams.staging_stream(index)
     _host_writes.order_after_pending_writes(staging, src)
     with _streams.OnStream(staging, current):
         if how == "cuda":

@@ -90,7 +90,7 @@ def current_stream(index: int) -> Any:
     import torch
 
     getter = getattr(torch._C, "_cuda_getCurrentStream", None)
-    if getter is None or not torch.cuda.is_initialized():
+    if getter is None or not (_CUDA_UP[0] or _cuda_up(torch)):
         return torch.cuda.current_stream(index)  # also initializes CUDA the way torch does
     key = getter(index)
     stream = _stream_objects.get(key)
@@ -100,6 +100,19 @@ def current_stream(index: int) -> Any:
         stream = _stream_objects[key] = torch.cuda.Stream(stream_id=key[0], device_index=key[1],
                                                           device_type=key[2])
     return stream
+
+
+_CUDA_UP = [False]  # torch.cuda was seen initialized (it stays so; a forked child forgets it: forget_after_fork)
+
+
+def _cuda_up(torch: Any) -> bool:
+    _CUDA_UP[0] = up = torch.cuda.is_initialized()
+    return up
+
+
+def forget_after_fork() -> None:
+    """In a forked child: CUDA is not initialized there (torch refuses it); forget that it was here."""
+    _CUDA_UP[0] = False
 
 
 def device_index(device: Any) -> int:
@@ -177,20 +190,35 @@ class OnStream:
             _set_stream(self._previous)
 
 
+_C_CALLS: dict[str, Any] = {}  # torch's C entry points by name (None: this torch lacks it), looked up once
+
+
+def _c_call(name: str) -> Any:
+    try:
+        return _C_CALLS[name]
+    except KeyError:
+        import torch
+
+        found = _C_CALLS[name] = getattr(torch._C, name, None)
+        return found
+
+
 def _current_device() -> int:
     """``torch.cuda.current_device()`` through torch's C layer (no lazy-init check: CUDA is up on these paths)."""
-    import torch
+    getter = _C_CALLS.get("_cuda_getDevice") or _c_call("_cuda_getDevice")
+    if getter is None:
+        import torch
 
-    getter = getattr(torch._C, "_cuda_getDevice", None)
-    return getter() if getter is not None else torch.cuda.current_device()
+        return torch.cuda.current_device()
+    return getter()
 
 
 def _set_stream(stream: Any) -> None:
     """``torch.cuda.set_stream(stream)`` as its one C call (what torch's function makes of it)."""
-    import torch
-
-    setter = getattr(torch._C, "_cuda_setStream", None)
+    setter = _C_CALLS.get("_cuda_setStream") or _c_call("_cuda_setStream")
     if setter is None:
+        import torch
+
         torch.cuda.set_stream(stream)
         return
     setter(stream_id=stream.stream_id, device_index=stream.device_index, device_type=stream.device_type)

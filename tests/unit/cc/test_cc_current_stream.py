@@ -23,6 +23,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Stream", make_stream)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda index: pytest.fail("torch's own function was called"))
     monkeypatch.setattr(_streams, "_stream_objects", {})
+    monkeypatch.setattr(_streams, "_CUDA_UP", [False])  # "seen initialized" is asked of torch again
     return types.SimpleNamespace(current=current, made=made)
 
 
