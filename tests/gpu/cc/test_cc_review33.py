@@ -1,0 +1,97 @@
+"""Issue 33 on a GPU: a DataLoader with worker processes under ``install()`` while a copy is pending, and the fast
+lane's offload and upload giving torch's bytes with fresh random data.
+
+Every test runs under emulated CC with the shim (``emulated_cc``). ``LATE_MS`` of sleep on the D2H stream in
+front of a copy keeps an offloaded copy pending while the rest of the test runs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120)]
+
+LATE_MS = 200
+
+
+class _Batches:
+    """A map-style dataset of numpy arrays (the default collate turns them into tensors with torch.as_tensor in
+    each worker process, after the fork)."""
+
+    def __init__(self, n: int, seed: int):
+        self.rows = np.random.default_rng(seed).standard_normal((n, 16)).astype(np.float32)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int):
+        return self.rows[index]
+
+
+def test_a_dataloader_with_worker_processes_runs_while_a_copy_is_pending(emulated_cc, cycles_per_ms):
+    """Item 6: a worker forked while an offloaded copy was pending inherited the pending count and no worker
+    thread; its ``torch.as_tensor`` (the default collate of numpy arrays) then touched CUDA in the child, which
+    torch refuses after a fork. The at-fork handler forgets the parent's copies in the child."""
+    import torch
+
+    dev = torch.device("cuda", 0)
+    src = torch.randn(1 << 12, device=dev)
+    expected = src.cpu()
+    d = emulated_cc.new_d2h_stream(dev)
+    d.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(d):
+        torch.cuda._sleep(cycles_per_ms * LATE_MS)
+        out = src.to("cpu", non_blocking=True)  # pending while the workers start
+    ready = torch.cuda.Event()
+    ready.record(d)
+    from syncless.cc import _d2h
+
+    assert _d2h.pending()
+    data = _Batches(64, seed=int(torch.randint(0, 1 << 30, ()).item()))
+    loader = torch.utils.data.DataLoader(data, batch_size=8, num_workers=2,
+                                         multiprocessing_context="fork", timeout=60)
+    batches = list(loader)
+    assert torch.equal(torch.cat(batches), torch.from_numpy(data.rows))
+    ready.synchronize()
+    assert torch.equal(out, expected)
+    emulated_cc.close_d2h_stream(d)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int64", "uint8", "complex64"])
+def test_the_fast_lane_moves_torchs_bytes_both_ways(emulated_cc, cycles_per_ms, dtype):
+    """The lane's offload (``x.to("cpu", non_blocking=True)`` on a D2H stream) and upload
+    (``h.to("cuda", non_blocking=True)``): fresh random data of each dtype, bit-exact against torch's own copy,
+    the offload read one step late after a slow producer, the upload into a buffer the host rewrites next."""
+    import torch
+
+    dev = torch.device("cuda", 0)
+    kind = getattr(torch, dtype)
+    gen = torch.Generator(device=dev).manual_seed(int(torch.randint(0, 1 << 30, ()).item()))
+    source = torch.randint(0, 255, (4096,), device=dev, generator=gen, dtype=torch.int64).to(kind) \
+        if not kind.is_floating_point and not kind.is_complex else torch.randn(4096, device=dev, generator=gen).to(kind)
+    producer = torch.cuda.Stream(dev)
+    x = torch.empty_like(source)
+    d = emulated_cc.new_d2h_stream(dev)
+    producer.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(producer):
+        torch.cuda._sleep(cycles_per_ms * 30)
+        x.copy_(source)
+    d.wait_stream(producer)
+    before = emulated_cc.stats().offloaded
+    with torch.cuda.stream(d):
+        host = x.to("cpu", non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record(d)
+    assert emulated_cc.stats().offloaded == before + 1 and host.is_pinned() and host._version == 0
+    with torch.cuda.stream(d):
+        x.zero_()  # on the D2H stream right after the call: torch orders it after the copy's read
+    ready.synchronize()
+    assert torch.equal(host.view(torch.uint8), source.cpu().view(torch.uint8))
+    pinned = source.cpu().pin_memory()
+    staged_before = emulated_cc.stats().staged
+    up = pinned.to(dev, non_blocking=True)
+    pinned.zero_()  # the host rewrites its buffer right after the call: under CC the copy had finished
+    assert emulated_cc.stats().staged == staged_before + 1
+    assert torch.equal(up.view(torch.uint8).cpu(), source.view(torch.uint8).cpu())
+    emulated_cc.close_d2h_stream(d)
