@@ -10,7 +10,7 @@ SESSION = TESTS.parent / "scripts" / "gpu-session"
 
 # Not moved by this change (tests/gpu/bench belongs to the bench); it fails the same way on one GPU under
 # SYNCLESS_REQUIRE_GPU=1 and is to move to tests/multi_gpu/bench.
-_NOT_YET_MOVED = {"gpu/bench/test_bench_pp_gpu.py"}
+_NOT_YET_MOVED: set[str] = set()  # every test that needs two GPUs is under tests/multi_gpu
 
 
 def test_no_test_under_tests_gpu_needs_two_gpus():
