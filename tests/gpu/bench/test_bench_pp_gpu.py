@@ -1,10 +1,8 @@
 """The pp benchmark's GPU machinery on one GPU: the NVRTC full-SM kernel, the gate, the data pattern (the tiny
 end-to-end run on two GPUs is in tests/multi_gpu/bench)."""
 
-
 import pytest
 import torch
-
 
 
 @pytest.mark.gpu
