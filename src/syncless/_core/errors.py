@@ -23,6 +23,14 @@ class MissingDependencyError(SynclessError, ImportError):
     """
 
 
+class NoGPUError(MissingDependencyError, RuntimeError):
+    """A call needs a CUDA GPU and torch has none usable (a CPU-only build, no GPU, no driver).
+
+    Both a :class:`MissingDependencyError` (an ``ImportError``) and a ``RuntimeError``, which is what torch raises
+    for a CUDA call without a GPU: code ported from vLLM that catches ``RuntimeError`` catches it too.
+    """
+
+
 class CudaError(SynclessError):
     """A CUDA driver call failed.
 

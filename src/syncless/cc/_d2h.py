@@ -82,7 +82,7 @@ from typing import Any
 import os
 
 from syncless._core import patching
-from syncless._core.errors import MissingDependencyError
+from syncless._core.errors import NoGPUError
 from syncless.cc import _d2h_job, _host_writes, _raw, _streams, _worker
 from syncless.cc._layers import SHIM_KEY
 from syncless.cc._worker import UNRAISED, OrderedWorker
@@ -181,7 +181,7 @@ def _require_cuda() -> None:
     import torch
 
     if not torch.cuda.is_available():
-        raise MissingDependencyError(
+        raise NoGPUError(
             "syncless.cc.new_d2h_stream() needs a CUDA GPU, but torch.cuda.is_available() is False (torch "
             f"{torch.__version__}, built with CUDA {torch.version.cuda}); run on a machine with an NVIDIA GPU and a "
             "CUDA build of torch, or keep D2H copies on an ordinary stream"
@@ -209,7 +209,7 @@ def new_d2h_stream(device: Any = None) -> Any:
         gives the streams back for the next ``new_d2h_stream()`` to reuse.
 
     Raises:
-        MissingDependencyError: torch has no usable CUDA GPU.
+        NoGPUError: torch has no usable CUDA GPU (a ``MissingDependencyError`` and a ``RuntimeError``).
     """
     _require_cuda()
     index = _streams.device_index(device)

@@ -211,7 +211,8 @@ def new_external_d2h_stream(device: Any = None) -> Any:
     does not block the host.
 
     Raises:
-        MissingDependencyError: torch has no usable CUDA GPU.
+        NoGPUError: torch has no usable CUDA GPU (both a ``MissingDependencyError`` and a ``RuntimeError``, so a
+            ported ``except RuntimeError`` catches it).
     """
     return cc.new_d2h_stream(device)
 

@@ -23,6 +23,7 @@ import warnings
 import pytest
 import torch
 
+import syncless
 import syncless.compat.vllm as vllm
 from syncless import cc, syncs
 from syncless._core.errors import MissingDependencyError, SyncViolation
@@ -222,6 +223,11 @@ def test_the_cc_names_without_a_gpu():
     if not torch.cuda.is_available():
         with pytest.raises(MissingDependencyError):
             vllm.new_external_d2h_stream()
+        # Issue 35 item 11: an ImportError alone slipped past a ported `except RuntimeError` (what torch raises
+        # for CUDA without a GPU); it is both.
+        with pytest.raises(RuntimeError, match="needs a CUDA GPU") as info:
+            vllm.new_external_d2h_stream()
+        assert isinstance(info.value, syncless.NoGPUError) and isinstance(info.value, ImportError)
     # Unlike vLLM's (a silent no-op), a bad argument raises.
     with pytest.raises(TypeError, match="expects a torch.Tensor, got list"):
         vllm.register_inplace_h2d_target([1, 2])
