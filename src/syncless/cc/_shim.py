@@ -177,6 +177,8 @@ def _wrap_to(next_to):
         if len(args) == 2 and len(kwargs) == 1 and kwargs.get("non_blocking") is True:
             # x.to(device, non_blocking=True): the decode loop's upload and readback (the fast lane, ._fast)
             result = _fast.to(args[0], args[1], _STATE.max_staged_bytes)
+            if result is _fast.PASS_ON:
+                return next_to(*args, **kwargs)
             if result is not None:
                 return result
         rest = args[1:]

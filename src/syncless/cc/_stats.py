@@ -22,6 +22,7 @@ LEFT_ALONE_REASONS = (
     "noncontiguous_target",  # D2H into a non-contiguous host tensor: torch writes it on the host before returning
     "inference_target",  # D2H into an inference tensor outside inference mode: torch refuses it at the call
     "complex_to_real",   # D2H that drops an imaginary part: torch warns at the call, on the caller's thread
+    "idle_stream",       # H2D .to() while nothing is queued on the current stream: torch's copy waits for it alone
 )
 
 

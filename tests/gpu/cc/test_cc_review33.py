@@ -88,10 +88,18 @@ def test_the_fast_lane_moves_torchs_bytes_both_ways(emulated_cc, cycles_per_ms, 
         x.zero_()  # on the D2H stream right after the call: torch orders it after the copy's read
     ready.synchronize()
     assert torch.equal(host.view(torch.uint8), source.cpu().view(torch.uint8))
-    pinned = source.cpu().pin_memory()
-    staged_before = emulated_cc.stats().staged
-    up = pinned.to(dev, non_blocking=True)
-    pinned.zero_()  # the host rewrites its buffer right after the call: under CC the copy had finished
-    assert emulated_cc.stats().staged == staged_before + 1
-    assert torch.equal(up.view(torch.uint8).cpu(), source.view(torch.uint8).cpu())
+    for queued_ms in (30, 0):  # staged behind queued work; torch's own copy on an idle stream
+        pinned = source.cpu().pin_memory()
+        torch.cuda.synchronize()
+        stats_before = emulated_cc.stats()
+        if queued_ms:
+            torch.cuda._sleep(cycles_per_ms * queued_ms)
+        up = pinned.to(dev, non_blocking=True)
+        pinned.zero_()  # the host rewrites its buffer right after the call: under CC the copy had finished
+        stats = emulated_cc.stats()
+        if queued_ms:
+            assert stats.staged == stats_before.staged + 1
+        else:
+            assert stats.left_alone.get("idle_stream", 0) == stats_before.left_alone.get("idle_stream", 0) + 1
+        assert torch.equal(up.view(torch.uint8).cpu(), source.view(torch.uint8).cpu())
     emulated_cc.close_d2h_stream(d)
