@@ -45,8 +45,9 @@ def snapshot(src: Any, dst: Any, stream: Any) -> Any:
     if (not conj and not neg and src.dtype == dst.dtype and src.shape == dst.shape and src.stride() == dst.stride()
             and not src.is_conj() and not src.is_neg() and (src.is_contiguous()
                                                              or is_dense_layout(src.shape, src.stride()))):
-        with _raw.InContext(src.device.index):
-            _raw.copy_device_block(snap.data_ptr(), src.data_ptr(), snap.numel() * snap.element_size(), stream)
+        if snap.nbytes:  # an empty tensor has no memory to copy (its data pointer may be null)
+            with _raw.InContext(src.device.index):
+                _raw.copy_device_block(snap.data_ptr(), src.data_ptr(), snap.nbytes, stream)
         return snap
     source = src
     if conj:  # dst stores conj(value): so must the block it receives
@@ -64,7 +65,9 @@ def snapshot_block(src: Any, stream: Any, index: int) -> Any:
     import torch
 
     snap = torch.empty_like(src)
-    _raw.copy_device_block_in(index, snap.data_ptr(), src.data_ptr(), src.nbytes, stream.cuda_stream)
+    nbytes = src.nbytes
+    if nbytes:  # an empty tensor has no memory to copy (its data pointer may be null)
+        _raw.copy_device_block_in(index, snap.data_ptr(), src.data_ptr(), nbytes, stream.cuda_stream)
     return snap
 
 
