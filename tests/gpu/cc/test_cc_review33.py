@@ -103,3 +103,20 @@ def test_the_fast_lane_moves_torchs_bytes_both_ways(emulated_cc, cycles_per_ms, 
             assert stats.left_alone.get("idle_stream", 0) == stats_before.left_alone.get("idle_stream", 0) + 1
         assert torch.equal(up.view(torch.uint8).cpu(), source.view(torch.uint8).cpu())
     emulated_cc.close_d2h_stream(d)
+
+
+def test_an_empty_tensor_goes_through_the_lane_both_ways(emulated_cc):
+    """No memory to copy: the snapshot makes no device copy (a null data pointer), the job no transfer."""
+    import torch
+
+    dev = torch.device("cuda", 0)
+    d = emulated_cc.new_d2h_stream(dev)
+    with torch.cuda.stream(d):
+        out = torch.empty(0, 3, device=dev).to("cpu", non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record(d)
+    ready.synchronize()
+    assert out.shape == (0, 3) and out.device.type == "cpu"
+    up = torch.empty(0, dtype=torch.int64).pin_memory().to(dev, non_blocking=True)
+    assert up.shape == (0,) and up.is_cuda
+    emulated_cc.close_d2h_stream(d)
