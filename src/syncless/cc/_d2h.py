@@ -507,11 +507,15 @@ def _forget_after_fork() -> None:
     The child inherits the parent's counts, but neither its threads nor a usable CUDA context: with the count of
     pending copies above 0, its ``torch.as_tensor`` (a DataLoader worker collating numpy arrays) asked CUDA for the
     current stream (issue 33 item 6). Every lock is made anew, as one may have been held by a parent's thread.
+    What the parent's copies hold (device snapshots, events, streams) is kept, never released: freeing CUDA memory
+    or destroying an event in a forked child calls into CUDA, which aborts it (found on the H200: a DataLoader
+    worker killed by SIGABRT).
     """
     global _lock, _offload_lock, _pending_lock
     _lock, _offload_lock, _pending_lock = threading.Lock(), threading.Lock(), threading.Lock()
     for record in _streams_by_key.values():
-        record.worker.forget_after_fork()
+        record.worker.forget_after_fork(_FORK_LEFTOVERS)
+    _FORK_LEFTOVERS.append((list(_streams_by_key.values()), dict(_released_pairs)))
     _streams_by_key.clear()
     _released_pairs.clear()
     _last_jobs.clear()
@@ -520,8 +524,11 @@ def _forget_after_fork() -> None:
     _worker.forget_unraised_after_fork()
     _raw.forget_after_fork()
     _streams.forget_after_fork()
-    _host_writes.clear()
+    _host_writes.clear(keep=_FORK_LEFTOVERS)
 
+
+# In a forked child: what the parent's copies held, kept alive for the child's life (see _forget_after_fork).
+_FORK_LEFTOVERS: list = []
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_after_fork)

@@ -215,8 +215,13 @@ def _gpu_wait(event, stream) -> None:
     torch.cuda.Event.__mro__[1].wait(event, stream)
 
 
-def clear() -> None:
-    """Forget every noted write (tests, and a forked child)."""
+def clear(keep: list | None = None) -> None:
+    """Forget every noted write (tests, and a forked child, which passes ``keep``: the entries' events go there,
+    never destroyed, as destroying a CUDA event in a forked child aborts it)."""
+    global _lock
+    if keep is not None:
+        _lock = threading.Lock()  # a parent's thread may have held it at the fork
+        keep.append((dict(_by_start), list(_spare_events)))
     with _lock:
         _by_start.clear()
         _starts.clear()

@@ -476,13 +476,19 @@ class OrderedWorker:
         with self._cv:
             self._stopping = False
 
-    def forget_after_fork(self) -> None:
-        """In a forked child: drop everything (its thread does not exist there; its lock may be held)."""
+    def forget_after_fork(self, keep: list) -> None:
+        """In a forked child: forget everything (its thread does not exist there; its lock may be held).
+
+        The queued jobs go into ``keep``, never freed: they hold CUDA memory and events, and releasing those in
+        a forked child calls into CUDA, which aborts the process there (a DataLoader worker, on the H200).
+        """
         self._make_conditions()
+        keep.append(list(self._jobs))
         self._jobs.clear()
         self._completed = self._submitted
         self._running = self._wake = self._idle = self._thread_awaits_end = False
         self._waiters = 0
+        keep.append(self._failures)
         self._failures = []
         self._newest_failure = self._oldest_failure = 0
         self._thread = None

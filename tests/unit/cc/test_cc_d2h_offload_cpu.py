@@ -17,6 +17,7 @@ import os
 import time
 import ctypes
 import threading
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -687,6 +688,18 @@ def test_a_forked_child_has_nothing_pending_and_its_as_tensor_touches_no_cuda(mo
     record = _d2h._D2HStream(SimpleNamespace(name="D", device=torch.device("cuda", 0), cuda_stream=71))
     monkeypatch.setattr(_d2h, "_streams_by_key", {(0, 71): record})
     monkeypatch.setattr(_d2h, "_PENDING", [3])
+    monkeypatch.setattr(_d2h, "_FORK_LEFTOVERS", [])
+    gate = threading.Event()
+
+    class Holds:
+        """Stands in for what a queued job holds (a device snapshot, an event): freed in a child, CUDA aborts it."""
+
+    def queue_a_job():
+        held = Holds()
+        record.worker.submit(lambda: (gate.wait(10), held), eager=False)
+        return weakref.ref(held)
+
+    held_ref = queue_a_job()
     touched = []
     monkeypatch.setattr(_streams, "current_stream", lambda index: touched.append(index))
     as_tensor = _bypass._wrap_settling(torch.as_tensor)
@@ -695,7 +708,8 @@ def test_a_forked_child_has_nothing_pending_and_its_as_tensor_touches_no_cuda(mo
     if pid == 0:  # the child: report, then leave at once (no atexit, no pytest)
         try:
             value = as_tensor(np.arange(3)).tolist()
-            answer = f"{_d2h._PENDING[0]} {len(_d2h._streams_by_key)} {len(touched)} {value}"
+            kept = held_ref() is not None  # the job's holdings were not released in the child
+            answer = f"{_d2h._PENDING[0]} {len(_d2h._streams_by_key)} {len(touched)} {value} {kept}"
         except BaseException as err:  # noqa: BLE001 - reported to the parent
             answer = f"error {err!r}"
         os.write(write, answer.encode())
@@ -704,5 +718,8 @@ def test_a_forked_child_has_nothing_pending_and_its_as_tensor_touches_no_cuda(mo
     _, status = os.waitpid(pid, 0)
     answer = os.read(read, 1000).decode()
     os.close(read)
-    assert os.WIFEXITED(status) and answer == "0 0 0 [0, 1, 2]", answer
+    assert os.WIFEXITED(status) and answer == "0 0 0 [0, 1, 2] True", answer
     assert _d2h._PENDING[0] == 3 and _d2h._streams_by_key  # the parent's own state is untouched
+    gate.set()
+    record.worker.wait_for(record.worker.submitted)
+    record.worker.shutdown(5)
