@@ -281,11 +281,13 @@ def test_staged_copies_leave_the_current_stream_and_device_as_they_were(emulated
             lambda: target.copy_(host, non_blocking=True),
         ]
         for form in forms:
+            torch.cuda._sleep(5_000_000)  # work queued on `mine`: staged (on an idle stream .to is torch's own)
             out = form()
             assert torch.cuda.current_stream(dev) == mine
             assert torch.equal(out.cpu(), host)
         monkeypatch.setattr(_staging, "_torch_own", lambda name: lambda *a, **k: (_ for _ in ()).throw(
             RuntimeError("raised beneath the shim")))
+        torch.cuda._sleep(5_000_000)
         with pytest.raises(RuntimeError, match="raised beneath the shim"):
             host.to(dev, non_blocking=True)
         assert torch.cuda.current_stream(dev) == mine
