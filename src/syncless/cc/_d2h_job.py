@@ -46,8 +46,7 @@ def snapshot(src: Any, dst: Any, stream: Any) -> Any:
             and not src.is_conj() and not src.is_neg() and (src.is_contiguous()
                                                              or is_dense_layout(src.shape, src.stride()))):
         if snap.nbytes:  # an empty tensor has no memory to copy (its data pointer may be null)
-            with _raw.InContext(src.device.index):
-                _raw.copy_device_block(snap.data_ptr(), src.data_ptr(), snap.nbytes, stream)
+            _raw.copy_device_block(src.device.index, snap.data_ptr(), src.data_ptr(), snap.nbytes, stream)
         return snap
     source = src
     if conj:  # dst stores conj(value): so must the block it receives
@@ -67,7 +66,7 @@ def snapshot_block(src: Any, stream: Any, index: int) -> Any:
     snap = torch.empty_like(src)
     nbytes = src.nbytes
     if nbytes:  # an empty tensor has no memory to copy (its data pointer may be null)
-        _raw.copy_device_block_in(index, snap.data_ptr(), src.data_ptr(), nbytes, stream.cuda_stream)
+        _raw.copy_device_block(index, snap.data_ptr(), src.data_ptr(), nbytes, stream)
     return snap
 
 

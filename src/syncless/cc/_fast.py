@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from syncless._core.tensor_calls import _torch_checks
 from syncless.cc import _d2h, _host_writes, _staging, _streams
 from syncless.cc._stats import COUNTERS
 
@@ -38,15 +39,15 @@ class _Lane:
         import torch
 
         c = torch._C
-        functorch = getattr(c, "_functorch", None)
+        checks = _torch_checks()  # the override, mode and functorch checks every routed call makes
         self.tensor = torch.Tensor
         self.device_type = torch.device
         self.strided = torch.strided
         self.grad_enabled = torch.is_grad_enabled
-        self.has_override = c._has_torch_function_unary
-        self.dispatch_depth = getattr(c, "_len_torch_dispatch_stack", None)
-        self.functorch_peek = getattr(functorch, "peek_interpreter_stack", None)
-        self.functorch_wrapped = getattr(functorch, "is_functorch_wrapped_tensor", None)
+        self.has_override = checks.has_torch_function_unary
+        self.dispatch_depth = checks.dispatch_stack_len
+        self.functorch_peek = checks.functorch_peek
+        self.functorch_wrapped = checks.functorch_wrapped
         self.current_device = getattr(c, "_cuda_getDevice", None)
         self.raw_stream = getattr(c, "_cuda_getCurrentRawStream", None)
         self.capturing = getattr(c, "_cuda_isCurrentStreamCapturing", None)
@@ -158,4 +159,4 @@ def _stage(lane: _Lane, self: Any, device: Any, max_staged_bytes: int) -> Any:
         COUNTERS.left_alone("idle_stream")
         return PASS_ON
     COUNTERS.add("staged")
-    return _staging.land(self, index)
+    return _staging.land(self, index, current=current)

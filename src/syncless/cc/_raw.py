@@ -71,12 +71,7 @@ class InContext:
         self._pushed = False
 
     def __enter__(self) -> None:
-        drv = _drv()
-        context = primary_context(self._index)
-        current = _ok("cuCtxGetCurrent", drv.cuCtxGetCurrent())
-        if current is None or int(current) != int(context):
-            _ok("cuCtxPushCurrent", drv.cuCtxPushCurrent(context))
-            self._pushed = True
+        self._pushed = _enter_context(_drv(), self._index)
 
     def __exit__(self, *exc_info: object) -> None:
         if self._pushed:
@@ -110,20 +105,11 @@ def record_ready(event: Any, stream: Any) -> None:
     _ok("cuEventRecord", _drv().cuEventRecord(event, stream.cuda_stream))
 
 
-def wait_ready(event: Any) -> None:
-    """Block the calling thread (GIL released) until driver event ``event`` has fired."""
-    with standing_for_the_driver():
-        _ok("cuEventSynchronize", _drv().cuEventSynchronize(event))
-
-
-def copy_device_block(dst_ptr: int, src_ptr: int, nbytes: int, stream: Any) -> None:
-    """Enqueue a device-to-device copy of ``nbytes`` on torch stream ``stream`` (asynchronous, CC or not)."""
-    _ok("cuMemcpyDtoDAsync", _drv().cuMemcpyDtoDAsync(dst_ptr, src_ptr, nbytes, stream.cuda_stream))
-
-
-def copy_device_block_in(index: int, dst_ptr: int, src_ptr: int, nbytes: int, handle: int) -> None:
-    """:func:`copy_device_block` on raw stream ``handle`` of GPU ``index``, its context made current if it is not."""
+def copy_device_block(index: int, dst_ptr: int, src_ptr: int, nbytes: int, stream: Any) -> None:
+    """Enqueue a device-to-device copy of ``nbytes`` on torch stream ``stream`` of GPU ``index`` (asynchronous, CC
+    or not), its context made current for the call if it is not."""
     drv = _drv()
+    handle = stream.cuda_stream
     pushed = _enter_context(drv, index)
     try:
         result = drv.cuMemcpyDtoDAsync(dst_ptr, src_ptr, nbytes, handle)
@@ -160,20 +146,6 @@ def run_copy_job(index: int, ready: Any, host_ptr: int, device_ptr: int, nbytes:
     finally:
         if pushed:
             _ok("cuCtxPopCurrent", drv.cuCtxPopCurrent())
-
-
-def copy_to_host_and_wait(host_ptr: int, device_ptr: int, nbytes: int, stream: Any) -> None:
-    """Copy ``nbytes`` from the device to pinned host memory on torch stream ``stream``; block until it is done.
-
-    Under CC the copy call itself returns only after the transfer; without CC the stream synchronize waits
-    for it. Either way the host waits for the transfer and for nothing else (``stream`` is the job's own).
-    """
-    drv = _drv()
-    handle = stream.cuda_stream
-    with standing_for_the_driver():
-        if nbytes:
-            _ok("cuMemcpyDtoHAsync", drv.cuMemcpyDtoHAsync(host_ptr, device_ptr, nbytes, handle))
-        _ok("cuStreamSynchronize", drv.cuStreamSynchronize(handle))
 
 
 def forget_after_fork() -> None:

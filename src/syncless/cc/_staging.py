@@ -113,14 +113,15 @@ def _torch_own(name: str):
 _TORCH_OWN: dict[str, Any] = {}  # torch's own Tensor methods by name (what patching.original gives; never changes)
 
 
-def land(src: Any, index: int, how: str = "to") -> Any:
+def land(src: Any, index: int, how: str = "to", current: Any = None) -> Any:
     """Copy host ``src`` to a new tensor on GPU ``index``, on the staging stream; hand it to the current stream.
 
     Enqueues the copy on the staging stream and a wait for it on the current
     stream; the host waits at most for the transfer itself (under CC, and
     when CC is emulated). ``how`` is the tensor method that makes the copy,
     ``"to"`` or ``"cuda"`` (the one the caller called, so its result is
-    torch's own). The result is allocated on the staging stream (so the allocator cannot
+    torch's own); ``current``: the current stream of GPU ``index``, where the
+    caller has it already. The result is allocated on the staging stream (so the allocator cannot
     hand out memory the current stream may still be using) and then marked
     as used by the current stream (``record_stream``), so its memory is not
     recycled before the current stream is done with it.
@@ -131,7 +132,8 @@ def land(src: Any, index: int, how: str = "to") -> Any:
     """
     if how not in ("to", "cuda"):
         raise ValueError(f"land copies with Tensor.to or Tensor.cuda, got how={how!r}")
-    current = _streams.current_stream(index)
+    if current is None:
+        current = _streams.current_stream(index)
     staging = _streams._staging.get(index) or _streams.staging_stream(index)
     _host_writes.order_after_pending_writes(staging, src)
     with _streams.OnStream(staging, current):

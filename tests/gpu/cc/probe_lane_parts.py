@@ -53,8 +53,8 @@ def main() -> None:
                                                                             pin_memory=True))
     timed("_d2h.pinned_block", lambda: _d2h.pinned_block(tokens, tokens.dtype))
     timed("torch.empty_like(device tensor)", lambda: torch.empty_like(tokens))
-    timed("raw D2D copy_device_block_in", lambda: _raw.copy_device_block_in(0, snap.data_ptr(), tokens.data_ptr(),
-                                                                            64, d2h.cuda_stream))
+    timed("raw D2D copy_device_block", lambda: _raw.copy_device_block(0, snap.data_ptr(), tokens.data_ptr(),
+                                                                            64, d2h))
 
     def ready_cycle():
         event = _raw.take_ready_event(0)

@@ -83,12 +83,8 @@ def stand_in_raw_driver(monkeypatch):
     monkeypatch.setattr(_raw, "take_ready_event", lambda index: torch.cuda.Event())
     monkeypatch.setattr(_raw, "give_back_ready_event", lambda index, event: None)
     monkeypatch.setattr(_raw, "record_ready", lambda event, stream: _streams.record_event_raw(event, stream))
-    monkeypatch.setattr(_raw, "wait_ready", lambda event: _streams.wait_event_raw(event))
     monkeypatch.setattr(_raw, "copy_device_block",
-                        lambda dst_ptr, src_ptr, nbytes, stream: ctypes.memmove(dst_ptr, src_ptr, nbytes))
-
-    monkeypatch.setattr(_raw, "copy_device_block_in",
-                        lambda index, dst_ptr, src_ptr, nbytes, handle: ctypes.memmove(dst_ptr, src_ptr, nbytes))
+                        lambda index, dst_ptr, src_ptr, nbytes, stream: ctypes.memmove(dst_ptr, src_ptr, nbytes))
 
     def run_copy_job(index, ready, host_ptr, device_ptr, nbytes, stream):
         _streams.wait_event_raw(ready)
