@@ -177,6 +177,14 @@ _declare(
     "Host-to-device copies larger than this keep the original copy instead of the staging stream.",
 )
 _declare(
+    "SYNCLESS_CC_INLINE_MAX_BYTES",
+    parse_nbytes,
+    "4080",
+    "a byte count from 0 to 4080",
+    "Non-blocking host-to-device copies of at most this many bytes are written by a kernel from its launch "
+    "parameters (no transfer to wait for under CC); 0 stages them like larger ones.",
+)
+_declare(
     "SYNCLESS_PP_TRANSPORT",
     _choice("auto", "copy_engine", "torch_distributed"),
     "auto",

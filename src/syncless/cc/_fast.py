@@ -6,21 +6,27 @@ cost an offloaded readback about 54 syncless Python calls and a staged
 upload about 48 (issue 33, ``tests/gpu/cc/probe_call_counts.py``). This
 lane takes the two common forms, ``t.to("cpu", non_blocking=True)`` on a
 D2H stream and ``h.to("cuda", non_blocking=True)``, in one function each
-with the checks inline, as direct calls of torch's C layer. It routes
-exactly as :func:`._routing.route_copy` would (offload / stage), and gives
-up (returns None, having done nothing) on anything else, which the general
+with the checks inline, as direct calls of torch's C layer, and gives up
+(returns None, having done nothing) on anything else, which the general
 path then reads: a subclass or a mode, a GPU other than the current one, a
 graph capture, a strided layout that is not contiguous, a conjugate or
 negative view, autograd, a copy past ``max_staged_bytes``, a host tensor
-that is not on the CPU, a D2H stream current while an H2D is issued. An
-upload while nothing is queued on the current stream is torch's own copy
-(``left_alone["idle_stream"]``): under CC it then waits for the transfer
-alone, which is all the staging stream would have saved, without the
-staging's own cost (run 30: 47.4 us staged against 34.0 us for the transfer
-alone, 1 MiB on an idle H200).
+that is not on the CPU, a D2H stream current while an H2D is issued.
+
+- A readback is offloaded as :func:`._routing.route_copy` would route it.
+- An upload of at most ``SYNCLESS_CC_INLINE_MAX_BYTES`` (4080 by default:
+  token ids, positions, a sampling table) is one kernel launch whose
+  parameters carry the bytes (:mod:`._inline_h2d`): nothing waits, under
+  CC or not. So is a ``dst.copy_(h, non_blocking=True)`` of that size into
+  a contiguous tensor of the same dtype and shape (:func:`copy_into`).
+- A larger upload while nothing is queued on the current stream is torch's
+  own copy (``left_alone["idle_stream"]``): under CC it then waits for the
+  transfer alone, which is all the staging stream would have saved,
+  without the staging's own cost (run 30: 47.4 us staged against 34.0 us
+  for the transfer alone, 1 MiB on an idle H200). Else it is staged.
 
 Python calls on the lane (counted with ``sys.setprofile``, docs/cc.md):
-the offload and the staged upload, each about a dozen of syncless's own.
+the offload and the upload, each about a dozen of syncless's own.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from __future__ import annotations
 from typing import Any
 
 from syncless._core.tensor_calls import _torch_checks
-from syncless.cc import _d2h, _host_writes, _staging, _streams
+from syncless.cc import _d2h, _emulation, _host_writes, _inline_h2d, _raw, _staging, _streams
 from syncless.cc._stats import COUNTERS
 
 
@@ -41,9 +47,11 @@ class _Lane:
         c = torch._C
         checks = _torch_checks()  # the override, mode and functorch checks every routed call makes
         self.tensor = torch.Tensor
+        self.empty_strided = torch.empty_strided
         self.device_type = torch.device
         self.strided = torch.strided
         self.grad_enabled = torch.is_grad_enabled
+        self.inference_mode = torch.is_inference_mode_enabled
         self.has_override = checks.has_torch_function_unary
         self.dispatch_depth = checks.dispatch_stack_len
         self.functorch_peek = checks.functorch_peek
@@ -59,7 +67,6 @@ class _Lane:
 
 
 _LANE: list[_Lane | None] = [None]
-PASS_ON = object()  # what :func:`to` returns when torch's own copy, called as given, is the right one
 _MAX_DEVICE_NAMES = 64
 
 
@@ -87,9 +94,8 @@ def _device(lane: _Lane, where: Any) -> Any:
     return device
 
 
-def to(self: Any, where: Any, max_staged_bytes: int) -> Any:
-    """``self.to(where, non_blocking=True)`` through the lane, or None (nothing done) if the lane does not take it,
-    or :data:`PASS_ON`: the caller calls torch's own copy as given (an upload to an idle stream).
+def to(self: Any, where: Any, max_staged_bytes: int, inline_max_bytes: int) -> Any:
+    """``self.to(where, non_blocking=True)`` through the lane, or None (nothing done) if the lane does not take it.
 
     The caller has checked the call's form (two positional arguments, ``non_blocking=True`` alone as a keyword)
     and that dynamo is not tracing.
@@ -106,7 +112,7 @@ def to(self: Any, where: Any, max_staged_bytes: int) -> Any:
     if self.is_cuda:
         return _offload(lane, self, device, max_staged_bytes) if device.type == "cpu" else None
     if device.type == "cuda" and self.is_cpu:
-        return _stage(lane, self, device, max_staged_bytes)
+        return _stage(lane, self, device, max_staged_bytes, inline_max_bytes)
     return None
 
 
@@ -140,8 +146,9 @@ def _offload(lane: _Lane, self: Any, device: Any, max_staged_bytes: int) -> Any:
     return dst
 
 
-def _stage(lane: _Lane, self: Any, device: Any, max_staged_bytes: int) -> Any:
-    """``self.to(device, non_blocking=True)`` for a host tensor, staged (:func:`._staging.land`), or None."""
+def _stage(lane: _Lane, self: Any, device: Any, max_staged_bytes: int, inline_max_bytes: int) -> Any:
+    """``self.to(device, non_blocking=True)`` for a host tensor: inlined (at most ``inline_max_bytes``), torch's own
+    on an idle current stream, else staged; or None."""
     index = device.index
     current_device = lane.current_device()
     if index is None:
@@ -150,13 +157,78 @@ def _stage(lane: _Lane, self: Any, device: Any, max_staged_bytes: int) -> Any:
         return None
     if _d2h._PENDING[0] and _d2h._streams_by_key and (index, lane.raw_stream(index)) in _d2h._streams_by_key:
         return None  # a D2H stream is current: the general path waits for its offloaded copies first
+    if self.requires_grad and lane.grad_enabled():
+        return None  # torch records the copy for autograd: the general path stages torch's own copy
+    nbytes = self.nbytes
+    if nbytes <= inline_max_bytes and _host_writes.settle_for_host_read(self):
+        entries = _inline_h2d.functions(index)
+        if entries is not None:
+            landed = lane.empty_strided(self.shape, self.stride(), dtype=self.dtype, device=device)
+            _inline(lane, landed, self, index, nbytes, entries)
+            return landed
     current = _streams.current_stream(index)
     if lane.stream_query(current):
         # Nothing is queued on the current stream: staging would hide nothing (under CC torch's own copy waits
         # for the transfer alone) and only add its own cost. torch's copy, on the current stream, after the
-        # offloaded copies still writing this host memory (the host waits for those, as a staged copy does).
+        # offloaded copies still writing this host memory (the host waits for those, as a staged copy does);
+        # then the wait CC would make, if it is emulated (as a staged copy does: not through the emulator's layer,
+        # whose reading of the call is no part of what CC costs).
         _host_writes.order_after_pending_writes(current, self)
         COUNTERS.left_alone("idle_stream")
-        return PASS_ON
+        landed = _staging._torch_own("to")(self, device, non_blocking=True)
+        _emulation.wait_after_copy_on(current)
+        return landed
     COUNTERS.add("staged")
     return _staging.land(self, index, current=current)
+
+
+def _inline(lane: _Lane, dst: Any, src: Any, index: int, nbytes: int, entries: tuple) -> None:
+    """Write host ``src``'s bytes, read now, into device ``dst`` (the same layout) by one kernel on the current stream
+    whose parameters carry them (:mod:`._inline_h2d`). Nothing blocks, under CC or not.
+
+    current : ... [K: dst <- bytes] (the caller's next work)
+
+    No D2H copy syncless noted is still writing ``src`` (the caller settled it), so its bytes now are the bytes
+    torch's copy would read in stream order.
+    """
+    if nbytes:
+        pushed = _raw.enter_context(index)
+        try:
+            _inline_h2d.launch(entries, dst.data_ptr(), src.data_ptr(), nbytes, lane.raw_stream(index))
+        finally:
+            if pushed:
+                _raw.leave_context()
+    COUNTERS.add("inlined")
+
+
+def copy_into(dst: Any, src: Any, inline_max_bytes: int) -> bool:
+    """``dst.copy_(src, non_blocking=True)`` of host ``src`` into CUDA ``dst`` as one inline kernel, if it is a small
+    plain upload (same dtype and shape, both contiguous, nothing for autograd to record); return whether it was
+    done (False: nothing was, the caller routes the copy).
+
+    The caller (the shim's ``copy_``) has checked the call's form, overrides, modes and compiling, and settled
+    the D2H stream. Enqueues on ``dst``'s current stream, where torch's copy goes; bumps ``dst``'s version
+    counter once, as torch's copy does; does not block the host.
+    """
+    lane = _LANE[0] or _lane()
+    nbytes = src.nbytes
+    if (not lane.ready or nbytes > inline_max_bytes or type(dst) is not lane.tensor or type(src) is not lane.tensor
+            or not src.is_cpu or dst.dtype != src.dtype or dst.shape != src.shape or _streams.CAPTURES[0]):
+        return False
+    index = dst.get_device()
+    if index != lane.current_device() or lane.capturing():
+        return False
+    if not (_plain_block(lane, dst, inline_max_bytes) and _plain_block(lane, src, inline_max_bytes)):
+        return False
+    if (dst.requires_grad or src.requires_grad) and lane.grad_enabled():
+        return False  # torch records the copy for autograd (or refuses a leaf): the general path
+    if dst.is_inference() and not lane.inference_mode():
+        return False  # torch refuses it at the call: the general path passes the call on
+    if not _host_writes.settle_for_host_read(src):
+        return False
+    entries = _inline_h2d.functions(index)
+    if entries is None:
+        return False
+    _inline(lane, dst, src, index, nbytes, entries)
+    _d2h._bump_version(dst)
+    return True

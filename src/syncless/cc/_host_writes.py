@@ -146,6 +146,45 @@ def note_offloaded_d2h(dst: Any, ticket: Any) -> None:
     _remember(dst, ("job", ticket))
 
 
+def may_be_written(src: Any) -> bool:
+    """Whether a noted D2H copy may still be writing host ``src``'s memory (False: none is; two bisects, no lock).
+
+    True is conservative: a noted copy that has finished since counts until a lookup drops it. An upload that
+    reads ``src`` on the host at the call (:mod:`._inline_h2d`) goes the staging way when this is True, where
+    :func:`order_after_pending_writes` orders it.
+    """
+    if not _starts:
+        return False
+    start, end = _range(src)
+    return bisect.bisect_right(_starts, start - _longest[0]) < bisect.bisect_left(_starts, end)
+
+
+def settle_for_host_read(src: Any) -> bool:
+    """Make host ``src``'s bytes final for a read on the host now, if that needs no GPU-side wait; return whether
+    they are.
+
+    The host waits for the offloaded copies still writing it (their jobs), as before a staged copy. A plain D2H
+    (torch's own copy, on some stream) whose event has not fired makes this False, waiting for nothing more: only
+    a GPU-side wait would order a read after it without blocking, so the caller stages the copy
+    (:func:`order_after_pending_writes`). Under CC such a copy has always finished when its call returned.
+
+    Raises:
+        D2HCopyError: an offloaded copy into ``src``'s memory failed (its bytes were never written).
+    """
+    if not may_be_written(src):
+        return True
+    start, end = _range(src)
+    pending = _unfinished_writes(start, end)
+    if any(entry[0] == "event" for entry in pending):
+        return False
+    if pending:
+        from syncless.cc import _d2h
+
+        _d2h.wait_for_tickets([entry[1] for entry in pending], raise_errors=False)
+        _unfinished_writes(start, end)  # drops them now that they are done, or raises a failure among them
+    return True
+
+
 def order_after_pending_writes(staging: Any, src: Any) -> None:
     """Order a copy about to read host ``src`` on ``staging`` after the noted D2H copies still writing it.
 

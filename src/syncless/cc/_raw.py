@@ -1,17 +1,23 @@
-"""The driver calls of the shim's hot paths, one cuda-bindings call each (each releases the GIL while it runs).
+"""The driver calls of the shim's hot paths, one ``ctypes`` call each (:mod:`syncless._core.libcuda`).
 
 An offloaded D2H job is three driver calls on whichever thread runs it
-(:mod:`._worker`): wait for the ready event, copy the snapshot's bytes into
-the pinned destination on the job's copy stream, wait for that stream. Going
-through torch instead (``torch.cuda.stream``, ``Tensor.copy_``, the device
-guard) cost the thread several takes of the GIL and tens of Python calls per
-job. The ready events come from a per-GPU pool of driver events (no timing),
-so an offload creates none.
+(:mod:`._worker`): wait for the ready event (skipped when a query finds it
+fired already), copy the snapshot's bytes into the pinned destination on
+the job's copy stream, wait for that stream. The waits and the copy release
+the GIL while they run (under CC the copy itself blocks until it is done);
+the calls that only enqueue (the device copy of the snapshot, the event
+record) keep it, so no other thread is handed the GIL in the middle of a
+hot path. Going through torch instead (``torch.cuda.stream``,
+``Tensor.copy_``, the device guard) cost the thread several takes of the GIL
+and tens of Python calls per job, and cuda-bindings' wrappers 2-4 us per
+call. The ready events come from a per-GPU pool of driver events (no
+timing), kept as integer handles, so an offload creates none.
 
-Every call here takes plain integers (device pointers, stream handles) and
-raises :class:`syncless._core.errors.CudaError` on failure. Waits are marked
-as the driver's own (:func:`syncless._core.driver_waits.standing_for_the_driver`)
-so that the hidden-sync detector never counts them.
+Every call here takes plain integers (device pointers, stream and event
+handles) and raises :class:`syncless._core.errors.CudaError` on failure.
+Waits are marked as the driver's own
+(:func:`syncless._core.driver_waits.standing_for_the_driver`) so that the
+hidden-sync detector never counts them.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import threading
 from typing import Any
 
 from syncless._core import cuda as _cuda
+from syncless._core import libcuda
 from syncless._core.driver_waits import standing_for_the_driver
 
 _lock = threading.Lock()
@@ -71,15 +78,16 @@ class InContext:
         self._pushed = False
 
     def __enter__(self) -> None:
-        self._pushed = _enter_context(_drv(), self._index)
+        self._pushed = enter_context(self._index)
 
     def __exit__(self, *exc_info: object) -> None:
         if self._pushed:
             _ok("cuCtxPopCurrent", _drv().cuCtxPopCurrent())
 
 
-def take_ready_event(index: int) -> Any:
-    """A driver event of GPU ``index`` (timing off) from the pool, made if the pool is empty. Host only."""
+def take_ready_event(index: int) -> int:
+    """A driver event of GPU ``index`` (timing off; its handle as an int) from the pool, made if the pool is empty.
+    Host only."""
     pool = _ready_pools.get(index)
     if pool:
         try:
@@ -88,7 +96,7 @@ def take_ready_event(index: int) -> Any:
             pass
     drv = _drv()
     with InContext(index):
-        return _ok("cuEventCreate", drv.cuEventCreate(int(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING)))
+        return int(_ok("cuEventCreate", drv.cuEventCreate(int(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING))))
 
 
 def give_back_ready_event(index: int, event: Any) -> None:
@@ -100,55 +108,83 @@ def give_back_ready_event(index: int, event: Any) -> None:
     pool.append(event)
 
 
-def record_ready(event: Any, stream: Any) -> None:
-    """Enqueue a record of driver event ``event`` on torch stream ``stream`` (GPU-side; never blocks)."""
-    _ok("cuEventRecord", _drv().cuEventRecord(event, stream.cuda_stream))
+def record_ready(event: int, stream: Any) -> None:
+    """Enqueue a record of driver event ``event`` on torch stream ``stream`` (GPU-side; never blocks; GIL held)."""
+    code = libcuda.libraries()[0].cuEventRecord(event, stream.cuda_stream)
+    if code:
+        libcuda.raise_for("cuEventRecord", code)
 
 
 def copy_device_block(index: int, dst_ptr: int, src_ptr: int, nbytes: int, stream: Any) -> None:
     """Enqueue a device-to-device copy of ``nbytes`` on torch stream ``stream`` of GPU ``index`` (asynchronous, CC
-    or not), its context made current for the call if it is not."""
-    drv = _drv()
-    handle = stream.cuda_stream
-    pushed = _enter_context(drv, index)
+    or not; GIL held), its context made current for the call if it is not."""
+    quick = libcuda.libraries()[0]
+    pushed = enter_context(index)
     try:
-        result = drv.cuMemcpyDtoDAsync(dst_ptr, src_ptr, nbytes, handle)
+        code = quick.cuMemcpyDtoDAsync_v2(dst_ptr, src_ptr, nbytes, stream.cuda_stream)
     finally:
         if pushed:
-            _ok("cuCtxPopCurrent", drv.cuCtxPopCurrent())
-    if result[0]:
-        _cuda.check("cuMemcpyDtoDAsync", result)
+            _ok("cuCtxPopCurrent", _drv().cuCtxPopCurrent())
+    if code:
+        libcuda.raise_for("cuMemcpyDtoDAsync", code)
 
 
-def _enter_context(drv: Any, index: int) -> bool:
-    """Make GPU ``index``'s primary context current if it is not; return whether it was pushed (pop it after)."""
-    context = _primary.get(index) or primary_context(index)
-    current = _ok("cuCtxGetCurrent", drv.cuCtxGetCurrent())
-    if current is not None and int(current) == int(context):
+def leave_context() -> None:
+    """Pop the context :func:`enter_context` pushed."""
+    _ok("cuCtxPopCurrent", _drv().cuCtxPopCurrent())
+
+
+def enter_context(index: int) -> bool:
+    """Make GPU ``index``'s primary context current if it is not; return whether it was pushed (then
+    :func:`leave_context` after).
+
+    One ``cuCtxGetCurrent`` (through ctypes) when it is current already: the common case, a thread that runs torch
+    on that GPU.
+    """
+    context = _primary_handles.get(index)
+    if context is None:
+        context = _primary_handles[index] = int(primary_context(index))
+    if libcuda.current_context() == context:
         return False
-    _ok("cuCtxPushCurrent", drv.cuCtxPushCurrent(context))
+    _ok("cuCtxPushCurrent", _drv().cuCtxPushCurrent(_primary[index]))
     return True
 
 
-def run_copy_job(index: int, ready: Any, host_ptr: int, device_ptr: int, nbytes: int, stream: Any) -> None:
+_primary_handles: dict[int, int] = {}  # device index -> its primary context's handle as an int
+
+
+def run_copy_job(index: int, ready: int, host_ptr: int, device_ptr: int, nbytes: int, stream: Any) -> None:
     """An offloaded copy's job in three driver calls: wait for ``ready``, copy to the host on torch stream
-    ``stream``, wait for that stream. Blocks the calling thread (GIL released in each call) for the ready event and the
-    transfer; GPU ``index``'s context is made current for it if it is not (and put back after)."""
-    drv = _drv()
+    ``stream``, wait for that stream. Blocks the calling thread (GIL released in each wait and in the copy) for the
+    ready event and the transfer; GPU ``index``'s context is made current for it if it is not (and put back after).
+
+    A ready event that a query finds fired already is not waited for (the decode loop's case: it reads the copy a
+    step late), which saves a release and a take of the GIL.
+    """
+    quick, blocking = libcuda.libraries()
     handle = stream.cuda_stream
-    pushed = _enter_context(drv, index)
+    pushed = enter_context(index)
     try:
         with standing_for_the_driver():
-            _ok("cuEventSynchronize", drv.cuEventSynchronize(ready))
+            code = quick.cuEventQuery(ready)
+            if code == libcuda.CUDA_ERROR_NOT_READY:
+                code = blocking.cuEventSynchronize(ready)
+            if code:
+                libcuda.raise_for("cuEventSynchronize", code)
             if nbytes:
-                _ok("cuMemcpyDtoHAsync", drv.cuMemcpyDtoHAsync(host_ptr, device_ptr, nbytes, handle))
-            _ok("cuStreamSynchronize", drv.cuStreamSynchronize(handle))
+                code = blocking.cuMemcpyDtoHAsync_v2(host_ptr, device_ptr, nbytes, handle)
+                if code:
+                    libcuda.raise_for("cuMemcpyDtoHAsync", code)
+            code = blocking.cuStreamSynchronize(handle)
+            if code:
+                libcuda.raise_for("cuStreamSynchronize", code)
     finally:
         if pushed:
-            _ok("cuCtxPopCurrent", drv.cuCtxPopCurrent())
+            _ok("cuCtxPopCurrent", _drv().cuCtxPopCurrent())
 
 
 def forget_after_fork() -> None:
     """In a forked child: forget the pools (the parent's driver objects are not valid there)."""
     _ready_pools.clear()
     _primary.clear()
+    _primary_handles.clear()

@@ -23,7 +23,8 @@ from syncless._core import config, patching
 from syncless._core.compiling import is_compiling
 from syncless._core.layouts import broadcasts_to
 from syncless._core.tensor_calls import maybe_non_blocking_to, parse_to, read_copy, read_cuda, reads_as_cuda_device
-from syncless.cc import _d2h, _emulation, _fast, _host_writes, _routing, _staging, _streams, _sync_patches
+from syncless.cc import (_d2h, _emulation, _fast, _host_writes, _inline_h2d, _routing, _staging, _streams,
+                         _sync_patches)
 from syncless.cc._layers import SHIM_KEY, SYNCING_ATTRS, TENSOR_ATTRS, call_for_routing
 from syncless.cc._stats import COUNTERS
 
@@ -35,6 +36,7 @@ _lock = threading.Lock()
 class _State:
     installed = False
     max_staged_bytes = 64 << 20
+    inline_max_bytes = 4080  # SYNCLESS_CC_INLINE_MAX_BYTES, read at install (._inline_h2d)
 
 
 _STATE = _State()
@@ -176,9 +178,7 @@ def _wrap_to(next_to):
             return next_to(*args, **kwargs)
         if len(args) == 2 and len(kwargs) == 1 and kwargs.get("non_blocking") is True:
             # x.to(device, non_blocking=True): the decode loop's upload and readback (the fast lane, ._fast)
-            result = _fast.to(args[0], args[1], _STATE.max_staged_bytes)
-            if result is _fast.PASS_ON:
-                return next_to(*args, **kwargs)
+            result = _fast.to(args[0], args[1], _STATE.max_staged_bytes, _STATE.inline_max_bytes)
             if result is not None:
                 return result
         rest = args[1:]
@@ -375,6 +375,8 @@ def _wrap_copy(next_copy):
             _settle_d2h_stream(self.device.index)  # an H2D reads host memory an offloaded copy may still write
             index = self.device.index
             registered = _staging.is_registered_target(self)
+            if not registered and _fast.copy_into(self, src, _STATE.inline_max_bytes):
+                return self  # a small upload, written by one kernel on the current stream (._inline_h2d)
             route, _, _ = _decide(src, "cuda", index, into_existing=True, registered=registered,
                                   dtype_changes=self.dtype != src.dtype, autograd=False, dst=self)
             if route == _routing.IN_PLACE:
@@ -438,8 +440,13 @@ def install_shim(max_staged_bytes: int | None = None) -> bool:
         raise TypeError(f"max_staged_bytes must be an int, got {type(limit).__name__}")
     if limit < 0:
         raise ValueError(f"max_staged_bytes must be >= 0, got {limit}")
+    inline_limit = config.resolve("SYNCLESS_CC_INLINE_MAX_BYTES")
+    if not 0 <= inline_limit <= _inline_h2d.INLINE_MAX_BYTES:
+        raise ValueError(f"SYNCLESS_CC_INLINE_MAX_BYTES must be from 0 to {_inline_h2d.INLINE_MAX_BYTES} (the bytes "
+                         f"one kernel launch's parameters hold), got {inline_limit}")
     with _lock:
         _STATE.max_staged_bytes = limit
+        _STATE.inline_max_bytes = inline_limit
         if _STATE.installed:
             return False
         _d2h.restart_workers()

@@ -32,6 +32,8 @@ class CopyStats:
 
     Attributes:
         staged: H2D copies issued on a staging stream (fresh results and copies into existing tensors).
+        inlined: small H2D copies written by a kernel from its launch parameters, on the current stream
+            (no transfer to wait for, under CC or not; docs/cc.md, "Small uploads").
         in_place: H2D copies into registered targets, issued directly on the staging stream.
         offloaded: D2H copies handed to the worker thread.
         emulated_waits: host waits the CC emulation added after a copy.
@@ -43,6 +45,7 @@ class CopyStats:
 
     staged: int = 0
     in_place: int = 0
+    inlined: int = 0
     offloaded: int = 0
     emulated_waits: int = 0
     left_alone: dict[str, int] = field(default_factory=dict)
@@ -56,7 +59,7 @@ class CopyStats:
 class StatsCounter:
     """Thread-safe counters behind :func:`syncless.cc.stats`."""
 
-    _FIELDS = ("staged", "in_place", "offloaded", "emulated_waits", "bypass_waits")
+    _FIELDS = ("staged", "in_place", "inlined", "offloaded", "emulated_waits", "bypass_waits")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

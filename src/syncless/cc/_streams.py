@@ -20,6 +20,7 @@ import threading
 from typing import Any
 
 from syncless._core import cuda as _cuda
+from syncless._core import libcuda
 from syncless._core.driver_waits import standing_for_the_driver
 
 BINDINGS_FLOOR = (12, 9, 1)
@@ -312,21 +313,25 @@ def _event_base() -> type:
 def wait_stream_raw(stream: Any) -> None:
     """Block the calling thread until ``stream`` has drained, via the driver (invisible to sync debug mode).
 
-    Marked as a wait that stands for the driver's own, so the detector's CUPTI layer does not count it either.
+    One ``cuStreamSynchronize`` through ctypes, the GIL released while it waits. Marked as a wait that stands for
+    the driver's own, so the detector's CUPTI layer does not count it either.
     """
-    drv = _cuda.ensure_driver()
+    _cuda.ensure_driver()
     with _OnDevice(stream.device_index), standing_for_the_driver():
-        result = drv.cuStreamSynchronize(stream.cuda_stream)
-    if result[0]:
-        _cuda.check("cuStreamSynchronize", result)
+        code = libcuda.libraries()[1].cuStreamSynchronize(stream.cuda_stream)
+    if code:
+        libcuda.raise_for("cuStreamSynchronize", code)
 
 
 def wait_event_raw(event: Any) -> None:
     """Block the calling thread until ``event`` has fired, via the driver (invisible to sync debug mode)."""
     handle = event.cuda_event
     if handle:  # never recorded: nothing to wait for (same as torch)
+        _cuda.ensure_driver()
         with standing_for_the_driver():
-            _cuda.call("cuEventSynchronize", handle)
+            code = libcuda.libraries()[1].cuEventSynchronize(handle)
+        if code:
+            libcuda.raise_for("cuEventSynchronize", code)
 
 
 def record_event_raw(event: Any, stream: Any) -> None:

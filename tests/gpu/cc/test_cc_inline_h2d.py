@@ -1,0 +1,207 @@
+"""Small uploads written by one kernel from its launch parameters (``cc/_inline_h2d.py``), on a GPU.
+
+Under emulated CC with the shim (``emulated_cc``), with fresh random bytes each run: bit-exact against the
+source for every payload size class and its edges, both call forms (``h.to(dev, non_blocking=True)`` and
+``dst.copy_(h, non_blocking=True)``), pinned and pageable sources; stream order on the current stream (behind
+queued work, the host does not wait, and a reader queued before the copy sees the old bytes); the source read
+at the call; a source an offloaded D2H still writes; another current stream; two host threads at once; and a
+CUDA graph capture, which the inline path leaves to torch.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120)]
+
+SIZES = (1, 2, 7, 8, 47, 48, 49, 255, 256, 257, 495, 496, 497, 1000, 2048, 4079, 4080)
+
+
+def _random_bytes(torch, n: int, pinned: bool):
+    gen = torch.Generator().manual_seed(int.from_bytes(__import__("os").urandom(4), "little"))
+    host = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+    return host.pin_memory() if pinned else host
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_every_size_class_is_bit_exact_both_forms(emulated_cc, pinned):
+    import torch
+
+    dev = torch.device("cuda", 0)
+    torch.cuda.synchronize()
+    before = emulated_cc.stats().inlined
+    calls = 0
+    for n in SIZES:
+        host = _random_bytes(torch, n, pinned)
+        up = host.to(dev, non_blocking=True)
+        into = torch.full((n,), 7, dtype=torch.uint8, device=dev)
+        into.copy_(host, non_blocking=True)
+        calls += 2
+        torch.cuda.synchronize()
+        assert torch.equal(up.cpu(), host), n
+        assert torch.equal(into.cpu(), host), n
+        assert up.shape == host.shape and up.dtype == host.dtype and up.device == dev
+    for dtype, n in ((torch.int64, 1), (torch.int64, 510), (torch.float32, 1020), (torch.bfloat16, 2040),
+                     (torch.bool, 333), (torch.complex64, 3)):
+        raw = _random_bytes(torch, n * torch.empty((), dtype=dtype).element_size(), pinned)
+        host = raw.view(dtype) if dtype is not torch.bool else (raw % 2).bool()
+        up = host.to(dev, non_blocking=True)
+        calls += 1
+        torch.cuda.synchronize()
+        assert torch.equal(up.cpu().view(torch.uint8), host.view(torch.uint8)), dtype
+    assert emulated_cc.stats().inlined == before + calls
+
+
+def test_a_4081_byte_upload_is_staged_not_inlined(emulated_cc, cycles_per_ms):
+    import torch
+
+    dev = torch.device("cuda", 0)
+    host = _random_bytes(torch, 4081, True)
+    torch.cuda._sleep(cycles_per_ms * 5)
+    stats = emulated_cc.stats()
+    up = host.to(dev, non_blocking=True)
+    after = emulated_cc.stats()
+    assert after.inlined == stats.inlined and after.staged == stats.staged + 1
+    torch.cuda.synchronize()
+    assert torch.equal(up.cpu(), host)
+
+
+def test_behind_queued_work_the_host_goes_on_and_stream_order_holds(emulated_cc, cycles_per_ms):
+    """current : [sleep 30 ms] [old <- dst] [K: dst <- new bytes] [after <- dst]; the host returns at once."""
+    import torch
+
+    dev = torch.device("cuda", 0)
+    dst = torch.randint(0, 256, (1000,), dtype=torch.uint8, device=dev)
+    original = dst.clone()
+    host = _random_bytes(torch, 1000, True)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(cycles_per_ms * 30)
+    queued = torch.cuda.Event()
+    queued.record()
+    old = dst.clone()  # a reader queued before the copy
+    dst.copy_(host, non_blocking=True)
+    up = host.to(dev, non_blocking=True)
+    after = dst.clone()
+    assert queued.query() is False, "the host waited for the queued work"
+    torch.cuda.synchronize()
+    assert torch.equal(old, original)
+    assert torch.equal(after.cpu(), host) and torch.equal(up.cpu(), host)
+    assert dst._version >= 1
+
+
+def test_the_source_is_read_at_the_call(emulated_cc, cycles_per_ms):
+    """As under CC (the copy has finished when its call returns): the host may rewrite its buffer at once."""
+    import torch
+
+    dev = torch.device("cuda", 0)
+    host = _random_bytes(torch, 64, True)
+    expected = host.clone()
+    torch.cuda._sleep(cycles_per_ms * 20)
+    up = host.to(dev, non_blocking=True)
+    host.zero_()
+    torch.cuda.synchronize()
+    assert torch.equal(up.cpu(), expected)
+
+
+def test_a_source_an_offloaded_copy_still_writes_gets_its_bytes(emulated_cc, cycles_per_ms):
+    """A token read back on a D2H stream (offloaded, behind 30 ms of work) and uploaded at once: the upload waits
+    for the job on the host and carries the read-back bytes."""
+    import torch
+
+    dev = torch.device("cuda", 0)
+    tokens = torch.randint(0, 1 << 40, (8,), dtype=torch.int64, device=dev)
+    d = emulated_cc.new_d2h_stream(dev)
+    torch.cuda._sleep(cycles_per_ms * 30)
+    d.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(d):
+        back = tokens.to("cpu", non_blocking=True)
+    up = back.to(dev, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(up, tokens)
+    emulated_cc.close_d2h_stream(d)
+
+
+def test_another_current_stream_orders_the_kernel_there(emulated_cc, cycles_per_ms):
+    import torch
+
+    dev = torch.device("cuda", 0)
+    side = torch.cuda.Stream(dev)
+    dst = torch.zeros(256, dtype=torch.uint8, device=dev)
+    host = _random_bytes(torch, 256, True)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(cycles_per_ms * 20)
+        dst.copy_(host, non_blocking=True)
+        seen = dst.clone()
+    assert torch.equal(torch.zeros_like(dst), dst)  # on the default stream: not yet written (side is sleeping)
+    side.synchronize()
+    assert torch.equal(seen.cpu(), host)
+
+
+def test_two_threads_upload_at_once(emulated_cc):
+    import torch
+
+    dev = torch.device("cuda", 0)
+    problems = []
+
+    def run(seed: int):
+        try:
+            torch.cuda.set_device(dev)
+            gen = torch.Generator().manual_seed(seed)
+            for step in range(300):
+                n = int(torch.randint(1, 4081, (), generator=gen))
+                host = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen).pin_memory()
+                up = host.to(dev, non_blocking=True)
+                torch.cuda.current_stream().synchronize()
+                if not torch.equal(up.cpu(), host):
+                    problems.append((seed, step, n))
+        except Exception as err:  # noqa: BLE001 - reported below
+            problems.append(repr(err))
+
+    threads = [threading.Thread(target=run, args=(seed,)) for seed in (1, 2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not problems
+
+
+def test_a_capture_leaves_small_uploads_to_torch(emulated_cc):
+    """Inside a capture the parameters would be frozen into the graph; torch's copy reads the host at replay."""
+    import torch
+
+    dev = torch.device("cuda", 0)
+    host = torch.randn(16).pin_memory()
+    static = torch.zeros(16, device=dev)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        static.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    before = emulated_cc.stats().inlined
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static.copy_(host, non_blocking=True)
+        static.mul_(2)
+    assert emulated_cc.stats().inlined == before
+    fresh = torch.randn(16)
+    host.copy_(fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static.cpu(), fresh * 2)
+
+
+def test_autograd_and_a_dtype_change_take_the_general_path(emulated_cc):
+    import torch
+
+    dev = torch.device("cuda", 0)
+    before = emulated_cc.stats().inlined
+    leaf = torch.randn(8, requires_grad=True)
+    up = leaf.to(dev, non_blocking=True)
+    up.sum().backward()
+    assert up.grad_fn is not None and torch.equal(leaf.grad, torch.ones(8))
+    into = torch.zeros(8, dtype=torch.float64, device=dev)
+    into.copy_(torch.randn(8), non_blocking=True)
+    assert emulated_cc.stats().inlined == before

@@ -1,0 +1,196 @@
+"""Small uploads through kernel parameters (``cc/_inline_h2d.py``) and the waits around them, on a CPU-only torch.
+
+The driver is faked: its ``cuLaunchKernel`` reads the parameter block the launch hands it (through the
+``extra`` array, as the driver does) so the tests check the exact bytes a kernel would receive. The PTX itself
+is checked on the GPU (``tests/gpu/cc/test_cc_inline_h2d.py``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+import threading
+
+import pytest
+import torch
+
+from syncless._core import libcuda
+from syncless._core.errors import CudaError, MissingDependencyError
+from syncless.cc import _inline_h2d
+
+
+class _FakeDriver:
+    """Stands for both libcuda handles: records each launch's function, grid, stream and parameter block."""
+
+    def __init__(self, code: int = 0):
+        self.code = code
+        self.launches = []
+
+    def cuLaunchKernel(self, function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        words = (ctypes.c_void_p * 5).from_address(extra)
+        assert params is None and words[0] == 1 and words[2] == 2 and not words[4]
+        size = ctypes.c_size_t.from_address(words[3]).value
+        block = ctypes.string_at(words[1], size)
+        dst, nbytes = struct.unpack_from("<QI", block, 0)
+        self.launches.append({"function": function, "grid": (gx, gy, gz), "block": (bx, by, bz), "shared": shared,
+                              "stream": stream, "size": size, "dst": dst, "nbytes": nbytes,
+                              "payload": block[16:16 + nbytes]})
+        return self.code
+
+    def cuGetErrorName(self, code, out):
+        out._obj.value = b"CUDA_ERROR_LAUNCH_FAILED"
+        return 0
+
+    def cuGetErrorString(self, code, out):
+        out._obj.value = b"unspecified launch failure"
+        return 0
+
+
+@pytest.fixture
+def driver(monkeypatch):
+    fake = _FakeDriver()
+    monkeypatch.setattr(libcuda, "libraries", lambda: (fake, fake))
+    return fake
+
+
+def test_the_module_has_one_entry_per_size_within_the_launch_limit():
+    ptx = _inline_h2d.module_ptx()
+    assert ptx.startswith(".version") and ".target sm_70" in ptx
+    for size in _inline_h2d.PAYLOAD_SIZES:
+        assert f".entry syncless_h2d_inline_{size}(" in ptx
+        assert f".b8 payload[{size}]" in ptx
+        assert size % 8 == 0 and 16 + size <= 4096  # the header, then an 8-aligned payload: at most 4 KiB in all
+    assert _inline_h2d.INLINE_MAX_BYTES == max(_inline_h2d.PAYLOAD_SIZES) == 4080
+
+
+@pytest.mark.parametrize("nbytes, slot", [(1, 0), (48, 0), (49, 1), (496, 1), (497, 2), (4080, 2)])
+def test_a_launch_carries_the_source_bytes_read_at_the_call(driver, nbytes, slot):
+    source = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    expected = bytes(source.tolist())
+    entries = (101, 202, 303)
+    _inline_h2d.launch(entries, 0xDEAD0000, source.data_ptr(), nbytes, 77)
+    source.zero_()  # rewritten right after the call: the launch already holds the bytes
+    (launch,) = driver.launches
+    assert launch["function"] == entries[slot]
+    assert launch["size"] == 16 + _inline_h2d.PAYLOAD_SIZES[slot]
+    assert launch["dst"] == 0xDEAD0000 and launch["nbytes"] == nbytes and launch["payload"] == expected
+    assert launch["stream"] == 77 and launch["shared"] == 0
+    assert launch["block"] == (256, 1, 1) and launch["grid"] == (-(-nbytes // 256), 1, 1)
+
+
+def test_a_failed_launch_raises_the_drivers_error(driver):
+    driver.code = 719
+    source = torch.ones(4, dtype=torch.uint8)
+    with pytest.raises(CudaError) as caught:
+        _inline_h2d.launch((1, 2, 3), 0x1000, source.data_ptr(), 4, 0)
+    assert caught.value.code == 719 and caught.value.name == "CUDA_ERROR_LAUNCH_FAILED"
+    assert "cuLaunchKernel" in str(caught.value) and "unspecified launch failure" in str(caught.value)
+
+
+def test_each_host_thread_fills_a_block_of_its_own(driver):
+    """Two threads between their packing and their launch must not overwrite each other's bytes."""
+    gate = threading.Barrier(2)
+    seen = {}
+    real_pack = _inline_h2d._pack_header
+
+    def pack_then_wait(buffer, offset, dst, nbytes):
+        real_pack(buffer, offset, dst, nbytes)
+        gate.wait(5)  # both threads have packed before either launches
+
+    def upload(value: int):
+        source = torch.full((32,), value, dtype=torch.uint8)
+        _inline_h2d.launch((1, 2, 3), value, source.data_ptr(), 32, 0)
+        seen[value] = _inline_h2d._blocks()[0].address
+
+    _inline_h2d._pack_header = pack_then_wait
+    try:
+        threads = [threading.Thread(target=upload, args=(value,)) for value in (5, 9)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+    finally:
+        _inline_h2d._pack_header = real_pack
+    assert seen[5] != seen[9]
+    by_dst = {launch["dst"]: launch["payload"] for launch in driver.launches}
+    assert by_dst == {5: bytes([5]) * 32, 9: bytes([9]) * 32}
+
+
+def test_a_missing_driver_library_says_how_to_fix_it(monkeypatch):
+    def refuse(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "PyDLL", refuse)
+    monkeypatch.setattr(libcuda, "_LIBS", [None])
+    with pytest.raises(MissingDependencyError, match="LD_LIBRARY_PATH"):
+        libcuda.libraries()
+
+
+def test_the_inline_limit_is_checked_at_install_before_anything_is_patched(monkeypatch):
+    from syncless.cc import _shim
+
+    monkeypatch.setenv("SYNCLESS_CC_INLINE_MAX_BYTES", "8KiB")
+    with pytest.raises(ValueError, match="SYNCLESS_CC_INLINE_MAX_BYTES must be from 0 to 4080"):
+        _shim.install_shim()
+    assert not _shim._STATE.installed
+
+
+# The waits around it ----------------------------------------------------------------------------------------
+
+
+def test_a_source_a_pending_offloaded_copy_writes_waits_for_it_before_the_host_reads(monkeypatch):
+    from syncless.cc import _d2h, _host_writes
+
+    host = torch.zeros(16, dtype=torch.uint8)
+    ticket = (object(), 4)
+    waited = []
+    states = iter([[("job", ticket)], []])  # pending at the first look; gone once waited for
+    monkeypatch.setattr(_host_writes, "may_be_written", lambda src: True)
+    monkeypatch.setattr(_host_writes, "_unfinished_writes", lambda start, end: next(states))
+    monkeypatch.setattr(_d2h, "wait_for_tickets", lambda tickets, raise_errors: waited.append(tickets))
+    assert _host_writes.settle_for_host_read(host) is True
+    assert waited == [[ticket]]
+
+
+def test_a_source_a_plain_d2h_may_still_write_is_left_to_the_staging_path(monkeypatch):
+    from syncless.cc import _d2h, _host_writes
+
+    host = torch.zeros(16, dtype=torch.uint8)
+    monkeypatch.setattr(_host_writes, "may_be_written", lambda src: True)
+    monkeypatch.setattr(_host_writes, "_unfinished_writes", lambda start, end: [("event", object())])
+    monkeypatch.setattr(_d2h, "wait_for_tickets", lambda *a, **k: pytest.fail("a GPU-side write is not host-waited"))
+    assert _host_writes.settle_for_host_read(host) is False
+
+
+def test_a_source_nobody_writes_is_read_at_once():
+    from syncless.cc import _host_writes
+
+    _host_writes.clear()
+    assert _host_writes.may_be_written(torch.zeros(4)) is False
+    assert _host_writes.settle_for_host_read(torch.zeros(4)) is True
+
+
+def test_a_d2h_stream_waiting_on_an_event_skips_only_its_own_queues_copies(monkeypatch):
+    """``D.wait_stream(P)`` each step waited on the host for D's previous copy (issue 33): D's later GPU work
+    cannot see it and D's later copies queue after it. Another D2H stream's copies are still waited for."""
+    from syncless.cc import _d2h, _sync_patches
+
+    own, other = object(), object()
+    d2h, plain = object(), object()
+    record = _d2h._D2HStream(d2h)
+    record.worker = own
+    monkeypatch.setattr(_d2h, "_streams_by_key", {(0, 1): record})
+    monkeypatch.setattr(_d2h, "lookup", lambda stream: record if stream is d2h else None)
+    waited = []
+    monkeypatch.setattr(_d2h, "wait_for_tickets", lambda tickets, raise_errors: waited.append(tickets))
+
+    class Marked:
+        pass
+
+    event = Marked()
+    setattr(event, _sync_patches._MARK, ((own, 3), (other, 5)))
+    _sync_patches._wait_marked_before_gpu_wait(event, d2h)
+    _sync_patches._wait_marked_before_gpu_wait(event, plain)
+    setattr(event, _sync_patches._MARK, ((own, 4),))
+    _sync_patches._wait_marked_before_gpu_wait(event, d2h)
+    assert waited == [[(other, 5)], [(own, 3), (other, 5)]]
