@@ -7,8 +7,9 @@ Run on a GPU from the source tree::
 Runs :func:`syncless.bench._cc_hostbound.decode_loop`'s loop with a timer around each phase (the H2D of the
 position, its device copy, the graph replay, the eager launches, ``d2h.wait_stream``, the offloaded ``.to``, the
 event, the one-step-late synchronize and ``int``) in the setups ``plain``, ``emulated``, ``emulated+shim`` and
-``emulated+shim+inplace`` (the H2D into a registered in-place target instead of a staged fresh tensor), rounds
-interleaved, and prints each phase's median host microseconds per step and the step's. For the shim it also
+``emulated+shim+copy_`` (the H2D as ``step.pos.copy_(h, non_blocking=True)``: inline), ``emulated+shim+inplace``
+(into a registered in-place target) and ``emulated+shim+noinline`` (``SYNCLESS_CC_INLINE_MAX_BYTES`` 0: the
+upload staged), rounds interleaved, and prints each phase's median host microseconds per step and the step's. For the shim it also
 counts, per thread, how many jobs each ran and how often the queue's thread woke. ``--profile`` adds a cProfile
 of the shim's loop (top functions by own time).
 """
@@ -69,16 +70,20 @@ def main() -> None:
 
     _worker.OrderedWorker._loop = counting_loop
 
+    from syncless.cc import _shim
+
     def enter(setup: str) -> None:
         cc.uninstall()
         if setup == "emulated":
             cc.emulate()
         elif setup.startswith("emulated+shim"):
             cc.install("emulate")
+            if setup.endswith("+noinline"):
+                _shim._STATE.inline_max_bytes = 0  # the upload staged, as before the inline kernel
 
     def loop(setup: str, steps: int, warmup: int = 50):
         current = torch.cuda.current_stream(dev)
-        inplace = setup.endswith("+inplace")
+        inplace = setup.endswith("+inplace") or setup.endswith("+copy_")
         if inplace:
             cc.register_inplace_h2d_target(step.pos)
         ring = [torch.zeros(1, dtype=torch.int64, pin_memory=True) for _ in range(4)]
@@ -128,7 +133,8 @@ def main() -> None:
         torch.cuda.synchronize(dev)
         return {p: statistics.median(v) for p, v in spent.items()}, statistics.median(totals)
 
-    setups = ("plain", "emulated", "emulated+shim", "emulated+shim+inplace")
+    setups = ("plain", "emulated", "emulated+shim", "emulated+shim+copy_", "emulated+shim+inplace",
+              "emulated+shim+noinline")
     results = {s: [] for s in setups}
     for round_index in range(args.rounds):
         for setup in setups:

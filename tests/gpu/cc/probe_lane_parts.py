@@ -24,7 +24,7 @@ def main() -> None:
     import torch
 
     import syncless.cc as cc
-    from syncless.cc import _d2h, _fast, _host_writes, _raw, _staging, _streams
+    from syncless.cc import _d2h, _fast, _host_writes, _inline_h2d, _raw, _shim, _staging, _streams
 
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
@@ -98,7 +98,15 @@ def main() -> None:
         _streams._set_stream(current)
 
     timed("torch's .to on staging (set_stream in/out)", staging_copy)
-    timed("WHOLE staged h.to('cuda', nb) 8 B", lambda: host.to(dev, non_blocking=True))
+    timed("WHOLE inline h.to('cuda', nb) 8 B", lambda: host.to(dev, non_blocking=True))
+    entries = _inline_h2d.functions(0)
+    timed("_inline_h2d.launch 8 B alone", lambda: _inline_h2d.launch(entries, landed.data_ptr(), host.data_ptr(), 64,
+                                                                     lane.raw_stream(0)))
+    timed("WHOLE inline dst.copy_(h, nb) 8 B", lambda: landed.copy_(host, non_blocking=True))
+    _shim._STATE.inline_max_bytes = 0
+    torch.cuda._sleep(400_000_000)  # ~0.2 s of queued work, so that the upload is staged rather than torch's own
+    timed("WHOLE staged h.to('cuda', nb) 8 B (inline off)", lambda: host.to(dev, non_blocking=True))
+    torch.cuda.synchronize()
     cc.uninstall()
     timed("torch's own h.to('cuda', nb) 8 B (no syncless)", lambda: host.to(dev, non_blocking=True))
     timed("torch.cuda.Event() + record (no syncless)", lambda: torch.cuda.Event().record(current))
