@@ -184,6 +184,8 @@ def measure_cupti(torch: Any, batches: int, progress: Callable[[str], None]) -> 
         syncs.reset()
         if not syncs.enable():
             raise RuntimeError("the detector could not be enabled for the benchmark")
+        if backend == "cupti" and syncs.backend_choice().active != "cupti":
+            raise RuntimeError(f"CUPTI was not used: {syncs.backend_choice().reason}")
         launch()
         results[backend] = {
             "launch, outside a region": _batch_ns(torch, launch, batches, LAUNCH_BATCH, None),
@@ -336,10 +338,9 @@ def run(args: Any, progress: Callable[[str], None]) -> BenchOutput:
             if report:
                 raise RuntimeError("the benchmark's own copies were reported:\n" + report.format())
 
-            # 4. the timeline's sinks, per recorded sync (torch backend).
-            rows_timeline = measure_timeline(torch, on_gpu, repeats, progress)
-
-            # 5. the CUPTI backend, where there is a GPU and cupti-python.
+            # 4. the CUPTI backend, where there is a GPU and cupti-python. Before the timeline's torch.profiler
+            # row: once a profiler has run, kineto keeps CUPTI subscribed for the rest of the process (seen on the
+            # H200: the CUPTI backend then fell back to torch's), and CUPTI allows one subscriber.
             if on_gpu and importlib.util.find_spec("cupti") is not None:
                 rows_cupti, cupti_data = measure_cupti(torch, copy_batches, progress)
                 data.update(cupti_data)
@@ -347,6 +348,9 @@ def run(args: Any, progress: Callable[[str], None]) -> BenchOutput:
                 cupti_skipped = "cupti-python is not installed (pip install 'syncless[cupti]')"
             else:
                 cupti_skipped = "no GPU"
+
+            # 5. the timeline's sinks, per recorded sync (torch backend).
+            rows_timeline = measure_timeline(torch, on_gpu, repeats, progress)
         finally:
             # Put the caller's settings back; if the run was stopped inside a region (a signal), say so instead of
             # raising over the error that stopped it.

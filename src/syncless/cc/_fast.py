@@ -68,6 +68,9 @@ class _Lane:
 
 _LANE: list[_Lane | None] = [None]
 _MAX_DEVICE_NAMES = 64
+# A readback smaller than this from an idle D2H stream is torch's own copy (:func:`_read_back_now`): a copy this
+# small is all latency (about 10 us on an H200, run 37), less than what offloading it costs the host.
+READ_BACK_NOW_BYTES = 4096
 
 
 def _lane() -> _Lane:
@@ -139,11 +142,35 @@ def _offload(lane: _Lane, self: Any, device: Any, max_staged_bytes: int) -> Any:
         return None
     if self.requires_grad and lane.grad_enabled():
         return None  # torch records the copy for autograd: its own copy (general path: "autograd")
+    if (self.nbytes < READ_BACK_NOW_BYTES and record.last_job <= record.worker.completed
+            and lane.stream_query(record.stream)):
+        return _read_back_now(self, device, record)
     dst = _d2h.pinned_block(self, self.dtype)
     if not _d2h.offload_block(record, dst, self, index):
         return None  # no room for the snapshot, or offloading is closed: the general path runs torch's own
     COUNTERS.add("offloaded")
     return dst
+
+
+def _read_back_now(self: Any, device: Any, record: Any) -> Any:
+    """torch's own ``self.to("cpu", non_blocking=True)`` (under :data:`READ_BACK_NOW_BYTES`) on D2H stream
+    ``record.stream``, which has nothing queued and no offloaded copy pending: under CC the host then waits for the
+    transfer alone.
+
+    That is what an offloaded small copy costs too (its job runs on the thread that waits for it, :mod:`._worker`),
+    without the offload's own cost: the snapshot, the ready event, the job, the note. A decode loop reads its token
+    back when the compute stream has just drained (batch 1: the host is the bottleneck), so this is its common case.
+    Counted in ``left_alone["idle_stream"]``. The host then waits as CC would, if it is emulated; without CC the copy
+    may still be in flight, so it is noted for the uploads that read that host memory (:mod:`._host_writes`).
+    """
+    COUNTERS.left_alone("idle_stream")
+    stream = record.stream
+    result = _staging._torch_own("to")(self, device, non_blocking=True)
+    if _emulation.is_emulating():
+        _emulation.wait_after_copy_on(stream)
+    else:
+        _host_writes.note_plain_d2h(result, stream)
+    return result
 
 
 def _stage(lane: _Lane, self: Any, device: Any, max_staged_bytes: int, inline_max_bytes: int) -> Any:
@@ -211,9 +238,12 @@ def copy_into(dst: Any, src: Any, inline_max_bytes: int) -> bool:
     counter once, as torch's copy does; does not block the host.
     """
     lane = _LANE[0] or _lane()
+    if (not lane.ready or type(dst) is not lane.tensor or type(src) is not lane.tensor or not src.is_cpu
+            or dst.layout is not lane.strided or src.layout is not lane.strided or dst.dtype != src.dtype
+            or dst.shape != src.shape or _streams.CAPTURES[0]):
+        return False  # (a sparse tensor has no nbytes: the layout is asked first)
     nbytes = src.nbytes
-    if (not lane.ready or nbytes > inline_max_bytes or type(dst) is not lane.tensor or type(src) is not lane.tensor
-            or not src.is_cpu or dst.dtype != src.dtype or dst.shape != src.shape or _streams.CAPTURES[0]):
+    if nbytes > inline_max_bytes:
         return False
     index = dst.get_device()
     if index != lane.current_device() or lane.capturing():

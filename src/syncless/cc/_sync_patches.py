@@ -72,29 +72,6 @@ def _wait_marked(event: Any) -> None:
         _d2h.wait_for_tickets(list(tickets), raise_errors=True)
 
 
-def _wait_marked_before_gpu_wait(event: Any, waiter: Any) -> None:
-    """Before stream ``waiter`` (None: the current stream) is made to wait on ``event`` on the GPU: the host waits
-    for the copies ``event`` stands for, as :func:`_wait_marked`, except those of ``waiter``'s own queue when it is
-    a D2H stream.
-
-    Those need no wait: what ``waiter`` runs later cannot see them on the GPU (their bytes are in host memory,
-    which the GPU work syncless sees never reads there), and every copy offloaded from it later is a job queued
-    after them, so it runs after them. In a decode loop that makes its D2H stream wait on the compute stream each
-    step, ``D.wait_stream(current)`` otherwise waited on the host for the previous step's copy (issue 33: 47 us per
-    step on an H200 host-bound loop); that copy is waited for where the program reads it. Another D2H stream's
-    copies are still waited for, so the ordering the seed's rule gives them stays.
-    """
-    tickets = getattr(event, _MARK, None)
-    if not tickets:
-        return
-    if _d2h._streams_by_key:
-        record = _d2h.lookup(waiter if waiter is not None else _streams.current_stream(_streams._current_device()))
-        if record is not None:
-            tickets = [ticket for ticket in tickets if ticket[0] is not record.worker]
-    if tickets:
-        _d2h.wait_for_tickets(list(tickets), raise_errors=True)
-
-
 def _marked_pending(event: Any) -> bool:
     """Whether a copy ``event`` covers is unfinished; if none is, raise the first failure among them that this
     thread issued (a query must not say True for a failed copy: docs/cc.md, "errors")."""
@@ -161,7 +138,7 @@ def _wrap_event_wait(next_wait):
     def wait(*args, **kwargs):
         call = _self_and_stream(args, kwargs, event_class)
         if call is not None:
-            _wait_marked_before_gpu_wait(call[0], call[1])
+            _wait_marked(call[0])
         return next_wait(*args, **kwargs)
 
     return wait
@@ -301,7 +278,7 @@ def _wrap_torch_event(base):
     def wait(*args, **kwargs):
         call = _self_and_stream(args, kwargs, Event)
         if call is not None:
-            _wait_marked_before_gpu_wait(call[0], call[1])
+            _wait_marked(call[0])
         return base.wait(*args, **kwargs)
 
     def synchronize(*args, **kwargs):

@@ -200,6 +200,7 @@ def test_d2h_streams_made_per_request_can_be_closed(emulated_cc):
         d = emulated_cc.new_d2h_stream(dev)
         d.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(d):
+            torch.cuda._sleep(1_000_000)  # queued work: offloaded (a small copy from an idle stream is torch's own)
             out = src.to("cpu", non_blocking=True)
         emulated_cc.close_d2h_stream(d)
         assert torch.equal(out, expected) and not emulated_cc.is_d2h_stream(d)

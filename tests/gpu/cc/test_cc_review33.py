@@ -7,6 +7,8 @@ front of a copy keeps an offloaded copy pending while the rest of the test runs.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -105,18 +107,74 @@ def test_the_fast_lane_moves_torchs_bytes_both_ways(emulated_cc, cycles_per_ms, 
     emulated_cc.close_d2h_stream(d)
 
 
-def test_an_empty_tensor_goes_through_the_lane_both_ways(emulated_cc):
+def test_an_empty_tensor_goes_through_the_lane_both_ways(emulated_cc, cycles_per_ms):
     """No memory to copy: the snapshot makes no device copy (a null data pointer), the job no transfer."""
     import torch
 
     dev = torch.device("cuda", 0)
     d = emulated_cc.new_d2h_stream(dev)
+    before = emulated_cc.stats().offloaded
     with torch.cuda.stream(d):
+        torch.cuda._sleep(cycles_per_ms * 5)  # queued work on d: offloaded, not read back at once
         out = torch.empty(0, 3, device=dev).to("cpu", non_blocking=True)
         ready = torch.cuda.Event()
         ready.record(d)
     ready.synchronize()
-    assert out.shape == (0, 3) and out.device.type == "cpu"
+    assert out.shape == (0, 3) and out.device.type == "cpu" and emulated_cc.stats().offloaded == before + 1
     up = torch.empty(0, dtype=torch.int64).pin_memory().to(dev, non_blocking=True)
     assert up.shape == (0,) and up.is_cuda
+    emulated_cc.close_d2h_stream(d)
+
+
+def test_a_small_readback_from_an_idle_d2h_stream_is_torchs_own_copy(emulated_cc, cycles_per_ms):
+    """The decode loop's token readback when the compute stream has drained: nothing to hide, so torch's own copy
+    (under CC the transfer alone) instead of an offload; with work queued on the D2H stream, or a copy of it still
+    pending, or 4 KiB and more, it is offloaded. Fresh random tokens, bit-exact each time."""
+    import torch
+
+    dev = torch.device("cuda", 0)
+    d = emulated_cc.new_d2h_stream(dev)
+
+    def read_back(n, queued_ms=0):
+        tokens = torch.randint(-(1 << 62), 1 << 62, (n,), dtype=torch.int64, device=dev)
+        d.wait_stream(torch.cuda.current_stream())
+        torch.cuda.synchronize()
+        before = emulated_cc.stats()
+        with torch.cuda.stream(d):
+            if queued_ms:
+                torch.cuda._sleep(cycles_per_ms * queued_ms)
+            host = tokens.to("cpu", non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(d)
+        after = emulated_cc.stats()
+        ready.synchronize()
+        assert torch.equal(host, tokens.cpu()) and host.is_pinned() and host._version == 0
+        return (after.offloaded - before.offloaded,
+                after.left_alone.get("idle_stream", 0) - before.left_alone.get("idle_stream", 0))
+
+    assert read_back(8) == (0, 1)
+    assert read_back(511) == (0, 1)
+    assert read_back(512) == (1, 0)  # 4 KiB
+    assert read_back(8, queued_ms=20) == (1, 0)
+    # A copy of d still pending: the next one queues behind it instead of landing first, though d is idle.
+    from syncless.cc import _worker
+
+    first = torch.randint(0, 1 << 30, (8,), dtype=torch.int64, device=dev)
+    second = torch.randint(0, 1 << 30, (8,), dtype=torch.int64, device=dev)
+    torch.cuda.synchronize()
+    stats = emulated_cc.stats()
+    grace, _worker.GRACE_S = _worker.GRACE_S, 30.0  # nobody runs the job until it is waited for
+    try:
+        with torch.cuda.stream(d):
+            torch.cuda._sleep(cycles_per_ms * 10)
+            a = first.to("cpu", non_blocking=True)
+        while not torch._C._CudaStreamBase.query(d):  # torch's own query: d has drained (the job has not run)
+            time.sleep(0.001)
+        with torch.cuda.stream(d):
+            b = second.to("cpu", non_blocking=True)
+    finally:
+        _worker.GRACE_S = grace
+    assert emulated_cc.stats().offloaded == stats.offloaded + 2
+    d.synchronize()
+    assert torch.equal(a, first.cpu()) and torch.equal(b, second.cpu())
     emulated_cc.close_d2h_stream(d)

@@ -169,28 +169,3 @@ def test_a_source_nobody_writes_is_read_at_once():
     assert _host_writes.may_be_written(torch.zeros(4)) is False
     assert _host_writes.settle_for_host_read(torch.zeros(4)) is True
 
-
-def test_a_d2h_stream_waiting_on_an_event_skips_only_its_own_queues_copies(monkeypatch):
-    """``D.wait_stream(P)`` each step waited on the host for D's previous copy (issue 33): D's later GPU work
-    cannot see it and D's later copies queue after it. Another D2H stream's copies are still waited for."""
-    from syncless.cc import _d2h, _sync_patches
-
-    own, other = object(), object()
-    d2h, plain = object(), object()
-    record = _d2h._D2HStream(d2h)
-    record.worker = own
-    monkeypatch.setattr(_d2h, "_streams_by_key", {(0, 1): record})
-    monkeypatch.setattr(_d2h, "lookup", lambda stream: record if stream is d2h else None)
-    waited = []
-    monkeypatch.setattr(_d2h, "wait_for_tickets", lambda tickets, raise_errors: waited.append(tickets))
-
-    class Marked:
-        pass
-
-    event = Marked()
-    setattr(event, _sync_patches._MARK, ((own, 3), (other, 5)))
-    _sync_patches._wait_marked_before_gpu_wait(event, d2h)
-    _sync_patches._wait_marked_before_gpu_wait(event, plain)
-    setattr(event, _sync_patches._MARK, ((own, 4),))
-    _sync_patches._wait_marked_before_gpu_wait(event, d2h)
-    assert waited == [[(other, 5)], [(own, 3), (other, 5)]]
