@@ -154,6 +154,8 @@ def test_randomized_copies_are_bit_exact(emulated_cc, cycles_per_ms):
     stats = cc.stats()
     assert sum(counts.values()) >= 10_000
     assert min(counts.values()) > 100, counts
-    assert stats.staged > 3000 and stats.in_place > 500 and stats.offloaded > 1000, stats
+    # Every route ran often: staged, in place, inlined (small uploads) and offloaded (a small readback from an idle
+    # D2H stream is torch's own copy, counted in left_alone["idle_stream"]).
+    assert stats.staged > 3000 and stats.in_place > 500 and stats.inlined > 500 and stats.offloaded > 500, stats
     assert stats.left_alone.get("ordinary_stream", 0) >= counts["d2h_ordinary"]
     assert stats.emulated_waits > 0

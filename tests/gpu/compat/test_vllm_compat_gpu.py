@@ -99,7 +99,10 @@ def test_a_worker_ported_from_vllm_under_emulated_cc(monkeypatch, cuda_device):
             assert "torch.cuda.Event.synchronize()" in str(caught[0])
             assert "PLANTED" in open(__file__).read().splitlines()[caught[0].violation.lineno - 1]
             stats = cc.stats()
-            assert stats.in_place >= 1 and stats.offloaded >= 3 * STEPS, stats
+            # Each readback offloaded, or, from an idle D2H stream (the compiled step has finished), torch's own copy:
+            # the transfer alone under CC (docs/porting-from-vllm.md).
+            readbacks = stats.offloaded + stats.left_alone.get("idle_stream", 0)
+            assert stats.in_place >= 1 and readbacks >= 3 * STEPS, stats
             syncs.disable()
         finally:
             cc.uninstall()
