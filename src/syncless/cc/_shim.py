@@ -21,6 +21,7 @@ from typing import Any
 
 from syncless._core import config, patching
 from syncless._core.compiling import is_compiling
+from syncless._core.errors import ConfigError
 from syncless._core.layouts import broadcasts_to
 from syncless._core.tensor_calls import maybe_non_blocking_to, parse_to, read_copy, read_cuda, reads_as_cuda_device
 from syncless.cc import (_d2h, _emulation, _fast, _host_writes, _inline_h2d, _routing, _staging, _streams,
@@ -442,7 +443,7 @@ def install_shim(max_staged_bytes: int | None = None) -> bool:
         raise ValueError(f"max_staged_bytes must be >= 0, got {limit}")
     inline_limit = config.resolve("SYNCLESS_CC_INLINE_MAX_BYTES")
     if not 0 <= inline_limit <= _inline_h2d.INLINE_MAX_BYTES:
-        raise ValueError(f"SYNCLESS_CC_INLINE_MAX_BYTES must be from 0 to {_inline_h2d.INLINE_MAX_BYTES} (the bytes "
+        raise ConfigError(f"SYNCLESS_CC_INLINE_MAX_BYTES must be from 0 to {_inline_h2d.INLINE_MAX_BYTES} (the bytes "
                          f"one kernel launch's parameters hold), got {inline_limit}")
     with _lock:
         _STATE.max_staged_bytes = limit

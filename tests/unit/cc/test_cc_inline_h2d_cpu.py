@@ -130,7 +130,9 @@ def test_the_inline_limit_is_checked_at_install_before_anything_is_patched(monke
     from syncless.cc import _shim
 
     monkeypatch.setenv("SYNCLESS_CC_INLINE_MAX_BYTES", "8KiB")
-    with pytest.raises(ValueError, match="SYNCLESS_CC_INLINE_MAX_BYTES must be from 0 to 4080"):
+    from syncless._core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="SYNCLESS_CC_INLINE_MAX_BYTES must be from 0 to 4080"):
         _shim.install_shim()
     assert not _shim._STATE.installed
 
