@@ -2,13 +2,9 @@
 # Session 2026-12-02 (14), first call: the inline uploads and ctypes driver calls of issue 33 on the GPU (probes,
 # tests/gpu/cc, the fuzzer at 4,000 programs), bench syncs (issues 34 and 36) and bench cc.
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH="$PWD/src:$PWD/tests:/tmp/site" SYNCLESS_REQUIRE_GPU=1 PYTHONUNBUFFERED=1 SYNCLESS_REQUIRE_CUPTI=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 LIMIT=${LIMIT:-585}
-left() { echo $((LIMIT - SECONDS)); }
-slot() { local want=$1; local l; l=$(left); [ "$want" -gt "$l" ] && want=$l; echo "$want"; }
-{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 -c "import torch; print(torch.__version__)"; date -u; git log -1 --format=%h 2>/dev/null; } > $OUT/diag.log 2>&1
+source "$(dirname "$0")/gpu-common.sh"
+diag_header $OUT/diag.log
 echo "== inline tests first (t=${SECONDS}s)" > $OUT/gpu-cc.log
 timeout -k 5 60 python3 -m pytest -v -rfE -p no:cacheprovider --timeout 50 tests/gpu/cc/test_cc_inline_h2d.py >> $OUT/gpu-cc.log 2>&1
 timeout -k 5 40 python3 tests/gpu/cc/probe_lane_parts.py --repeats 1000 >> $OUT/diag.log 2>&1

@@ -4,13 +4,9 @@
 # bench syncs (issues 34 and 36); then the GPU files not run this week (doctor, trace, transformers example,
 # demo, vLLM compat), each in a time slot.
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH="$PWD/src:$PWD/tests:/tmp/site" SYNCLESS_REQUIRE_GPU=1 PYTHONUNBUFFERED=1 SYNCLESS_REQUIRE_CUPTI=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 LIMIT=${LIMIT:-585}
-left() { echo $((LIMIT - SECONDS)); }
-slot() { local want=$1; local l; l=$(left); [ "$want" -gt "$l" ] && want=$l; echo "$want"; }
-{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 -c "import torch; print(torch.__version__)"; date -u; } > $OUT/diag.log 2>&1
+source "$(dirname "$0")/gpu-common.sh"
+diag_header $OUT/diag.log
 echo "== tests/gpu/cc without the fuzzer (t=${SECONDS}s)" > $OUT/gpu-cc.log
 SYNCLESS_FUZZ_PROGRAMS=400 timeout -k 5 $(slot 110) python3 -m pytest -v -rfE -p no:cacheprovider --timeout 90 \
   tests/gpu/cc --deselect tests/gpu/cc/test_cc_fuzz.py::test_differential_fuzz >> $OUT/gpu-cc.log 2>&1

@@ -2,13 +2,9 @@
 # Session 2026-12-02 (14), third call: the GPU files fixed after run 38 (randomized copies, vLLM compat, the
 # transformers example), bench syncs with room to finish, bench cc and the host-bound probe again.
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH="$PWD/src:$PWD/tests:/tmp/site" SYNCLESS_REQUIRE_GPU=1 PYTHONUNBUFFERED=1 SYNCLESS_REQUIRE_CUPTI=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 LIMIT=${LIMIT:-400}
-left() { echo $((LIMIT - SECONDS)); }
-slot() { local want=$1; local l; l=$(left); [ "$want" -gt "$l" ] && want=$l; echo "$want"; }
-{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 -c "import torch; print(torch.__version__)"; date -u; } > $OUT/diag.log 2>&1
+source "$(dirname "$0")/gpu-common.sh"
+diag_header $OUT/diag.log
 for f in tests/gpu/cc/test_cc_randomized.py tests/gpu/compat/test_vllm_compat_gpu.py tests/gpu/test_example_transformers.py; do
   echo "== $f (t=${SECONDS}s)" >> $OUT/suites.log
   timeout -k 5 $(slot 60) python3 -m pytest -v -rfE -p no:cacheprovider --timeout 55 "$f" >> $OUT/suites.log 2>&1

@@ -195,13 +195,14 @@ def test_worker_failure_surfaces_at_next_synchronize(emulated_cc, cycles_per_ms,
     assert torch.equal(out, expected)
 
 
-def test_capture_leaves_copies_alone(emulated_cc):
+@pytest.mark.parametrize("n", [16, 1024])  # 64 bytes: an inline upload outside a capture (its bytes would freeze)
+def test_capture_leaves_copies_alone(emulated_cc, n):
     import torch
 
     cc = emulated_cc
     dev = torch.device("cuda", 0)
-    host = torch.randn(1024).pin_memory()
-    static = torch.zeros(1024, device=dev)
+    host = torch.randn(n).pin_memory()
+    static = torch.zeros(n, device=dev)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up outside capture
@@ -213,8 +214,8 @@ def test_capture_leaves_copies_alone(emulated_cc):
         static.copy_(host, non_blocking=True)
         static.mul_(2)
     assert cc.stats().left_alone.get("capturing", 0) == 1
-    assert cc.stats().staged == 0 and cc.stats().emulated_waits == 0
-    fresh = torch.randn(1024)
+    assert cc.stats().staged == 0 and cc.stats().inlined == 0 and cc.stats().emulated_waits == 0
+    fresh = torch.randn(n)
     host.copy_(fresh)
     graph.replay()
     torch.cuda.synchronize()

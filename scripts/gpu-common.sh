@@ -1,0 +1,11 @@
+# Sourced by scripts/gpu-run3[7-9].sh on the GPU machine: the carried wheels installed beside the source tree,
+# the environment every GPU suite runs with, and time slots under a limit of LIMIT seconds for the whole call.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH="$PWD/src:$PWD/tests:/tmp/site" SYNCLESS_REQUIRE_GPU=1 PYTHONUNBUFFERED=1 SYNCLESS_REQUIRE_CUPTI=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+LIMIT=${LIMIT:-585}
+left() { echo $((LIMIT - SECONDS)); }
+slot() { local want=$1; local l; l=$(left); [ "$want" -gt "$l" ] && want=$l; echo "$want"; }
+diag_header() {
+  { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 -c "import torch; print(torch.__version__)"; date -u; } > "$1" 2>&1
+}
