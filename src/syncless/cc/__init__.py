@@ -15,6 +15,7 @@ import logging
 import warnings
 
 from syncless._core.logs import log_once
+from syncless.cc import _host_writes
 from syncless.cc._d2h import close_d2h_stream, is_d2h_stream, new_d2h_stream
 from syncless.cc._detect import ModeDecision, cc_mode, decide_mode, is_confidential_compute
 from syncless.cc._emulation import Emulation, is_emulating
@@ -84,6 +85,8 @@ def install(mode: str | None = None, *, max_staged_bytes: int | None = None) -> 
     if decision.mode == "emulate":
         _emulation_install()
     install_shim(max_staged_bytes)
+    # NVML said CC is on: a D2H torch issues has finished when its call returns (docs/cc.md, the fast lane).
+    _host_writes.COPIES_FINISH_AT_CALL[0] = decision.requested == "auto" and decision.mode == "on"
     return True
 
 
@@ -151,6 +154,7 @@ def uninstall(timeout_s: float = 60.0) -> None:
                         f"({type(timeout_s).__name__})")
     if not timeout_s >= 0:  # also refuses NaN
         raise ValueError(f"uninstall(timeout_s=...) must be >= 0 seconds, got {timeout_s!r}")
+    _host_writes.COPIES_FINISH_AT_CALL[0] = False
     uninstall_all(timeout_s)
 
 

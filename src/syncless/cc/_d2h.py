@@ -83,7 +83,7 @@ import os
 
 from syncless._core import patching
 from syncless._core.errors import NoGPUError
-from syncless.cc import _d2h_job, _host_writes, _raw, _streams, _worker
+from syncless.cc import _d2h_job, _host_writes, _inline_h2d, _raw, _streams, _worker
 from syncless.cc._layers import SHIM_KEY
 from syncless.cc._worker import UNRAISED, OrderedWorker
 
@@ -523,6 +523,7 @@ def _forget_after_fork() -> None:
     _PENDING[0] = 0
     _worker.forget_unraised_after_fork()
     _raw.forget_after_fork()
+    _inline_h2d.forget_after_fork()
     _streams.forget_after_fork()
     _host_writes.clear(keep=_FORK_LEFTOVERS)
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from syncless._core.errors import CudaError
 from syncless._core.tensor_calls import _torch_checks
 from syncless.cc import _d2h, _emulation, _host_writes, _inline_h2d, _raw, _staging, _streams
 from syncless.cc._stats import COUNTERS
@@ -52,6 +53,10 @@ class _Lane:
         self.strided = torch.strided
         self.grad_enabled = torch.is_grad_enabled
         self.inference_mode = torch.is_inference_mode_enabled
+        forward_ad = torch.autograd.forward_ad
+        # Forward-mode AD: inside a dual level a tensor may carry a tangent (with requires_grad False), which only
+        # torch's own copy carries over. The level is a module global (-1: none), read at each call.
+        self.dual_level = lambda: forward_ad._current_level
         self.has_override = checks.has_torch_function_unary
         self.dispatch_depth = checks.dispatch_stack_len
         self.functorch_peek = checks.functorch_peek
@@ -105,7 +110,7 @@ def to(self: Any, where: Any, max_staged_bytes: int, inline_max_bytes: int) -> A
     """
     lane = _LANE[0] or _lane()
     if (not lane.ready or type(self) is not lane.tensor or lane.has_override(self) or lane.dispatch_depth()
-            or lane.functorch_peek() is not None or lane.functorch_wrapped(self)):
+            or lane.functorch_peek() is not None or lane.functorch_wrapped(self) or lane.dual_level() >= 0):
         return None
     device = lane.devices.get(where) if type(where) is str else None
     if device is None:
@@ -160,15 +165,16 @@ def _read_back_now(self: Any, device: Any, record: Any) -> Any:
     That is what an offloaded small copy costs too (its job runs on the thread that waits for it, :mod:`._worker`),
     without the offload's own cost: the snapshot, the ready event, the job, the note. A decode loop reads its token
     back when the compute stream has just drained (batch 1: the host is the bottleneck), so this is its common case.
-    Counted in ``left_alone["idle_stream"]``. The host then waits as CC would, if it is emulated; without CC the copy
-    may still be in flight, so it is noted for the uploads that read that host memory (:mod:`._host_writes`).
+    Counted in ``left_alone["idle_stream"]``. The host then waits as CC would, if it is emulated; under CC (NVML said
+    so at ``install()``) the copy has finished; otherwise it may still be in flight, so it is noted for the uploads
+    that read that host memory (:mod:`._host_writes`).
     """
     COUNTERS.left_alone("idle_stream")
     stream = record.stream
     result = _staging._torch_own("to")(self, device, non_blocking=True)
     if _emulation.is_emulating():
         _emulation.wait_after_copy_on(stream)
-    else:
+    elif not _host_writes.COPIES_FINISH_AT_CALL[0]:
         _host_writes.note_plain_d2h(result, stream)
     return result
 
@@ -191,8 +197,8 @@ def _stage(lane: _Lane, self: Any, device: Any, max_staged_bytes: int, inline_ma
         entries = _inline_h2d.functions(index)
         if entries is not None:
             landed = lane.empty_strided(self.shape, self.stride(), dtype=self.dtype, device=device)
-            _inline(lane, landed, self, index, nbytes, entries)
-            return landed
+            if _inline(lane, landed, self, index, nbytes, entries):
+                return landed
     current = _streams.current_stream(index)
     if lane.stream_query(current):
         # Nothing is queued on the current stream: staging would hide nothing (under CC torch's own copy waits
@@ -209,26 +215,31 @@ def _stage(lane: _Lane, self: Any, device: Any, max_staged_bytes: int, inline_ma
     return _staging.land(self, index, current=current)
 
 
-def _inline(lane: _Lane, dst: Any, src: Any, index: int, nbytes: int, entries: tuple) -> None:
+def _inline(lane: _Lane, dst: Any, src: Any, index: int, nbytes: int, entries: tuple) -> bool:
     """Write host ``src``'s bytes, read now, into device ``dst`` (the same layout) by one kernel on the current stream
     whose parameters carry them (:mod:`._inline_h2d`). Nothing blocks, under CC or not.
 
     current : ... [K: dst <- bytes] (the caller's next work)
 
     No D2H copy syncless noted is still writing ``src`` (the caller settled it), so its bytes now are the bytes
-    torch's copy would read in stream order.
+    torch's copy would read in stream order. Returns False, having enqueued nothing, if the launch failed (the
+    kernel is then given up on that GPU, :func:`._inline_h2d.give_up`): the caller routes the copy as before.
     """
     if nbytes:
         pushed = _raw.enter_context(index)
         try:
             _inline_h2d.launch(entries, dst.data_ptr(), src.data_ptr(), nbytes, lane.raw_stream(index))
+        except CudaError as err:
+            _inline_h2d.give_up(index, err)  # nothing was enqueued: the caller stages this copy, and later ones
+            return False
         finally:
             if pushed:
                 _raw.leave_context()
     COUNTERS.add("inlined")
+    return True
 
 
-def copy_into(dst: Any, src: Any, inline_max_bytes: int) -> bool:
+def copy_into(dst: Any, src: Any, inline_max_bytes: int, max_staged_bytes: int) -> bool:
     """``dst.copy_(src, non_blocking=True)`` of host ``src`` into CUDA ``dst`` as one inline kernel, if it is a small
     plain upload (same dtype and shape, both contiguous, nothing for autograd to record); return whether it was
     done (False: nothing was, the caller routes the copy).
@@ -239,11 +250,13 @@ def copy_into(dst: Any, src: Any, inline_max_bytes: int) -> bool:
     """
     lane = _LANE[0] or _lane()
     if (not lane.ready or type(dst) is not lane.tensor or type(src) is not lane.tensor or not src.is_cpu
-            or dst.layout is not lane.strided or src.layout is not lane.strided or dst.dtype != src.dtype
-            or dst.shape != src.shape or _streams.CAPTURES[0]):
-        return False  # (a sparse tensor has no nbytes: the layout is asked first)
+            or dst.layout is not lane.strided or src.layout is not lane.strided or dst.is_nested or src.is_nested
+            or dst.is_quantized or src.is_quantized or _streams.CAPTURES[0] or lane.dual_level() >= 0):
+        return False  # (a sparse or nested tensor has neither nbytes nor a shape to compare: asked first)
+    if dst.dtype != src.dtype or dst.shape != src.shape:
+        return False
     nbytes = src.nbytes
-    if nbytes > inline_max_bytes:
+    if nbytes > inline_max_bytes or nbytes > max_staged_bytes:
         return False
     index = dst.get_device()
     if index != lane.current_device() or lane.capturing():
@@ -259,6 +272,7 @@ def copy_into(dst: Any, src: Any, inline_max_bytes: int) -> bool:
     entries = _inline_h2d.functions(index)
     if entries is None:
         return False
-    _inline(lane, dst, src, index, nbytes, entries)
+    if not _inline(lane, dst, src, index, nbytes, entries):
+        return False
     _d2h._bump_version(dst)
     return True

@@ -47,6 +47,9 @@ _longest = [0]
 _count = [0]
 _TRIM_FLOOR = 64
 _trim_at = [_TRIM_FLOOR]
+# Set by install() when NVML reported Confidential Computing on: a D2H that torch issues has then finished when its
+# call returns, so a readback the fast lane leaves to torch needs no note (._fast._read_back_now).
+COPIES_FINISH_AT_CALL = [False]
 # Events of finished plain-D2H notes, for the next note (an event per copy cost a creation each).
 _spare_events: list[Any] = []
 

@@ -25,8 +25,9 @@ at install. Its launch is one ``cuLaunchKernel`` through ctypes, with the
 whole parameter block passed as one buffer (``CU_LAUNCH_PARAM_BUFFER_POINTER``):
 ``dst`` (8 bytes), ``nbytes`` (4, then 4 of padding), the payload. Host
 cost: one allocation, one ``memmove`` and the launch (docs/cc.md has the
-count). If the module cannot be loaded on a GPU, uploads there go the
-staging way (logged once).
+count). If the module cannot be loaded on a GPU, or a launch there fails,
+uploads there go the staging way (logged once; a load that ran out of
+memory is tried again at the next upload).
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ def module_ptx() -> str:
 
 _lock = threading.Lock()
 _FUNCTIONS: dict[int, tuple[int, ...] | None] = {}  # GPU index -> its entries' handles (None: could not load)
+_RETRY = object()  # what _load returns when the load may work later (out of memory)
 _local = threading.local()  # per host thread: its parameter blocks (a launch copies them; a thread reuses its own)
 
 
@@ -112,6 +114,10 @@ def _load(index: int) -> tuple[int, ...] | None:
                                       drv.cuModuleGetFunction(module, _entry_name(size).encode())))
                          for size in PAYLOAD_SIZES)
     except Exception as err:  # noqa: BLE001 - no inline uploads on this GPU: the staging path stays correct
+        if getattr(err, "name", "") == "CUDA_ERROR_OUT_OF_MEMORY":
+            _log.info("syncless.cc: no memory to load the inline-upload kernel on cuda:%d now; tried again at the "
+                      "next small upload", index)
+            return _RETRY
         _log.warning("syncless.cc: the inline-upload kernel could not be loaded on cuda:%d (%s); small H2D copies "
                      "there are staged instead", index, err)
         return None
@@ -124,8 +130,23 @@ def functions(index: int) -> tuple[int, ...] | None:
         with _lock:
             found = _FUNCTIONS.get(index, False)
             if found is False:
-                found = _FUNCTIONS[index] = _load(index)
+                found = _load(index)
+                if found is _RETRY:  # out of memory at the JIT: not remembered, asked again next time
+                    return None
+                _FUNCTIONS[index] = found
     return found
+
+
+def give_up(index: int, err: BaseException) -> None:
+    """After a failed launch on GPU ``index`` (nothing enqueued): stage its small uploads from now on (logged once).
+
+    A launch that the driver refuses (the module's context was reset under it, a stream of another context)
+    must not turn a copy torch would have made into an error."""
+    with _lock:
+        if _FUNCTIONS.get(index) is not None:
+            _log.warning("syncless.cc: an inline upload's launch failed on cuda:%d (%s); small H2D copies there are "
+                         "staged from now on", index, err)
+        _FUNCTIONS[index] = None
 
 
 class _Block:

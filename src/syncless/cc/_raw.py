@@ -169,8 +169,10 @@ def run_copy_job(index: int, ready: int, host_ptr: int, device_ptr: int, nbytes:
             code = quick.cuEventQuery(ready)
             if code == libcuda.CUDA_ERROR_NOT_READY:
                 code = blocking.cuEventSynchronize(ready)
-            if code:
-                libcuda.raise_for("cuEventSynchronize", code)
+                if code:
+                    libcuda.raise_for("cuEventSynchronize", code)
+            elif code:
+                libcuda.raise_for("cuEventQuery", code)
             if nbytes:
                 code = blocking.cuMemcpyDtoHAsync_v2(host_ptr, device_ptr, nbytes, handle)
                 if code:

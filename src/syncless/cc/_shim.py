@@ -155,6 +155,12 @@ def _note_plain_d2h(dst: Any, src: Any) -> None:
     _host_writes.note_plain_d2h(dst, _streams.current_stream(index))
 
 
+def _in_dual_level(torch: Any) -> bool:
+    """Whether a forward-mode AD level is open: a tensor may then carry a tangent that only torch's own copy carries
+    over (its ``requires_grad`` is False), so a D2H is not offloaded ("autograd")."""
+    return torch.autograd.forward_ad._current_level >= 0
+
+
 def _present_cuda_index(device: Any) -> int | None:
     """The index of CUDA ``device`` (None: the current GPU) if this process has that GPU, else None.
 
@@ -206,7 +212,7 @@ def _wrap_to(next_to):
                 return next_to(*args, **kwargs)  # torch raises its own error
         elif src_type == "cuda":
             index = src_device.index
-        autograd = self.requires_grad and torch.is_grad_enabled()
+        autograd = (self.requires_grad and torch.is_grad_enabled()) or _in_dual_level(torch)
         route, _, record = _decide(self, dst_type, index, into_existing=False, registered=False,
                                    dtype_changes=dtype is not None and dtype != self.dtype, autograd=autograd,
                                    dst_dtype=dtype, src_type=src_type)
@@ -376,7 +382,7 @@ def _wrap_copy(next_copy):
             _settle_d2h_stream(self.device.index)  # an H2D reads host memory an offloaded copy may still write
             index = self.device.index
             registered = _staging.is_registered_target(self)
-            if not registered and _fast.copy_into(self, src, _STATE.inline_max_bytes):
+            if not registered and _fast.copy_into(self, src, _STATE.inline_max_bytes, _STATE.max_staged_bytes):
                 return self  # a small upload, written by one kernel on the current stream (._inline_h2d)
             route, _, _ = _decide(src, "cuda", index, into_existing=True, registered=registered,
                                   dtype_changes=self.dtype != src.dtype, autograd=False, dst=self)
@@ -387,7 +393,7 @@ def _wrap_copy(next_copy):
                 COUNTERS.add("staged")
                 return _staging.stage_into(self, src, next_copy)
             return next_copy(*args, **kwargs)
-        autograd = (self.requires_grad or src.requires_grad) and torch.is_grad_enabled()
+        autograd = ((self.requires_grad or src.requires_grad) and torch.is_grad_enabled()) or _in_dual_level(torch)
         route, _, record = _decide(src, self.device.type, src.device.index if src.device.type == "cuda" else None,
                                    into_existing=True, registered=False, dtype_changes=self.dtype != src.dtype,
                                    autograd=autograd, dst=self)

@@ -180,3 +180,37 @@ def test_autograd_and_a_dtype_change_take_the_general_path(emulated_cc):
     into = torch.zeros(8, dtype=torch.float64, device=dev)
     into.copy_(torch.randn(8), non_blocking=True)
     assert emulated_cc.stats().inlined == before
+
+
+def test_forward_mode_tangents_are_carried_as_torch_carries_them(emulated_cc):
+    """Inside a dual level a tensor may carry a tangent with ``requires_grad`` False: only torch's copy carries it."""
+    import torch
+    import torch.autograd.forward_ad as fwAD
+
+    dev = torch.device("cuda", 0)
+    primal, tangent = torch.randn(3), torch.randn(3)
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(primal, tangent)
+        up = dual.to(dev, non_blocking=True)
+        into = fwAD.make_dual(torch.zeros(3, device=dev), torch.zeros(3, device=dev))
+        into.copy_(dual, non_blocking=True)
+        torch.cuda.synchronize()
+        for result in (up, into):
+            unpacked = fwAD.unpack_dual(result)
+            assert torch.equal(unpacked.primal.cpu(), primal)
+            assert unpacked.tangent is not None and torch.equal(unpacked.tangent.cpu(), tangent)
+
+
+def test_a_nested_tensors_copy_is_torchs_own(emulated_cc):
+    """A nested tensor reports a strided layout but has no shape to compare: the check asks first, torch copies."""
+    import torch
+
+    dev = torch.device("cuda", 0)
+    parts = [torch.randn(2, 3), torch.randn(4, 3)]
+    with torch.cuda.device(dev):
+        src = torch.nested.nested_tensor(parts)
+        dst = torch.nested.nested_tensor([torch.zeros(2, 3), torch.zeros(4, 3)]).to(dev)
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+    for got, want in zip(dst.unbind(), parts):
+        assert torch.equal(got.cpu(), want)

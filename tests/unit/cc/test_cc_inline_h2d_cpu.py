@@ -171,3 +171,24 @@ def test_a_source_nobody_writes_is_read_at_once():
     assert _host_writes.may_be_written(torch.zeros(4)) is False
     assert _host_writes.settle_for_host_read(torch.zeros(4)) is True
 
+
+
+def test_a_load_that_ran_out_of_memory_is_tried_again_and_a_failed_launch_gives_up(monkeypatch):
+    loads = iter([_inline_h2d._RETRY, (11, 22, 33)])
+    monkeypatch.setattr(_inline_h2d, "_load", lambda index: next(loads))
+    monkeypatch.setattr(_inline_h2d, "_FUNCTIONS", {})
+    assert _inline_h2d.functions(0) is None  # out of memory at the JIT: not remembered
+    assert _inline_h2d.functions(0) == (11, 22, 33)
+    assert _inline_h2d.functions(0) == (11, 22, 33)  # loaded once
+    _inline_h2d.give_up(0, RuntimeError("launch refused"))
+    assert _inline_h2d.functions(0) is None  # staged from now on
+
+
+def test_a_dual_level_keeps_d2h_copies_for_torch(monkeypatch):
+    import torch.autograd.forward_ad as fwAD
+
+    from syncless.cc import _shim
+
+    assert not _shim._in_dual_level(torch)
+    with fwAD.dual_level():
+        assert _shim._in_dual_level(torch)
