@@ -1,4 +1,4 @@
-# Sourced by scripts/gpu-run3[7-9].sh on the GPU machine: the carried wheels installed beside the source tree,
+# Sourced by the scripts/gpu-run*.sh one-call scripts on the GPU machine: the carried wheels installed beside the source tree,
 # the environment every GPU suite runs with, and time slots under a limit of LIMIT seconds for the whole call.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH="$PWD/src:$PWD/tests:/tmp/site" SYNCLESS_REQUIRE_GPU=1 PYTHONUNBUFFERED=1 SYNCLESS_REQUIRE_CUPTI=1

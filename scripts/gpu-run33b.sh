@@ -2,9 +2,7 @@
 # Session 2026-12-02, second call: the cc suites and fuzzer, the new syncs/pp/timeline GPU tests, the syncs and
 # pp one-GPU suites, the call-count probe and bench cc / bench syncs (one H200). Logs under $OUT.
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH="$PWD/src:$PWD/tests:/tmp/site" SYNCLESS_REQUIRE_GPU=1 PYTHONUNBUFFERED=1 SYNCLESS_REQUIRE_CUPTI=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source "$(dirname "$0")/gpu-common.sh"
 mkdir -p $OUT/timeline
 T="timeout -k 5"
 $T 50 python3 tests/gpu/cc/probe_call_counts.py --src src --label new --repeats 300 > $OUT/calls.log 2>&1

@@ -2,9 +2,7 @@
 # Session 2026-12-02, third call: tests/gpu/cc with the fuzzer (4,000 programs) after the host-writes fix, and the
 # syncs/pp suites one by one with -v so that each test's outcome is in the log.
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH="$PWD/src:$PWD/tests:/tmp/site" SYNCLESS_REQUIRE_GPU=1 PYTHONUNBUFFERED=1 SYNCLESS_REQUIRE_CUPTI=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source "$(dirname "$0")/gpu-common.sh"
 T="timeout -k 5"
 SYNCLESS_FUZZ_PROGRAMS=4000 $T 150 python3 -m pytest -q tests/gpu/cc -p no:cacheprovider --timeout 120 > $OUT/gpu-cc.log 2>&1
 $T 200 python3 -m pytest -q -rfE -p no:cacheprovider --timeout 40 tests/gpu/pp tests/gpu/compat \

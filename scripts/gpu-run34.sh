@@ -2,11 +2,8 @@
 # Session 2026-12-02 (13), first call: where the host-bound loop's time goes (issue 33), then the GPU suites owed
 # by issues 34-36, file by file with -v and a timeout each, and bench syncs. Every step checks the time left.
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH="$PWD/src:$PWD/tests:/tmp/site" SYNCLESS_REQUIRE_GPU=1 PYTHONUNBUFFERED=1 SYNCLESS_REQUIRE_CUPTI=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 LIMIT=${LIMIT:-570}
-left() { echo $((LIMIT - SECONDS)); }
+source "$(dirname "$0")/gpu-common.sh"
 run_file() {  # log, seconds, pytest args...
   local log=$1 secs=$2; shift 2
   if [ "$(left)" -lt $((secs / 2)) ]; then echo "== SKIPPED (time) $*" >> "$OUT/$log"; return; fi

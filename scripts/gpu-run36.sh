@@ -2,13 +2,9 @@
 # Session 2026-12-02 (13), final call: issue 33's probes, tests/gpu/cc, the differential fuzzer at 20,000 programs,
 # bench cc, then the syncs timeline and signature files and the pp copy-engine file (each with a time slot).
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH="$PWD/src:$PWD/tests:/tmp/site" SYNCLESS_REQUIRE_GPU=1 PYTHONUNBUFFERED=1 SYNCLESS_REQUIRE_CUPTI=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 LIMIT=${LIMIT:-585}
-left() { echo $((LIMIT - SECONDS)); }
-slot() { local want=$1; local l; l=$(left); [ "$want" -gt "$l" ] && want=$l; echo "$want"; }
-{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 -c "import torch; print(torch.__version__)"; date -u; } > $OUT/diag.log 2>&1
+source "$(dirname "$0")/gpu-common.sh"
+diag_header $OUT/diag.log
 timeout -k 5 40 python3 tests/gpu/cc/probe_lane_parts.py --repeats 1000 >> $OUT/diag.log 2>&1
 timeout -k 5 60 python3 tests/gpu/cc/probe_hostbound.py --steps 400 --rounds 3 >> $OUT/diag.log 2>&1
 timeout -k 5 30 python3 tests/gpu/cc/probe_call_counts.py --repeats 300 >> $OUT/diag.log 2>&1
