@@ -250,18 +250,17 @@ def copy_into(dst: Any, src: Any, inline_max_bytes: int, max_staged_bytes: int) 
     """
     lane = _LANE[0] or _lane()
     if (not lane.ready or type(dst) is not lane.tensor or type(src) is not lane.tensor or not src.is_cpu
-            or dst.layout is not lane.strided or src.layout is not lane.strided or dst.is_nested or src.is_nested
-            or dst.is_quantized or src.is_quantized or _streams.CAPTURES[0] or lane.dual_level() >= 0):
-        return False  # (a sparse or nested tensor has neither nbytes nor a shape to compare: asked first)
-    if dst.dtype != src.dtype or dst.shape != src.shape:
+            or _streams.CAPTURES[0] or lane.dual_level() >= 0):
         return False
-    nbytes = src.nbytes
-    if nbytes > inline_max_bytes or nbytes > max_staged_bytes:
+    # One dense block each, within both bounds (_plain_block asks the layout before nbytes, which a sparse or nested
+    # tensor refuses), then the same dtype and shape.
+    limit = min(inline_max_bytes, max_staged_bytes)
+    if not (_plain_block(lane, src, limit) and _plain_block(lane, dst, limit)):
+        return False
+    if dst.dtype != src.dtype or dst.shape != src.shape:
         return False
     index = dst.get_device()
     if index != lane.current_device() or lane.capturing():
-        return False
-    if not (_plain_block(lane, dst, inline_max_bytes) and _plain_block(lane, src, inline_max_bytes)):
         return False
     if (dst.requires_grad or src.requires_grad) and lane.grad_enabled():
         return False  # torch records the copy for autograd (or refuses a leaf): the general path
@@ -272,7 +271,7 @@ def copy_into(dst: Any, src: Any, inline_max_bytes: int, max_staged_bytes: int) 
     entries = _inline_h2d.functions(index)
     if entries is None:
         return False
-    if not _inline(lane, dst, src, index, nbytes, entries):
+    if not _inline(lane, dst, src, index, src.nbytes, entries):
         return False
     _d2h._bump_version(dst)
     return True

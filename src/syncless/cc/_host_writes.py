@@ -149,17 +149,19 @@ def note_offloaded_d2h(dst: Any, ticket: Any) -> None:
     _remember(dst, ("job", ticket))
 
 
-def may_be_written(src: Any) -> bool:
-    """Whether a noted D2H copy may still be writing host ``src``'s memory (False: none is; two bisects, no lock).
+def _range_if_noted_nearby(src: Any) -> tuple[int, int] | None:
+    """``src``'s storage byte range if a noted range may overlap it, else None (two bisects, no lock).
 
-    True is conservative: a noted copy that has finished since counts until a lookup drops it. An upload that
-    reads ``src`` on the host at the call (:mod:`._inline_h2d`) goes the staging way when this is True, where
-    :func:`order_after_pending_writes` orders it.
+    No noted range can overlap ``[start, end)`` when none starts in ``[start - longest, end)``: the common case (a
+    ring of input buffers that no D2H writes). An entry another thread notes meanwhile is a copy issued
+    concurrently with the caller's, which nothing orders before it.
     """
     if not _starts:
-        return False
+        return None
     start, end = _range(src)
-    return bisect.bisect_right(_starts, start - _longest[0]) < bisect.bisect_left(_starts, end)
+    if bisect.bisect_right(_starts, start - _longest[0]) >= bisect.bisect_left(_starts, end):
+        return None
+    return start, end
 
 
 def settle_for_host_read(src: Any) -> bool:
@@ -174,9 +176,10 @@ def settle_for_host_read(src: Any) -> bool:
     Raises:
         D2HCopyError: an offloaded copy into ``src``'s memory failed (its bytes were never written).
     """
-    if not may_be_written(src):
+    found = _range_if_noted_nearby(src)
+    if found is None:
         return True
-    start, end = _range(src)
+    start, end = found
     pending = _unfinished_writes(start, end)
     if any(entry[0] == "event" for entry in pending):
         return False
@@ -198,14 +201,10 @@ def order_after_pending_writes(staging: Any, src: Any) -> None:
         D2HCopyError: an offloaded copy into ``src``'s memory failed (raised by the first staged H2D that reads
             it: the memory was never written, and uploading it as if it had been would pass garbage on).
     """
-    if not _starts:
+    found = _range_if_noted_nearby(src)
+    if found is None:
         return
-    start, end = _range(src)
-    # No noted range can overlap [start, end) when none starts in [start - longest, end): the common case (a
-    # ring of input buffers that no D2H writes), answered by two bisects without the lock. An entry another
-    # thread notes meanwhile is a copy issued concurrently with this one, which nothing orders before it.
-    if bisect.bisect_right(_starts, start - _longest[0]) >= bisect.bisect_left(_starts, end):
-        return
+    start, end = found
     pending = _unfinished_writes(start, end)
     if not pending:
         return

@@ -147,7 +147,7 @@ def test_a_source_a_pending_offloaded_copy_writes_waits_for_it_before_the_host_r
     ticket = (object(), 4)
     waited = []
     states = iter([[("job", ticket)], []])  # pending at the first look; gone once waited for
-    monkeypatch.setattr(_host_writes, "may_be_written", lambda src: True)
+    monkeypatch.setattr(_host_writes, "_range_if_noted_nearby", lambda src: (src.data_ptr(), src.data_ptr() + 16))
     monkeypatch.setattr(_host_writes, "_unfinished_writes", lambda start, end: next(states))
     monkeypatch.setattr(_d2h, "wait_for_tickets", lambda tickets, raise_errors: waited.append(tickets))
     assert _host_writes.settle_for_host_read(host) is True
@@ -158,7 +158,7 @@ def test_a_source_a_plain_d2h_may_still_write_is_left_to_the_staging_path(monkey
     from syncless.cc import _d2h, _host_writes
 
     host = torch.zeros(16, dtype=torch.uint8)
-    monkeypatch.setattr(_host_writes, "may_be_written", lambda src: True)
+    monkeypatch.setattr(_host_writes, "_range_if_noted_nearby", lambda src: (src.data_ptr(), src.data_ptr() + 16))
     monkeypatch.setattr(_host_writes, "_unfinished_writes", lambda start, end: [("event", object())])
     monkeypatch.setattr(_d2h, "wait_for_tickets", lambda *a, **k: pytest.fail("a GPU-side write is not host-waited"))
     assert _host_writes.settle_for_host_read(host) is False
@@ -168,7 +168,7 @@ def test_a_source_nobody_writes_is_read_at_once():
     from syncless.cc import _host_writes
 
     _host_writes.clear()
-    assert _host_writes.may_be_written(torch.zeros(4)) is False
+    assert _host_writes._range_if_noted_nearby(torch.zeros(4)) is None
     assert _host_writes.settle_for_host_read(torch.zeros(4)) is True
 
 
