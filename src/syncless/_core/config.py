@@ -130,6 +130,16 @@ def parse_nbytes(text: str) -> int:
     return int(match.group(1)) * _SIZE_UNITS[match.group(2)]
 
 
+def _nbytes_at_most(high: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = parse_nbytes(text)
+        if value > high:
+            raise ValueError(f"{value} is above {high}")
+        return value
+
+    return parse
+
+
 _SETTINGS: dict[str, Setting] = {}
 _PREFIX = "SYNCLESS_"
 
@@ -178,7 +188,7 @@ _declare(
 )
 _declare(
     "SYNCLESS_CC_INLINE_MAX_BYTES",
-    parse_nbytes,
+    _nbytes_at_most(4080),  # syncless.cc._inline_h2d.INLINE_MAX_BYTES: what one kernel launch's parameters hold
     "4080",
     "a byte count from 0 to 4080",
     "Non-blocking host-to-device copies of at most this many bytes are written by a kernel from its launch "

@@ -53,10 +53,7 @@ class _Lane:
         self.strided = torch.strided
         self.grad_enabled = torch.is_grad_enabled
         self.inference_mode = torch.is_inference_mode_enabled
-        forward_ad = torch.autograd.forward_ad
-        # Forward-mode AD: inside a dual level a tensor may carry a tangent (with requires_grad False), which only
-        # torch's own copy carries over. The level is a module global (-1: none), read at each call.
-        self.dual_level = lambda: forward_ad._current_level
+        self.forward_ad = torch.autograd.forward_ad  # its _current_level: see in_dual_level
         self.has_override = checks.has_torch_function_unary
         self.dispatch_depth = checks.dispatch_stack_len
         self.functorch_peek = checks.functorch_peek
@@ -85,6 +82,14 @@ def _lane() -> _Lane:
     return lane
 
 
+def in_dual_level() -> bool:
+    """Whether a forward-mode AD level is open: a tensor may then carry a tangent (its ``requires_grad`` False) that
+    only torch's own copy carries over, so no copy is inlined or offloaded. The level is a module global of torch
+    (-1: none), read at each call."""
+    lane = _LANE[0] or _lane()
+    return lane.forward_ad._current_level >= 0
+
+
 def _device(lane: _Lane, where: Any) -> Any:
     """``where`` as a ``torch.device`` when it is one or a device string (None otherwise: the general path reads it)."""
     if type(where) is lane.device_type:
@@ -110,7 +115,7 @@ def to(self: Any, where: Any, max_staged_bytes: int, inline_max_bytes: int) -> A
     """
     lane = _LANE[0] or _lane()
     if (not lane.ready or type(self) is not lane.tensor or lane.has_override(self) or lane.dispatch_depth()
-            or lane.functorch_peek() is not None or lane.functorch_wrapped(self) or lane.dual_level() >= 0):
+            or lane.functorch_peek() is not None or lane.functorch_wrapped(self) or lane.forward_ad._current_level >= 0):
         return None
     device = lane.devices.get(where) if type(where) is str else None
     if device is None:
@@ -250,7 +255,7 @@ def copy_into(dst: Any, src: Any, inline_max_bytes: int, max_staged_bytes: int) 
     """
     lane = _LANE[0] or _lane()
     if (not lane.ready or type(dst) is not lane.tensor or type(src) is not lane.tensor or not src.is_cpu
-            or _streams.CAPTURES[0] or lane.dual_level() >= 0):
+            or _streams.CAPTURES[0] or lane.forward_ad._current_level >= 0):
         return False
     # One dense block each, within both bounds (_plain_block asks the layout before nbytes, which a sparse or nested
     # tensor refuses), then the same dtype and shape.

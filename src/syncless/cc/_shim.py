@@ -21,11 +21,9 @@ from typing import Any
 
 from syncless._core import config, patching
 from syncless._core.compiling import is_compiling
-from syncless._core.errors import ConfigError
 from syncless._core.layouts import broadcasts_to
 from syncless._core.tensor_calls import maybe_non_blocking_to, parse_to, read_copy, read_cuda, reads_as_cuda_device
-from syncless.cc import (_d2h, _emulation, _fast, _host_writes, _inline_h2d, _routing, _staging, _streams,
-                         _sync_patches)
+from syncless.cc import _d2h, _emulation, _fast, _host_writes, _routing, _staging, _streams, _sync_patches
 from syncless.cc._layers import SHIM_KEY, SYNCING_ATTRS, TENSOR_ATTRS, call_for_routing
 from syncless.cc._stats import COUNTERS
 
@@ -155,12 +153,6 @@ def _note_plain_d2h(dst: Any, src: Any) -> None:
     _host_writes.note_plain_d2h(dst, _streams.current_stream(index))
 
 
-def _in_dual_level(torch: Any) -> bool:
-    """Whether a forward-mode AD level is open: a tensor may then carry a tangent that only torch's own copy carries
-    over (its ``requires_grad`` is False), so a D2H is not offloaded ("autograd")."""
-    return torch.autograd.forward_ad._current_level >= 0
-
-
 def _present_cuda_index(device: Any) -> int | None:
     """The index of CUDA ``device`` (None: the current GPU) if this process has that GPU, else None.
 
@@ -212,7 +204,7 @@ def _wrap_to(next_to):
                 return next_to(*args, **kwargs)  # torch raises its own error
         elif src_type == "cuda":
             index = src_device.index
-        autograd = (self.requires_grad and torch.is_grad_enabled()) or _in_dual_level(torch)
+        autograd = (self.requires_grad and torch.is_grad_enabled()) or _fast.in_dual_level()  # a tangent only torch's copy carries
         route, _, record = _decide(self, dst_type, index, into_existing=False, registered=False,
                                    dtype_changes=dtype is not None and dtype != self.dtype, autograd=autograd,
                                    dst_dtype=dtype, src_type=src_type)
@@ -393,7 +385,7 @@ def _wrap_copy(next_copy):
                 COUNTERS.add("staged")
                 return _staging.stage_into(self, src, next_copy)
             return next_copy(*args, **kwargs)
-        autograd = ((self.requires_grad or src.requires_grad) and torch.is_grad_enabled()) or _in_dual_level(torch)
+        autograd = ((self.requires_grad or src.requires_grad) and torch.is_grad_enabled()) or _fast.in_dual_level()  # a tangent only torch's copy carries
         route, _, record = _decide(src, self.device.type, src.device.index if src.device.type == "cuda" else None,
                                    into_existing=True, registered=False, dtype_changes=self.dtype != src.dtype,
                                    autograd=autograd, dst=self)
@@ -447,10 +439,7 @@ def install_shim(max_staged_bytes: int | None = None) -> bool:
         raise TypeError(f"max_staged_bytes must be an int, got {type(limit).__name__}")
     if limit < 0:
         raise ValueError(f"max_staged_bytes must be >= 0, got {limit}")
-    inline_limit = config.resolve("SYNCLESS_CC_INLINE_MAX_BYTES")
-    if not 0 <= inline_limit <= _inline_h2d.INLINE_MAX_BYTES:
-        raise ConfigError(f"SYNCLESS_CC_INLINE_MAX_BYTES must be from 0 to {_inline_h2d.INLINE_MAX_BYTES} (the bytes "
-                         f"one kernel launch's parameters hold), got {inline_limit}")
+    inline_limit = config.resolve("SYNCLESS_CC_INLINE_MAX_BYTES")  # the registry bounds it (ConfigError)
     with _lock:
         _STATE.max_staged_bytes = limit
         _STATE.inline_max_bytes = inline_limit

@@ -61,6 +61,11 @@ def test_the_module_has_one_entry_per_size_within_the_launch_limit():
         assert f".b8 payload[{size}]" in ptx
         assert size % 8 == 0 and 16 + size <= 4096  # the header, then an 8-aligned payload: at most 4 KiB in all
     assert _inline_h2d.INLINE_MAX_BYTES == max(_inline_h2d.PAYLOAD_SIZES) == 4080
+    from syncless._core import config  # the registry's bound is the kernel's
+
+    assert config.read("SYNCLESS_CC_INLINE_MAX_BYTES", {"SYNCLESS_CC_INLINE_MAX_BYTES": "4080"}) == 4080
+    with pytest.raises(ValueError):
+        config.read("SYNCLESS_CC_INLINE_MAX_BYTES", {"SYNCLESS_CC_INLINE_MAX_BYTES": "4081"})
 
 
 @pytest.mark.parametrize("nbytes, slot", [(1, 0), (48, 0), (49, 1), (496, 1), (497, 2), (4080, 2)])
@@ -132,7 +137,7 @@ def test_the_inline_limit_is_checked_at_install_before_anything_is_patched(monke
     monkeypatch.setenv("SYNCLESS_CC_INLINE_MAX_BYTES", "8KiB")
     from syncless._core.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="SYNCLESS_CC_INLINE_MAX_BYTES must be from 0 to 4080"):
+    with pytest.raises(ConfigError, match="SYNCLESS_CC_INLINE_MAX_BYTES=.*from 0 to 4080"):
         _shim.install_shim()
     assert not _shim._STATE.installed
 
@@ -187,8 +192,8 @@ def test_a_load_that_ran_out_of_memory_is_tried_again_and_a_failed_launch_gives_
 def test_a_dual_level_keeps_d2h_copies_for_torch(monkeypatch):
     import torch.autograd.forward_ad as fwAD
 
-    from syncless.cc import _shim
+    from syncless.cc import _fast
 
-    assert not _shim._in_dual_level(torch)
+    assert not _fast.in_dual_level()
     with fwAD.dual_level():
-        assert _shim._in_dual_level(torch)
+        assert _fast.in_dual_level()
