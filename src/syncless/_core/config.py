@@ -195,6 +195,14 @@ _declare(
     "parameters (no transfer to wait for under CC); 0 stages them like larger ones.",
 )
 _declare(
+    "SYNCLESS_CC_D2H_HELPER",
+    _boolean,
+    "0",
+    "1/true/yes/on or 0/false/no/off",
+    "Small offloaded device-to-host copies are made by a helper process per GPU (its own GIL and CUDA context), "
+    "so no thread of this process waits for their transfer under CC; read at cc.install().",
+)
+_declare(
     "SYNCLESS_PP_TRANSPORT",
     _choice("auto", "copy_engine", "torch_distributed"),
     "auto",

@@ -35,6 +35,7 @@ from syncless._core.errors import CudaError, MissingDependencyError
 
 _lock = threading.Lock()
 _LIBS: list[Any] = [None]  # (quick, blocking) once loaded
+LOADED_FROM: list[str] = [""]  # the name or path libcuda was opened by (the D2H helper process opens the same)
 
 _u64 = ctypes.c_uint64
 _ptr = ctypes.c_void_p
@@ -53,6 +54,14 @@ _SIGNATURES = {
     "cuStreamSynchronize": (_ptr,),
     "cuLaunchKernel": (_ptr, _uint, _uint, _uint, _uint, _uint, _uint, _uint, _ptr, _ptr, _ptr),
     "cuGetErrorName": (_int, ctypes.POINTER(ctypes.c_char_p)),
+    # setup of the D2H helper process's shared resources (syncless.cc._helper), once per GPU
+    "cuMemAlloc_v2": (ctypes.POINTER(_u64), _size),
+    "cuMemFree_v2": (_u64,),
+    "cuEventCreate": (ctypes.POINTER(_ptr), _uint),
+    "cuIpcGetMemHandle": (ctypes.c_char_p, _u64),
+    "cuIpcGetEventHandle": (ctypes.c_char_p, _ptr),
+    "cuDeviceGet": (ctypes.POINTER(_int), _int),
+    "cuDeviceGetPCIBusId": (ctypes.c_char_p, _int, _int),
     "cuGetErrorString": (_int, ctypes.POINTER(ctypes.c_char_p)),
 }
 CUDA_ERROR_NOT_READY = 600
@@ -72,7 +81,9 @@ def _load_library() -> tuple[Any, Any]:
         if not name:
             continue
         try:
-            return ctypes.PyDLL(name), ctypes.CDLL(name)
+            libs = ctypes.PyDLL(name), ctypes.CDLL(name)
+            LOADED_FROM[0] = name
+            return libs
         except OSError as err:
             problems.append(f"{name}: {err}")
     raise MissingDependencyError(

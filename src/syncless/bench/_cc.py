@@ -36,7 +36,8 @@ from syncless.bench import _cc_hostbound
 from syncless.bench._report import BenchOutput, Goal
 
 SETUPS = ("plain", "shim", "emulated", "emulated+shim")
-HOST_BOUND_SETUPS = ("plain", "emulated", "emulated+shim")  # the batch-1 CUDA-graphed loop (issue 33)
+HELPER_SETUP = "emulated+shim+d2h-helper"  # the shim with SYNCLESS_CC_D2H_HELPER=1 (docs/cc.md)
+HOST_BOUND_SETUPS = ("plain", "emulated", "emulated+shim", HELPER_SETUP)  # the batch-1 CUDA-graphed loop (issue 33)
 HOST_BOUND_GOAL = 0.98  # emulated CC with the shim vs plain, tokens/s
 READBACK_GOAL = 1.5  # one step's token readback, host time: emulated CC with the shim vs plain
 # The decode loop again, recording a torch.cuda.Event and a torch.Event on the current stream every step after the
@@ -82,6 +83,27 @@ def _enter(setup: str):
         cc.emulate()
     elif setup == "emulated+shim":
         cc.install("emulate")
+    elif setup == HELPER_SETUP:
+        _install_with_helper(cc)
+
+
+def _install_with_helper(cc) -> None:
+    """``cc.install("emulate")`` with ``SYNCLESS_CC_D2H_HELPER=1``, and wait until GPU 0's helper process is ready."""
+    import os
+
+    from syncless.cc import _helper
+
+    before = os.environ.get("SYNCLESS_CC_D2H_HELPER")
+    os.environ["SYNCLESS_CC_D2H_HELPER"] = "1"
+    try:
+        cc.install("emulate")
+    finally:
+        if before is None:
+            del os.environ["SYNCLESS_CC_D2H_HELPER"]
+        else:
+            os.environ["SYNCLESS_CC_D2H_HELPER"] = before
+    if not _helper.wait_ready(0):
+        raise RuntimeError("syncless bench cc: the D2H helper process did not start (see the warning above)")
 
 
 class _Model:
@@ -309,6 +331,10 @@ def run(args: Any, progress) -> BenchOutput:
              hb_median["emulated+shim"] / hb_median["plain"], HOST_BOUND_GOAL, "x", True),
         Goal("per-step token readback host cost: emulated CC with the shim vs plain",
              readback_us["emulated+shim"] / readback_us["plain"], READBACK_GOAL, "x", False),
+        Goal("host-bound decode loop (batch 1): emulated CC with the shim and its D2H helper vs plain tokens/s",
+             hb_median[HELPER_SETUP] / hb_median["plain"], HOST_BOUND_GOAL, "x", True),
+        Goal("per-step token readback host cost: emulated CC with the shim and its D2H helper vs plain",
+             readback_us[HELPER_SETUP] / readback_us["plain"], READBACK_GOAL, "x", False),
         Goal("emulated CC with the shim vs plain no-CC, tokens/s", median["emulated+shim"] / plain, 0.95, "x", True),
         Goal("shim installed without CC vs plain, tokens/s", median["shim"] / plain, 0.98, "x", True),
         Goal("decode loop recording 2 events/step, emulated CC with the shim vs the same loop plain, tokens/s",

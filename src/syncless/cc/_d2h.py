@@ -83,7 +83,7 @@ import os
 
 from syncless._core import patching
 from syncless._core.errors import NoGPUError
-from syncless.cc import _d2h_job, _host_writes, _inline_h2d, _raw, _streams, _worker
+from syncless.cc import _d2h_job, _helper, _host_writes, _inline_h2d, _raw, _streams, _worker
 from syncless.cc._layers import SHIM_KEY
 from syncless.cc._worker import UNRAISED, OrderedWorker
 
@@ -222,6 +222,8 @@ def new_d2h_stream(device: Any = None) -> Any:
     stream, copy_stream = pair
     with _lock:
         _streams_by_key[(index, stream.cuda_stream)] = _D2HStream(stream, copy_stream=copy_stream)
+    if _helper.ENABLED[0]:
+        _helper.start(index)  # SYNCLESS_CC_D2H_HELPER: start the GPU's helper now (it is ready well before a step)
     return stream
 
 
@@ -396,6 +398,58 @@ def offload_block(record: _D2HStream, dst: Any, src: Any, index: int) -> int:
     return _queue(record, dst, snap, src, ".to('cpu', non_blocking=True)", False, index)
 
 
+def offload_to_helper(record: _D2HStream, src: Any, index: int, helper: Any) -> Any:
+    """``src.to("cpu", non_blocking=True)`` offloaded to GPU ``index``'s D2H helper process; the pinned result, or
+    None (no free slot, or offloading is closed: the caller offloads in this process, or runs torch's own copy).
+
+    ``src``: one contiguous block of at most ``helper.slot_bytes`` on GPU ``index`` (current), as for
+    :func:`offload_block`. Enqueues on the D2H stream ``D``, in its order (so the bytes are those torch's copy would
+    read there), the slot's snapshot and its ready event, then posts the copy to the helper and queues the job that
+    delivers it::
+
+        D      : ...everything D was ordered after... src -> ring[slot]  R[slot] ...
+        helper :                         (R[slot] fired) ring[slot] -> staging[slot] ; done[slot] = hseq
+        waiter :                         (job #n, at a covering wait) done? -> memmove staging[slot] -> dst
+
+    All under ``_offload_lock``: the slot's write, its record and its post are one step that a capture, a close or
+    ``uninstall()`` either precede (then nothing is enqueued) or follow (then the job is queued and covered); and
+    a slot with a write enqueued is never handed back unposted (a later snapshot into it could race that write).
+    The job counts as finished after the ``memmove``; every ordering after it is :func:`_queue`'s. Does not block
+    the host.
+    """
+    dst = pinned_block(src, src.dtype)
+    stream = record.stream
+    with _offload_lock:
+        if _CLOSING[0] or record.closed or not record.worker.accepting or _streams.CAPTURES[0]:
+            return None
+        slot = helper.take_slot()
+        if slot is None:
+            return None
+        nbytes = src.nbytes
+        try:
+            if nbytes:
+                _raw.copy_device_block(index, helper.ring_ptr(slot), src.data_ptr(), nbytes, stream)
+        except BaseException:
+            helper.free.append(slot)  # the copy was not enqueued: the slot holds no write
+            raise
+        _raw.record_ready(helper.events[slot], stream)  # (if this fails the slot is kept out: its write is queued)
+        hseq = helper.post(slot, nbytes)
+        job = _d2h_job.HelperJob(helper, slot, hseq, dst, src)
+        job.settled = _settled
+        with _pending_lock:
+            _PENDING[0] += 1
+        try:
+            seq = record.worker.submit(job, eager=False)
+        except BaseException:
+            with _pending_lock:
+                _PENDING[0] -= 1
+            raise
+        record.last_job = _last_jobs[record.worker] = seq
+        _rebuild_cover()
+    _host_writes.note_offloaded_d2h(dst, (record.worker, seq))
+    return dst
+
+
 def _warn_no_room(src: Any) -> None:
     _log.warning("syncless.cc: no GPU memory for a %d-byte snapshot of an offloaded D2H copy; it runs as "
                  "torch's own copy (blocking under CC)", src.numel() * src.element_size())
@@ -525,6 +579,7 @@ def _forget_after_fork() -> None:
     _raw.forget_after_fork()
     _inline_h2d.forget_after_fork()
     _streams.forget_after_fork()
+    _helper.forget_after_fork()
     _host_writes.clear(keep=_FORK_LEFTOVERS)
 
 

@@ -113,3 +113,36 @@ class CopyJob:
     def describe(self) -> str:
         """How errors name the copy (built only when one failed)."""
         return f"{self.verb} of a {tuple(self.shape)} {self.src_dtype} tensor from {self.device}"
+
+
+class HelperJob:
+    """Job ``#n`` of a D2H stream's queue whose copy the D2H helper process makes (:mod:`._helper`).
+
+    Enqueued already, at the offload: ``src -> ring[slot]`` and the slot's ready event on the D2H stream, and the
+    post to the helper. Running the job (on the thread that first waits for it, or the queue's own) waits until the
+    helper's done word for the slot says its copy ``hseq`` is made, then moves the bytes from the shared staging
+    into ``dst`` (a ``memmove``) and frees the slot: no driver call on this process's side, and the GIL is let go
+    only while it sleeps between looks (the copy is usually made by then: a decode loop waits a step late). A copy
+    the helper reports failed raises :class:`CudaError`; a helper that died raises ``D2HHelperGoneError``: the job's
+    failure either way, raised at the covering call as any copy's.
+    """
+
+    __slots__ = ("helper", "slot", "hseq", "dst", "nbytes", "shape", "src_dtype", "device", "settled", "delivered")
+
+    def __init__(self, helper: Any, slot: int, hseq: int, dst: Any, src: Any):
+        self.helper, self.slot, self.hseq, self.dst = helper, slot, hseq, dst
+        self.nbytes = src.nbytes
+        self.shape, self.src_dtype, self.device = src.shape, src.dtype, src.device
+        self.settled = None
+        self.delivered = False
+
+    def __call__(self) -> None:
+        # A KeyboardInterrupt in the wait leaves the slot posted and the job queued: run again, it waits again.
+        if not self.delivered:
+            self.helper.deliver(self.slot, self.hseq, self.dst.data_ptr(), self.nbytes)
+            self.delivered = True
+        self.dst = None
+
+    def describe(self) -> str:
+        return (f".to('cpu', non_blocking=True) of a {tuple(self.shape)} {self.src_dtype} tensor from {self.device} "
+                "(made by the D2H helper process)")

@@ -35,7 +35,7 @@ from typing import Any
 
 from syncless._core.errors import CudaError
 from syncless._core.tensor_calls import _torch_checks
-from syncless.cc import _d2h, _emulation, _host_writes, _inline_h2d, _raw, _staging, _streams
+from syncless.cc import _d2h, _emulation, _helper, _host_writes, _inline_h2d, _raw, _staging, _streams
 from syncless.cc._stats import COUNTERS
 
 
@@ -152,6 +152,14 @@ def _offload(lane: _Lane, self: Any, device: Any, max_staged_bytes: int) -> Any:
         return None
     if self.requires_grad and lane.grad_enabled():
         return None  # torch records the copy for autograd: its own copy (general path: "autograd")
+    if _helper.ENABLED[0]:
+        helper = _helper.for_device(index)
+        if helper is not None and self.nbytes <= helper.slot_bytes:
+            dst = _d2h.offload_to_helper(record, self, index, helper)
+            if dst is not None:
+                COUNTERS.add("offloaded")
+                COUNTERS.add("to_helper")
+                return dst
     if (self.nbytes < READ_BACK_NOW_BYTES and record.last_job <= record.worker.completed
             and lane.stream_query(record.stream)):
         return _read_back_now(self, device, record)

@@ -23,7 +23,7 @@ from syncless._core import config, patching
 from syncless._core.compiling import is_compiling
 from syncless._core.layouts import broadcasts_to
 from syncless._core.tensor_calls import maybe_non_blocking_to, parse_to, read_copy, read_cuda, reads_as_cuda_device
-from syncless.cc import _d2h, _emulation, _fast, _host_writes, _routing, _staging, _streams, _sync_patches
+from syncless.cc import _d2h, _emulation, _fast, _helper, _host_writes, _routing, _staging, _streams, _sync_patches
 from syncless.cc._layers import SHIM_KEY, SYNCING_ATTRS, TENSOR_ATTRS, call_for_routing
 from syncless.cc._stats import COUNTERS
 
@@ -440,7 +440,9 @@ def install_shim(max_staged_bytes: int | None = None) -> bool:
     if limit < 0:
         raise ValueError(f"max_staged_bytes must be >= 0, got {limit}")
     inline_limit = config.resolve("SYNCLESS_CC_INLINE_MAX_BYTES")  # the registry bounds it (ConfigError)
+    use_helper = config.resolve("SYNCLESS_CC_D2H_HELPER")
     with _lock:
+        _helper.ENABLED[0] = use_helper
         _STATE.max_staged_bytes = limit
         _STATE.inline_max_bytes = inline_limit
         if _STATE.installed:
@@ -478,6 +480,8 @@ def uninstall_all(timeout_s: float = 60.0) -> None:
             _sync_patches.uninstall_sync_patches()
             _STATE.installed = False
         _emulation.uninstall_emulation()
+        _helper.ENABLED[0] = False
+        _helper.stop_all()  # after the drain: every copy handed to a helper has been delivered
         # Offloading stays refused (_d2h._CLOSING) until the next install_shim(): a thread still inside a wrapper
         # now runs torch's own copy, which torch's own synchronizes cover.
     if pending_error is not None:

@@ -36,6 +36,7 @@ class CopyStats:
             (no transfer to wait for, under CC or not; docs/cc.md, "Small uploads").
         in_place: H2D copies into registered targets, issued directly on the staging stream.
         offloaded: D2H copies handed to the worker thread.
+        to_helper: of those, copies made by the D2H helper process (``SYNCLESS_CC_D2H_HELPER``).
         emulated_waits: host waits the CC emulation added after a copy.
         left_alone: copies kept on torch's own path, by reason.
         bypass_waits: host waits before a host<->device copy that bypasses ``Tensor.to/cuda/copy_``
@@ -47,6 +48,7 @@ class CopyStats:
     in_place: int = 0
     inlined: int = 0
     offloaded: int = 0
+    to_helper: int = 0
     emulated_waits: int = 0
     left_alone: dict[str, int] = field(default_factory=dict)
     bypass_waits: int = 0
@@ -59,7 +61,7 @@ class CopyStats:
 class StatsCounter:
     """Thread-safe counters behind :func:`syncless.cc.stats`."""
 
-    _FIELDS = ("staged", "in_place", "inlined", "offloaded", "emulated_waits", "bypass_waits")
+    _FIELDS = ("staged", "in_place", "inlined", "offloaded", "to_helper", "emulated_waits", "bypass_waits")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

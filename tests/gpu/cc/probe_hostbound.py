@@ -78,6 +78,11 @@ def main() -> None:
             cc.emulate()
         elif setup.startswith("emulated+shim"):
             cc.install("emulate")
+            if setup.endswith("+helper"):
+                from syncless.bench import _cc as bench_cc
+
+                cc.uninstall()
+                bench_cc._install_with_helper(cc)
             if setup.endswith("+noinline"):
                 _shim._STATE.inline_max_bytes = 0  # the upload staged, as before the inline kernel
 
@@ -133,8 +138,7 @@ def main() -> None:
         torch.cuda.synchronize(dev)
         return {p: statistics.median(v) for p, v in spent.items()}, statistics.median(totals)
 
-    setups = ("plain", "emulated", "emulated+shim", "emulated+shim+copy_", "emulated+shim+inplace",
-              "emulated+shim+noinline")
+    setups = ("plain", "emulated", "emulated+shim", "emulated+shim+helper", "emulated+shim+copy_")
     results = {s: [] for s in setups}
     for round_index in range(args.rounds):
         for setup in setups:
@@ -156,10 +160,10 @@ def main() -> None:
             row.append(statistics.median(values))
         print(f"{name:18s}" + "".join(f"{v:24.1f}" for v in row))
     if args.profile:
-        enter("emulated+shim")
+        enter("emulated+shim+helper")
         profiler = cProfile.Profile()
         profiler.enable()
-        loop("emulated+shim", 200, warmup=10)
+        loop("emulated+shim+helper", 200, warmup=10)
         profiler.disable()
         buffer = io.StringIO()
         pstats.Stats(profiler, stream=buffer).sort_stats("tottime").print_stats(45)

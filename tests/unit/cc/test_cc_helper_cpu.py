@@ -1,0 +1,165 @@
+"""The D2H helper process's protocol without a GPU: the child's serve loop against a fake driver, and the real
+child program started with a library that is not a CUDA driver (it must report why it cannot start)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from syncless._core import config
+from syncless._core.errors import CudaError
+from syncless.cc import _helper
+from syncless.cc import _helper_child as child
+
+SLOTS, SLOT_BYTES = 8, 256
+
+
+class _FakeDriver:
+    """Stands in for the CUDA driver in the child: events fire when the test says, copies are memmoves."""
+
+    def __init__(self, slots: int):
+        self.fired = [False] * slots
+        self.failing: set[int] = set()  # slots whose next copy fails
+        self.copied: list[int] = []  # slots, in the order their copies were made
+
+    def query(self, event: int) -> int:
+        return 0 if self.fired[event] else child.CUDA_ERROR_NOT_READY
+
+    def copy_to_host(self, host: int, device: int, nbytes: int) -> int:
+        slot = (device - _FakeDriver.ring_base) // SLOT_BYTES
+        self.copied.append(slot)
+        if slot in self.failing:
+            self.failing.discard(slot)
+            return 719  # CUDA_ERROR_LAUNCH_FAILED
+        ctypes.memmove(host, device, nbytes)
+        return 0
+
+
+@pytest.fixture
+def served():
+    """A channel and the child's serve loop in a thread of this process over the same shared memory."""
+    channel = _helper._Channel(SLOTS, SLOT_BYTES)
+    device = ctypes.create_string_buffer(SLOTS * SLOT_BYTES)
+    _FakeDriver.ring_base = ctypes.addressof(device)
+    driver = _FakeDriver(SLOTS)
+    thread = threading.Thread(target=child.serve, daemon=True, args=(
+        driver, channel.buf, channel.words, channel.layout, ctypes.addressof(device), list(range(SLOTS)),
+        channel.staging, channel.staging, os.getppid(), None))
+    thread.start()
+    yield channel, device, driver
+    channel.words[child.W_STOP] = 1
+    thread.join(5)
+    assert not thread.is_alive(), "the serve loop did not stop on the stop word"
+
+
+def _post(channel, device, driver, payload: bytes, fire: bool = True) -> tuple[int, int]:
+    slot = channel.take_slot()
+    ctypes.memmove(ctypes.addressof(device) + slot * SLOT_BYTES, payload, len(payload))
+    driver.fired[slot] = fire
+    return slot, channel.post(slot, len(payload))
+
+
+def test_posted_copies_are_delivered_bit_exact(served):
+    channel, device, driver = served
+    for round_ in range(50):
+        payloads = [os.urandom(1 + (round_ * 37 + k) % SLOT_BYTES) for k in range(3)]
+        posted = [_post(channel, device, driver, p) for p in payloads]
+        for (slot, seq), payload in zip(posted, payloads):
+            out = ctypes.create_string_buffer(len(payload))
+            channel.deliver(slot, seq, ctypes.addressof(out), len(payload))
+            assert out.raw == payload
+    assert len(channel.free) == SLOTS, "a delivered slot was not freed"
+
+
+def test_a_copy_whose_event_fires_later_holds_up_no_other(served):
+    channel, device, driver = served
+    slow = _post(channel, device, driver, b"slow", fire=False)
+    fast = _post(channel, device, driver, b"fast")
+    out = ctypes.create_string_buffer(4)
+    channel.deliver(*fast, ctypes.addressof(out), 4)
+    assert out.raw == b"fast"
+    assert not channel.is_done(*slow), "a copy was made before its ready event fired"
+    driver.fired[slow[0]] = True
+    channel.deliver(*slow, ctypes.addressof(out), 4)
+    assert out.raw == b"slow"
+
+
+def test_a_failed_copy_raises_the_drivers_error_and_frees_its_slot(served):
+    channel, device, driver = served
+    driver.failing.add(channel.free[-1])
+    slot, seq = _post(channel, device, driver, b"doomed")
+    out = ctypes.create_string_buffer(b"untouched")
+    with pytest.raises(CudaError, match="helper"):
+        channel.deliver(slot, seq, ctypes.addressof(out), 6)
+    assert out.raw[:9] == b"untouched"
+    assert slot in channel.free
+
+
+def test_a_sleeping_helper_is_woken_by_a_post(served):
+    channel, device, driver = served
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    channel.wake_fd = write_fd
+    deadline = time.monotonic() + 2
+    while not channel.words[child.W_SLEEPING] and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert channel.words[child.W_SLEEPING], "an idle serve loop never went to sleep"
+    slot, seq = _post(channel, device, driver, b"wake")
+    assert os.read(read_fd, 16) == b"w", "a post to a sleeping helper did not write its wake pipe"
+    out = ctypes.create_string_buffer(4)
+    channel.deliver(slot, seq, ctypes.addressof(out), 4)  # (the fake loop sleeps at most SLEEP_S, no pipe)
+    assert out.raw == b"wake"
+    os.close(read_fd)
+    os.close(write_fd)
+
+
+def test_a_waiter_on_a_dead_helper_raises_instead_of_hanging():
+    channel = _helper._Channel(SLOTS, SLOT_BYTES)
+    channel.alive = lambda: False
+    slot = channel.take_slot()
+    seq = channel.post(slot, 8)
+    started = time.monotonic()
+    with pytest.raises(_helper.D2HHelperGoneError, match="not written"):
+        channel.deliver(slot, seq, 0, 8)
+    assert time.monotonic() - started < 1.0
+
+
+def test_post_words_carry_sequence_slot_and_size():
+    word = child.pack_post(123456, 255, 65536)
+    assert child.unpack_post(word) == (123456, 255, 65536)
+    assert child.pack_done(7, 10_000) & 0xFFF == child.NO_DRIVER_CODE
+
+
+def test_the_child_program_reports_a_library_that_is_not_a_driver(tmp_path):
+    """The real child, started as the shim starts it, with libc for libcuda: it must say STATE_FAILED and why."""
+    channel = _helper._Channel(SLOTS, SLOT_BYTES)
+    read_fd, write_fd = os.pipe()
+    argv = [sys.executable, "-I", "-S", child.__file__, str(channel.fd), str(read_fd), str(os.getpid()), "libc.so.6"]
+    process = subprocess.run(argv, pass_fds=(channel.fd, read_fd), timeout=30, capture_output=True)
+    os.close(read_fd)
+    os.close(write_fd)
+    assert process.returncode == 3, process.stderr
+    assert channel.words[child.W_STATE] == child.STATE_FAILED
+    assert "cuInit" in child.read_error(channel.buf)
+
+
+def test_the_option_is_off_unless_asked(monkeypatch):
+    monkeypatch.delenv("SYNCLESS_CC_D2H_HELPER", raising=False)
+    assert config.resolve("SYNCLESS_CC_D2H_HELPER") is False
+    monkeypatch.setenv("SYNCLESS_CC_D2H_HELPER", "on")
+    assert config.resolve("SYNCLESS_CC_D2H_HELPER") is True
+    monkeypatch.setenv("SYNCLESS_CC_D2H_HELPER", "maybe")
+    with pytest.raises(config.ConfigError, match="SYNCLESS_CC_D2H_HELPER"):
+        config.resolve("SYNCLESS_CC_D2H_HELPER")
+
+
+def test_no_helper_is_started_while_the_option_is_off(monkeypatch):
+    monkeypatch.setattr(_helper, "ENABLED", [False])
+    assert _helper.for_device(0) is None
+    assert 0 not in _helper._HELPERS
