@@ -58,6 +58,7 @@ _SIGNATURES = {
     "cuMemAlloc_v2": (ctypes.POINTER(_u64), _size),
     "cuMemFree_v2": (_u64,),
     "cuEventCreate": (ctypes.POINTER(_ptr), _uint),
+    "cuEventDestroy_v2": (_ptr,),
     "cuIpcGetMemHandle": (ctypes.c_char_p, _u64),
     "cuIpcGetEventHandle": (ctypes.c_char_p, _ptr),
     "cuDeviceGet": (ctypes.POINTER(_int), _int),

@@ -420,7 +420,8 @@ def offload_to_helper(record: _D2HStream, src: Any, index: int, helper: Any) -> 
     dst = pinned_block(src, src.dtype)
     stream = record.stream
     with _offload_lock:
-        if _CLOSING[0] or record.closed or not record.worker.accepting or _streams.CAPTURES[0]:
+        if (_CLOSING[0] or record.closed or not record.worker.accepting or _streams.CAPTURES[0]
+                or not helper.usable):  # (a helper stopped by an uninstall() since the caller looked it up)
             return None
         slot = helper.take_slot()
         if slot is None:

@@ -87,6 +87,9 @@ class _Channel:
         self.slot_bytes = slot_bytes
         self._posts, self._done = layout.posts_at // 8, layout.done_at // 8
         self.free = list(range(slots - 1, -1, -1))  # pop() takes slot 0 first
+        # The copy each slot holds (its sequence number; 0: none). A slot goes back to ``free`` only by the delivery
+        # or failure of the copy it holds, once: a job run again after an interrupt finds it delivered.
+        self.owner = [0] * slots
         self.last_seq = 0
         self.wake_fd: int | None = None
         self.alive = lambda: True  # replaced by the process's check
@@ -102,6 +105,7 @@ class _Channel:
         """Hand the helper the copy of ``nbytes`` in ``slot`` (its ready event is recorded); return its number."""
         seq = self.last_seq + 1
         self.last_seq = seq
+        self.owner[slot] = seq
         child.fence()  # the event record before the post that names it
         self.words[self._posts + seq % self.layout.slots] = child.pack_post(seq, slot, nbytes)
         child.fence()  # the post before the look at the sleeping word (the helper stores that, then looks for posts)
@@ -149,16 +153,19 @@ class _Channel:
     def deliver(self, slot: int, seq: int, dst_ptr: int, nbytes: int) -> None:
         """Wait for copy ``seq`` of ``slot``, move its bytes to host address ``dst_ptr``, free the slot.
 
-        Raises :class:`CudaError` with the helper's driver result if its copy failed (the slot is freed), or
-        :class:`D2HHelperGoneError` (the slot is kept).
+        Raises :class:`CudaError` with the helper's driver result if its copy failed, or
+        :class:`D2HHelperGoneError`; either way the slot is kept out of use (its device write may still be queued).
+        Called again for a copy already delivered (a job run again after an interrupt), does nothing.
         """
+        if self.owner[slot] != seq:
+            return  # delivered (or failed) already: the slot may hold a newer copy now
         if self.is_done(slot, seq):
             child.fence()
             code = self.words[self._done + slot] & 0xFFF
         else:
             code = self.wait(slot, seq)
         if code:
-            self.free.append(slot)
+            self.owner[slot] = -1  # kept out: the parent's device write into it may still be queued
             call = "cuMemcpyDtoHAsync (in the D2H helper process)"
             if code != child.NO_DRIVER_CODE:
                 try:
@@ -168,7 +175,25 @@ class _Channel:
             raise CudaError(call, code, f"CUresult {code}", "the helper's copy failed")
         if nbytes:
             ctypes.memmove(dst_ptr, self.staging + slot * self.slot_bytes, nbytes)
+        self.owner[slot] = 0
         self.free.append(slot)
+
+    def all_delivered(self) -> bool:
+        """Whether no posted copy waits for its delivery (nothing will touch the shared memory or the ring)."""
+        return not any(owner > 0 for owner in self.owner)
+
+    def close_channel(self) -> None:
+        """Release the shared memory and the wake pipe, if no copy waits for its delivery (else they are kept for
+        the process's life: a waiter may still read them). Host only."""
+        if not self.all_delivered():
+            return
+        if self.wake_fd is not None:
+            fd, self.wake_fd = self.wake_fd, None
+            os.close(fd)
+        self.words.release()
+        self.buf.release()
+        self.shared.close()
+        os.close(self.fd)
 
 
 class D2HHelper(_Channel):
@@ -180,8 +205,14 @@ class D2HHelper(_Channel):
         self.usable = False  # read by the lane at each readback: True once the helper said it is ready
         self.failed = False  # it could not start, or it is gone: never used again
         self.process: subprocess.Popen | None = None
-        self.ring, self.events = _make_cuda_resources(index, self)
-        self._start()
+        self.ring, self.events = 0, []
+        try:
+            _make_cuda_resources(index, self)
+            self._start()
+        except BaseException:
+            self._release_cuda_resources()
+            self.close_channel()  # nothing was posted: all of it goes
+            raise
 
     def _start(self) -> None:
         read_fd, self.wake_fd = os.pipe()
@@ -195,6 +226,23 @@ class D2HHelper(_Channel):
             os.close(read_fd)
         process = self.process
         self.alive = lambda: process.poll() is None
+
+    def _release_cuda_resources(self) -> None:
+        """Free the ring and destroy the events (only once no copy can touch them: nothing posted, or all
+        delivered and the helper gone). Errors are logged: this runs on the way out."""
+        if not self.ring and not self.events:
+            return
+        quick = libcuda.libraries()[0]
+        try:
+            with _raw.InContext(self.index):
+                for event in self.events:
+                    quick.cuEventDestroy_v2(event)
+                if self.ring:
+                    quick.cuMemFree_v2(self.ring)
+        except Exception as err:  # noqa: BLE001 - a release that fails loses memory, not data
+            _log.warning("syncless.cc: the D2H helper's device ring and events of cuda:%d were not released (%s)",
+                         self.index, err)
+        self.events, self.ring = [], 0
 
     def ring_ptr(self, slot: int) -> int:
         return self.ring + slot * self.slot_bytes
@@ -211,6 +259,7 @@ class D2HHelper(_Channel):
             self.usable = True
             return True
         if state == child.STATE_FAILED or not self.alive():
+            child.fence()  # the state word before the error text it vouches for
             why = child.read_error(self.buf) if state == child.STATE_FAILED else (
                 f"it exited with code {self.process.poll()} while starting")
             _log.warning("syncless.cc: the D2H helper process for cuda:%d could not start (%s); small D2H copies "
@@ -234,9 +283,11 @@ class D2HHelper(_Channel):
 
     def gone_text(self, seq: int) -> str:
         code = self.process.poll() if self.process else None
+        said = child.read_error(self.buf)
         return (f"the syncless D2H helper process of cuda:{self.index} (pid {self.process.pid if self.process else '?'}"
-                f", exit code {code}) exited before it made copy #{seq}; the copy's destination was not written. "
-                "Later copies are made in this process; set SYNCLESS_CC_D2H_HELPER=0 to keep them there")
+                f", exit code {code}{'; it said: ' + said if said else ''}) exited before it made copy #{seq}; the "
+                "copy's destination was not written. Later copies are made in this process; set "
+                "SYNCLESS_CC_D2H_HELPER=0 to keep them there (a negative exit code is the signal that ended it)")
 
     def stop(self, timeout_s: float = 2.0) -> None:
         """Ask the helper to finish its copies and exit (at most ``timeout_s``, then kill it); blocks the host."""
@@ -251,14 +302,14 @@ class D2HHelper(_Channel):
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(timeout_s)
-        if self.wake_fd is not None:
-            os.close(self.wake_fd)
-            self.wake_fd = None
+        if self.all_delivered():  # the helper is gone and no waiter needs anything: release it all
+            self._release_cuda_resources()
+            self.close_channel()
 
 
-def _make_cuda_resources(index: int, channel: _Channel) -> tuple[int, list[int]]:
-    """Allocate the device ring and the interprocess ready events on GPU ``index`` and write their IPC handles,
-    and the GPU's PCI bus id, into ``channel``'s header. Host only (a ``cuMemAlloc``, ``slots`` event creations)."""
+def _make_cuda_resources(index: int, channel: D2HHelper) -> None:
+    """Allocate the device ring and the interprocess ready events on GPU ``index`` (``channel.ring``,
+    ``channel.events``) and write their IPC handles, and the GPU's PCI bus id, into ``channel``'s header. Host only (a ``cuMemAlloc``, ``slots`` event creations)."""
     quick = libcuda.libraries()[0]
     layout = channel.layout
 
@@ -266,7 +317,7 @@ def _make_cuda_resources(index: int, channel: _Channel) -> tuple[int, list[int]]
         if code:
             libcuda.raise_for(name, code)
 
-    with _raw.InContext(index):
+    with _raw.InContext(index):  # (what it made is on ``channel`` as it goes, so a failure part-way releases it)
         device = ctypes.c_int()
         ok("cuDeviceGet", quick.cuDeviceGet(ctypes.byref(device), index))
         bus_id = ctypes.create_string_buffer(32)
@@ -274,19 +325,18 @@ def _make_cuda_resources(index: int, channel: _Channel) -> tuple[int, list[int]]
         channel.buf[child.BUS_ID_AT:child.BUS_ID_AT + 32] = bus_id.raw
         ring = ctypes.c_uint64()
         ok("cuMemAlloc", quick.cuMemAlloc_v2(ctypes.byref(ring), layout.slots * layout.slot_bytes))
+        channel.ring = ring.value
         handle = ctypes.create_string_buffer(child.HANDLE_BYTES)
         ok("cuIpcGetMemHandle", quick.cuIpcGetMemHandle(handle, ring))
         channel.buf[child.MEM_HANDLE_AT:child.MEM_HANDLE_AT + child.HANDLE_BYTES] = handle.raw
-        events = []
         for slot in range(layout.slots):
             event = ctypes.c_void_p()
             ok("cuEventCreate", quick.cuEventCreate(ctypes.byref(event),
                                                      _CU_EVENT_DISABLE_TIMING | _CU_EVENT_INTERPROCESS))
+            channel.events.append(event.value)
             ok("cuIpcGetEventHandle", quick.cuIpcGetEventHandle(handle, event))
             at = child.EVENTS_AT + slot * child.HANDLE_BYTES
             channel.buf[at:at + child.HANDLE_BYTES] = handle.raw
-            events.append(event.value)
-    return ring.value, events
 
 
 _lock = threading.Lock()
@@ -314,7 +364,7 @@ def start(index: int) -> None:
             return
         try:
             _HELPERS[index] = D2HHelper(index)
-        except (OSError, CudaError, ValueError) as err:
+        except Exception as err:  # noqa: BLE001 - no helper is no error: the copies stay in this process
             _HELPERS[index] = None
             _log.warning("syncless.cc: no D2H helper process for cuda:%d (%s: %s); small D2H copies stay in this "
                          "process", index, type(err).__name__, err)
@@ -353,7 +403,14 @@ def forget_after_fork() -> None:
     _lock = threading.Lock()
     for helper in _HELPERS.values():
         if helper is not None:
-            helper.usable, helper.failed, helper.wake_fd = False, True, None
+            helper.usable, helper.failed = False, True
+            for fd in (helper.wake_fd, helper.fd):  # (the mapping stays: a memoryview of it may be held)
+                if fd is not None:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+            helper.wake_fd = None
     _HELPERS.clear()
 
 

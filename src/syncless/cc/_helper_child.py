@@ -44,6 +44,7 @@ NO_DRIVER_CODE = 4095  # a done word's code for a failure that has no CUresult
 CUDA_ERROR_NOT_READY = 600
 SPIN_S = 0.0002  # how long the loop polls with nothing to do before it sleeps on the wake pipe
 QUERY_EVERY_S = 20e-6  # the pause between two looks at a job's ready event (bounds the driver calls made waiting)
+PARENT_CHECK_S = 0.5  # how often a loop waiting on ready events asks whether the parent still lives
 SLEEP_S = 0.005  # the longest it sleeps before looking again (a lost wake costs at most this)
 
 _fence_lock = threading.Lock()
@@ -214,6 +215,10 @@ def serve(driver, buf: memoryview, words: memoryview, layout: Layout, ring: int,
                 until = time.perf_counter() + QUERY_EVERY_S
                 while time.perf_counter() < until:
                     pass
+                if time.monotonic() - idle_since > PARENT_CHECK_S:
+                    if os.getppid() != parent:
+                        return  # the parent died with copies posted: nobody waits for them
+                    idle_since = time.monotonic()
             continue
         if words[W_STOP]:
             return
@@ -230,25 +235,18 @@ def serve(driver, buf: memoryview, words: memoryview, layout: Layout, ring: int,
                 ready, _, _ = select.select([wake_fd], [], [], SLEEP_S)
                 if ready:
                     try:
-                        os.read(wake_fd, 4096)
+                        if not os.read(wake_fd, 4096):
+                            return  # end of file: every holder of the pipe's write end, the parent first, is gone
                     except BlockingIOError:
                         pass
         words[W_SLEEPING] = 0
         idle_since = time.monotonic()
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to kill this process when its parent dies (best effort; the loop also checks the parent)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
-    except (OSError, AttributeError):
-        pass
-
-
 def main(argv: list[str]) -> int:
     memfd, wake_fd, parent, libcuda = int(argv[1]), int(argv[2]), int(argv[3]), argv[4]
-    _die_with_parent()
+    # (No PR_SET_PDEATHSIG: Linux sends it when the *thread* that started this process ends, and the parent's
+    # thread that starts a helper may be any short-lived one. The loop checks the parent instead.)
     if os.getppid() != parent:
         return 1
     os.set_blocking(wake_fd, False)

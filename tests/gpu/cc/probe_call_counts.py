@@ -16,7 +16,8 @@ microseconds of ``--repeats``) each of:
 - ``h2d-8B`` / ``h2d-1MiB``: ``ids.to("cuda", non_blocking=True)`` of 8 bytes and of 1 MiB of pinned memory
   (staged), on an idle GPU.
 
-Also the same readback step under plain torch (no CC, no shim) and the transfer alone for the 1 MiB H2D
+Also the same readback step with the D2H helper process (``helper``: ``SYNCLESS_CC_D2H_HELPER=1``), under plain
+torch (no CC, no shim) and the transfer alone for the 1 MiB H2D
 (torch's copy and a stream synchronize), for the ratios the issue asks for. Prints one table; ``--json``
 writes the figures.
 """
@@ -70,7 +71,11 @@ def main() -> None:
         cc.uninstall()
         if setup == "shim":
             cc.install("emulate")
-        d2h = cc.new_d2h_stream(dev) if setup == "shim" else torch.cuda.Stream(dev)
+        elif setup == "helper":  # the shim with SYNCLESS_CC_D2H_HELPER=1, GPU 0's helper process ready
+            from syncless.bench import _cc as bench_cc
+
+            bench_cc._install_with_helper(cc)
+        d2h = cc.new_d2h_stream(dev) if setup != "plain" else torch.cuda.Stream(dev)
         tokens = torch.zeros(8, dtype=torch.int64, device=dev)
         current = torch.cuda.current_stream(dev)
         times = {"d2h": [], "record": [], "consume": []}
@@ -109,7 +114,7 @@ def main() -> None:
         time.sleep(0.01)  # the copy's source is ready: the consume below is the common case
         counts["consume"] = _count(lambda: ready.synchronize())
         torch.cuda.synchronize()
-        if setup == "shim":
+        if setup != "plain":
             cc.close_d2h_stream(d2h)
         for name in times:
             rows[f"{setup}:{name}"] = (statistics.median(times[name]), counts[name])
@@ -136,7 +141,7 @@ def main() -> None:
         name = f"{setup}:h2d-{'1MiB' if nbytes >= 1 << 20 else f'{nbytes}B'}" + (":transfer-alone" if then_wait else "")
         rows[name] = (statistics.median(samples), count)
 
-    for setup in ("plain", "shim"):
+    for setup in ("plain", "shim", "helper"):
         readback_loop(setup)
     for setup in ("plain", "shim"):
         h2d(setup, 8)

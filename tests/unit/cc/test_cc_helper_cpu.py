@@ -90,7 +90,7 @@ def test_a_copy_whose_event_fires_later_holds_up_no_other(served):
     assert out.raw == b"slow"
 
 
-def test_a_failed_copy_raises_the_drivers_error_and_frees_its_slot(served):
+def test_a_failed_copy_raises_the_drivers_error_and_writes_nothing(served):
     channel, device, driver = served
     driver.failing.add(channel.free[-1])
     slot, seq = _post(channel, device, driver, b"doomed")
@@ -98,7 +98,6 @@ def test_a_failed_copy_raises_the_drivers_error_and_frees_its_slot(served):
     with pytest.raises(CudaError, match="helper"):
         channel.deliver(slot, seq, ctypes.addressof(out), 6)
     assert out.raw[:9] == b"untouched"
-    assert slot in channel.free
 
 
 def test_a_sleeping_helper_is_woken_by_a_post(served):
@@ -163,3 +162,75 @@ def test_no_helper_is_started_while_the_option_is_off(monkeypatch):
     monkeypatch.setattr(_helper, "ENABLED", [False])
     assert _helper.for_device(0) is None
     assert 0 not in _helper._HELPERS
+
+
+def test_a_delivery_run_again_after_an_interrupt_frees_its_slot_once(served):
+    """A job run again from its start (an interrupt after its delivery) must not free the slot a second time: two
+    later copies would then share one slot."""
+    channel, device, driver = served
+    slot, seq = _post(channel, device, driver, b"once")
+    out = ctypes.create_string_buffer(4)
+    channel.deliver(slot, seq, ctypes.addressof(out), 4)
+    channel.deliver(slot, seq, ctypes.addressof(out), 4)
+    assert channel.free.count(slot) == 1
+    again = _post(channel, device, driver, b"next")
+    assert again[0] == slot  # reused once, by the next copy only
+    channel.deliver(slot, seq, ctypes.addressof(out), 4)  # the old job once more: must not touch the new copy
+    assert channel.owner[slot] == again[1] and slot not in channel.free
+
+
+def test_a_failed_copy_keeps_its_slot_out_of_use(served):
+    channel, device, driver = served
+    driver.failing.add(channel.free[-1])
+    slot, seq = _post(channel, device, driver, b"doomed")
+    with pytest.raises(CudaError):
+        channel.deliver(slot, seq, 0, 6)
+    assert slot not in channel.free, "a failed copy's slot (its device write may be queued) was handed out again"
+    assert channel.all_delivered()
+
+
+def test_the_serve_loop_ends_when_the_parent_end_of_its_pipe_closes():
+    """The helper's parent check: every holder of the wake pipe's write end gone (the parent died) ends the loop
+    even while its parent pid still reads the same (a reparenting that has not happened yet)."""
+    channel = _helper._Channel(SLOTS, SLOT_BYTES)
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(read_fd, False)
+    device = ctypes.create_string_buffer(SLOTS * SLOT_BYTES)
+    thread = threading.Thread(target=child.serve, daemon=True, args=(
+        _FakeDriver(SLOTS), channel.buf, channel.words, channel.layout, ctypes.addressof(device),
+        list(range(SLOTS)), channel.staging, channel.staging, os.getppid(), read_fd))
+    thread.start()
+    deadline = time.monotonic() + 2
+    while not channel.words[child.W_SLEEPING] and time.monotonic() < deadline:
+        time.sleep(0.001)
+    os.close(write_fd)
+    thread.join(2)
+    assert not thread.is_alive(), "the serve loop outlived the write end of its wake pipe"
+    os.close(read_fd)
+
+
+def test_close_channel_releases_the_shared_memory_once_everything_is_delivered():
+    channel = _helper._Channel(SLOTS, SLOT_BYTES)
+    slot = channel.take_slot()
+    channel.post(slot, 8)
+    channel.close_channel()  # a copy still waits for its delivery: kept
+    assert channel.words[child.W_MAGIC] == child.MAGIC
+    channel.owner[slot] = 0
+    channel.close_channel()
+    with pytest.raises(ValueError):
+        channel.words[child.W_MAGIC]
+    with pytest.raises(OSError):
+        os.fstat(channel.fd)
+
+
+def test_a_helper_that_cannot_be_made_for_any_reason_leaves_copies_here(monkeypatch, caplog):
+    def refuse(index):
+        raise RuntimeError("no GPU context here")
+
+    monkeypatch.setattr(_helper, "ENABLED", [True])
+    monkeypatch.setattr(_helper, "_HELPERS", {})
+    monkeypatch.setattr(_helper, "D2HHelper", refuse)
+    assert _helper.for_device(3) is None
+    assert _helper._HELPERS == {3: None}
+    assert "no GPU context here" in caplog.text
+    assert _helper.for_device(3) is None  # not tried again
