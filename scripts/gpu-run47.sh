@@ -1,9 +1,26 @@
 #!/usr/bin/env bash
-# Session 2026-12-03 (15), last call: the helper's GPU tests with item 7 across processes, and the issue-33 file.
+# Session 2026-12-03 (15), last call: after the review of the D2H helper: its GPU tests (item 7 across processes),
+# the issue-33 file, tests/gpu/cc, the helper probe, call counts, bench cc, and the fuzzer with the helper on.
 set -u
-LIMIT=${LIMIT:-150}
+LIMIT=${LIMIT:-330}
 source "$(dirname "$0")/gpu-common.sh"
 diag_header $OUT/diag.log
-timeout -k 5 $(slot 120) python3 -m pytest -v -rfE -p no:cacheprovider --timeout 100 tests/gpu/cc/test_cc_helper.py \
-  tests/gpu/cc/test_cc_review33.py > $OUT/gpu-cc.log 2>&1
-grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" $OUT/gpu-cc.log | tail -25
+echo "== helper + review33 (t=${SECONDS}s)" > $OUT/gpu-cc.log
+timeout -k 5 $(slot 80) python3 -m pytest -v -rfE -p no:cacheprovider --timeout 100 tests/gpu/cc/test_cc_helper.py \
+  tests/gpu/cc/test_cc_review33.py >> $OUT/gpu-cc.log 2>&1
+echo "== tests/gpu/cc without the fuzzer and those two (t=${SECONDS}s)" >> $OUT/gpu-cc.log
+SYNCLESS_FUZZ_PROGRAMS=400 timeout -k 5 $(slot 80) python3 -m pytest -q -rfE -p no:cacheprovider --timeout 60 tests/gpu/cc \
+  --deselect tests/gpu/cc/test_cc_fuzz.py::test_differential_fuzz --ignore=tests/gpu/cc/test_cc_helper.py \
+  --ignore=tests/gpu/cc/test_cc_review33.py >> $OUT/gpu-cc.log 2>&1
+echo "== end suites (t=${SECONDS}s)" >> $OUT/gpu-cc.log
+grep -E "^== |FAILED|ERROR|SKIPPED|passed|failed" $OUT/gpu-cc.log | tail -20
+timeout -k 5 $(slot 20) python3 tests/gpu/cc/probe_helper.py >> $OUT/diag.log 2>&1
+timeout -k 5 $(slot 40) python3 tests/gpu/cc/probe_call_counts.py --repeats 300 >> $OUT/diag.log 2>&1
+echo "== bench cc (t=${SECONDS}s)" > $OUT/bench-cc.log
+timeout -k 5 $(slot 70) python3 -m syncless bench cc --out /tmp/bench-cc >> $OUT/bench-cc.log 2>&1
+tar czf $OUT/bench-cc.tgz -C /tmp bench-cc
+grep -E "goal|host-bound round|readback" $OUT/bench-cc.log | head -30
+tail -25 $OUT/diag.log
+SYNCLESS_CC_D2H_HELPER=1 SYNCLESS_FUZZ_PROGRAMS=20000 SYNCLESS_FUZZ_TIME_S=$(( $(left) > 50 ? $(left) - 30 : 10 )) \
+  timeout -k 5 $(slot 200) python3 -m pytest -q -s -rfE -p no:cacheprovider tests/gpu/cc/test_cc_fuzz.py > $OUT/fuzz-helper.log 2>&1
+tail -4 $OUT/fuzz-helper.log
