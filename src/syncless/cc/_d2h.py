@@ -434,19 +434,9 @@ def offload_to_helper(record: _D2HStream, src: Any, index: int, helper: Any) -> 
             helper.free.append(slot)  # the copy was not enqueued: the slot holds no write
             raise
         _raw.record_ready(helper.events[slot], stream)  # (if this fails the slot is kept out: its write is queued)
-        hseq = helper.post(slot, nbytes)
-        job = _d2h_job.HelperJob(helper, slot, hseq, dst, src)
+        job = _d2h_job.HelperJob(helper, slot, helper.post(slot, nbytes), dst, nbytes)
         job.settled = _settled
-        with _pending_lock:
-            _PENDING[0] += 1
-        try:
-            seq = record.worker.submit(job, eager=False)
-        except BaseException:
-            with _pending_lock:
-                _PENDING[0] -= 1
-            raise
-        record.last_job = _last_jobs[record.worker] = seq
-        _rebuild_cover()
+        seq = _submit_locked(record, job, False)
     _host_writes.note_offloaded_d2h(dst, (record.worker, seq))
     return dst
 
@@ -473,19 +463,27 @@ def _queue(record: _D2HStream, dst: Any, snap: Any, src: Any, verb: str, into_ex
             return 0
         # D : ...everything D was ordered after... src -> snap R#n ...
         _raw.record_ready(ready, stream)
-        with _pending_lock:
-            _PENDING[0] += 1
-        try:
-            seq = record.worker.submit(job, eager=job.nbytes >= _d2h_job.EAGER_BYTES)
-        except BaseException:
-            with _pending_lock:
-                _PENDING[0] -= 1
-            raise
-        record.last_job = _last_jobs[record.worker] = seq
-        _rebuild_cover()  # before the call returns: any event recorded after it covers this job
+        seq = _submit_locked(record, job, job.nbytes >= _d2h_job.EAGER_BYTES)
     if into_existing:
         _bump_version(dst)  # as torch's copy does, at the call
     _host_writes.note_offloaded_d2h(dst, (record.worker, seq))  # a staged H2D of dst waits for it
+    return seq
+
+
+def _submit_locked(record: _D2HStream, job: Any, eager: bool) -> int:
+    """Count ``job`` pending, queue it on ``record``'s worker and make it the stream's last job and part of the
+    cover, before the offloading call returns (any event recorded after it covers this job); its number. The
+    caller holds ``_offload_lock`` and has enqueued the job's ready event on the D2H stream."""
+    with _pending_lock:
+        _PENDING[0] += 1
+    try:
+        seq = record.worker.submit(job, eager=eager)
+    except BaseException:
+        with _pending_lock:
+            _PENDING[0] -= 1
+        raise
+    record.last_job = _last_jobs[record.worker] = seq
+    _rebuild_cover()
     return seq
 
 

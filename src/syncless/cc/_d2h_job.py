@@ -124,25 +124,23 @@ class HelperJob:
     into ``dst`` (a ``memmove``) and frees the slot: no driver call on this process's side, and the GIL is let go
     only while it sleeps between looks (the copy is usually made by then: a decode loop waits a step late). A copy
     the helper reports failed raises :class:`CudaError`; a helper that died raises ``D2HHelperGoneError``: the job's
-    failure either way, raised at the covering call as any copy's.
+    failure either way, raised at the covering call as any copy's. Run again (after an interrupt) it delivers
+    nothing twice: the channel knows which copy each slot holds.
     """
 
-    __slots__ = ("helper", "slot", "hseq", "dst", "nbytes", "shape", "src_dtype", "device", "settled", "delivered")
+    __slots__ = ("helper", "slot", "hseq", "dst", "nbytes", "settled")
 
-    def __init__(self, helper: Any, slot: int, hseq: int, dst: Any, src: Any):
-        self.helper, self.slot, self.hseq, self.dst = helper, slot, hseq, dst
-        self.nbytes = src.nbytes
-        self.shape, self.src_dtype, self.device = src.shape, src.dtype, src.device
+    def __init__(self, helper: Any, slot: int, hseq: int, dst: Any, nbytes: int):
+        self.helper, self.slot, self.hseq, self.dst, self.nbytes = helper, slot, hseq, dst, nbytes
         self.settled = None
-        self.delivered = False
 
     def __call__(self) -> None:
-        # A KeyboardInterrupt in the wait leaves the slot posted and the job queued: run again, it waits again.
-        if not self.delivered:
-            self.helper.deliver(self.slot, self.hseq, self.dst.data_ptr(), self.nbytes)
-            self.delivered = True
-        self.dst = None
+        dst = self.dst
+        if dst is not None:  # (None: delivered, and this is a run again after an interrupt)
+            self.helper.deliver(self.slot, self.hseq, dst.data_ptr(), self.nbytes)
+            self.dst = None  # (kept on a failure: describe() reads it)
 
     def describe(self) -> str:
-        return (f".to('cpu', non_blocking=True) of a {tuple(self.shape)} {self.src_dtype} tensor from {self.device} "
-                "(made by the D2H helper process)")
+        """How errors name the copy (built only when one failed; ``dst`` has the source's shape and dtype)."""
+        return (f".to('cpu', non_blocking=True) of a {tuple(self.dst.shape)} {self.dst.dtype} tensor from "
+                f"cuda:{self.helper.index} (made by the D2H helper process)")

@@ -76,13 +76,12 @@ def main() -> None:
         cc.uninstall()
         if setup == "emulated":
             cc.emulate()
+        elif setup.endswith("+helper"):
+            from syncless.bench import _cc as bench_cc
+
+            bench_cc._install_with_helper(cc)
         elif setup.startswith("emulated+shim"):
             cc.install("emulate")
-            if setup.endswith("+helper"):
-                from syncless.bench import _cc as bench_cc
-
-                cc.uninstall()
-                bench_cc._install_with_helper(cc)
             if setup.endswith("+noinline"):
                 _shim._STATE.inline_max_bytes = 0  # the upload staged, as before the inline kernel
 

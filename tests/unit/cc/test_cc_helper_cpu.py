@@ -234,3 +234,21 @@ def test_a_helper_that_cannot_be_made_for_any_reason_leaves_copies_here(monkeypa
     assert _helper._HELPERS == {3: None}
     assert "no GPU context here" in caplog.text
     assert _helper.for_device(3) is None  # not tried again
+
+
+def test_a_helper_job_delivers_once_and_names_its_copy(served):
+    import torch
+
+    from syncless.cc._d2h_job import HelperJob
+
+    channel, device, driver = served
+    channel.index = 0
+    dst = torch.zeros(4, dtype=torch.int16)
+    payload = torch.tensor([1, -2, 3, -4], dtype=torch.int16).numpy().tobytes()
+    slot, seq = _post(channel, device, driver, payload)
+    job = HelperJob(channel, slot, seq, dst, len(payload))
+    assert "(4,) torch.int16" in job.describe() and "cuda:0" in job.describe()
+    job()
+    job()  # run again (after an interrupt): nothing delivered or freed twice
+    assert dst.tolist() == [1, -2, 3, -4]
+    assert channel.free.count(slot) == 1
