@@ -82,7 +82,7 @@ from typing import Any
 import os
 
 from syncless._core import patching
-from syncless._core.errors import NoGPUError
+from syncless._core.errors import CudaError, NoGPUError
 from syncless.cc import _d2h_job, _helper, _host_writes, _inline_h2d, _raw, _streams, _worker
 from syncless.cc._layers import SHIM_KEY
 from syncless.cc._worker import UNRAISED, OrderedWorker
@@ -418,24 +418,24 @@ def offload_to_helper(record: _D2HStream, src: Any, index: int, helper: Any) -> 
     the host.
     """
     dst = pinned_block(src, src.dtype)
-    stream = record.stream
     with _offload_lock:
         if (_CLOSING[0] or record.closed or not record.worker.accepting or _streams.CAPTURES[0]
                 or not helper.usable):  # (a helper stopped by an uninstall() since the caller looked it up)
             return None
-        slot = helper.take_slot()
-        if slot is None:
-            return None
+        try:
+            slot = helper.free.pop()
+        except IndexError:
+            return None  # every slot holds a copy not yet delivered
         nbytes = src.nbytes
         try:
-            if nbytes:
-                _raw.copy_device_block(index, helper.ring_ptr(slot), src.data_ptr(), nbytes, stream)
-        except BaseException:
-            helper.free.append(slot)  # the copy was not enqueued: the slot holds no write
-            raise
-        _raw.record_ready(helper.events[slot], stream)  # (if this fails the slot is kept out: its write is queued)
+            # D : ... src -> ring[slot]  R[slot]   (one context check for both enqueues)
+            _raw.snapshot_and_record(index, helper.ring + slot * helper.slot_bytes, src.data_ptr(), nbytes,
+                                     record.stream, helper.events[slot])
+        except CudaError as err:
+            if err.call == "cuMemcpyDtoDAsync":
+                helper.free.append(slot)  # the copy was not enqueued: the slot holds no write
+            raise  # (a failed record keeps the slot out: its write is queued)
         job = _d2h_job.HelperJob(helper, slot, helper.post(slot, nbytes), dst, nbytes)
-        job.settled = _settled
         seq = _submit_locked(record, job, False)
     _host_writes.note_offloaded_d2h(dst, (record.worker, seq))
     return dst
@@ -496,6 +496,9 @@ def _settled() -> None:
     """
     with _pending_lock:
         _PENDING[0] -= 1
+
+
+_d2h_job.SETTLED[0] = _settled
 
 
 def _bump_version(dst: Any) -> None:

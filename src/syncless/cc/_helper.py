@@ -106,7 +106,8 @@ class _Channel:
         seq = self.last_seq + 1
         self.last_seq = seq
         self.owner[slot] = seq
-        child.fence()  # the event record before the post that names it
+        if not child.STORES_IN_ORDER:
+            child.fence()  # the event record before the post that names it (x86-64 keeps stores in order)
         self.words[self._posts + seq % self.layout.slots] = child.pack_post(seq, slot, nbytes)
         child.fence()  # the post before the look at the sleeping word (the helper stores that, then looks for posts)
         if self.words[child.W_SLEEPING]:

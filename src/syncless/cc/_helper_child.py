@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import platform
 import select
 import sys
 import threading
@@ -48,6 +49,11 @@ PARENT_CHECK_S = 0.5  # how often a loop waiting on ready events asks whether th
 SLEEP_S = 0.005  # the longest it sleeps before looking again (a lost wake costs at most this)
 
 _fence_lock = threading.Lock()
+
+
+# Whether this CPU makes a thread's stores visible to other processes in program order (x86-64's total store
+# order): then a store needs no fence after an earlier one, only before a later load (Arm, e.g. Grace, does not).
+STORES_IN_ORDER = platform.machine() in ("x86_64", "AMD64")
 
 
 def fence() -> None:

@@ -129,6 +129,30 @@ def copy_device_block(index: int, dst_ptr: int, src_ptr: int, nbytes: int, strea
         libcuda.raise_for("cuMemcpyDtoDAsync", code)
 
 
+def snapshot_and_record(index: int, dst_ptr: int, src_ptr: int, nbytes: int, stream: Any, event: int) -> None:
+    """Enqueue on torch stream ``stream`` of GPU ``index`` a device-to-device copy of ``nbytes`` (none if 0), then a
+    record of driver event ``event`` after it: the helper path's two enqueues, with one context check for both.
+    Never blocks; GIL held.
+
+    Raises :class:`CudaError`: its ``call`` is ``"cuMemcpyDtoDAsync"`` if the copy failed (then nothing was
+    enqueued) and ``"cuEventRecord"`` if the record did (then the copy is enqueued).
+    """
+    quick = libcuda.libraries()[0]
+    handle = stream.cuda_stream
+    pushed = enter_context(index)
+    try:
+        if nbytes:
+            code = quick.cuMemcpyDtoDAsync_v2(dst_ptr, src_ptr, nbytes, handle)
+            if code:
+                libcuda.raise_for("cuMemcpyDtoDAsync", code)
+        code = quick.cuEventRecord(event, handle)
+    finally:
+        if pushed:
+            _ok("cuCtxPopCurrent", _drv().cuCtxPopCurrent())
+    if code:
+        libcuda.raise_for("cuEventRecord", code)
+
+
 def leave_context() -> None:
     """Pop the context :func:`enter_context` pushed."""
     _ok("cuCtxPopCurrent", _drv().cuCtxPopCurrent())

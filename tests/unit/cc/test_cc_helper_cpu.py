@@ -252,3 +252,40 @@ def test_a_helper_job_delivers_once_and_names_its_copy(served):
     job()  # run again (after an interrupt): nothing delivered or freed twice
     assert dst.tolist() == [1, -2, 3, -4]
     assert channel.free.count(slot) == 1
+
+
+class _Stream:
+    cuda_stream = 7
+
+
+def _helper_offload(monkeypatch, failing_call):
+    """One ``offload_to_helper`` whose enqueue fails in ``failing_call``; return the channel it used."""
+    import torch
+
+    from syncless.cc import _d2h, _raw
+    from syncless.cc._worker import OrderedWorker
+
+    channel = _helper._Channel(SLOTS, SLOT_BYTES)
+    channel.usable, channel.ring, channel.events = True, 1 << 20, list(range(SLOTS))
+
+    def enqueue(index, dst_ptr, src_ptr, nbytes, stream, event):
+        raise CudaError(failing_call, 1, "CUDA_ERROR_INVALID_VALUE", "stand-in")
+
+    monkeypatch.setattr(_raw, "snapshot_and_record", enqueue)
+    monkeypatch.setattr(_d2h, "pinned_block", lambda src, dtype: torch.empty_like(src))
+    record = _d2h._D2HStream(_Stream(), worker=OrderedWorker("test-helper-offload"))
+    _d2h.resume_offloading()
+    with pytest.raises(CudaError):
+        _d2h.offload_to_helper(record, torch.arange(4), 0, channel)
+    assert record.worker.submitted == 0 and channel.last_seq == 0  # nothing was posted or queued
+    return channel
+
+
+def test_a_helper_snapshot_that_failed_gives_its_slot_back(monkeypatch):
+    channel = _helper_offload(monkeypatch, "cuMemcpyDtoDAsync")
+    assert sorted(channel.free) == list(range(SLOTS))  # the copy was not enqueued: the slot holds no write
+
+
+def test_a_failed_record_keeps_the_slot_out(monkeypatch):
+    channel = _helper_offload(monkeypatch, "cuEventRecord")
+    assert len(channel.free) == SLOTS - 1 and 0 not in channel.free  # its device write is queued
