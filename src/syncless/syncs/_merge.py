@@ -120,15 +120,22 @@ def cupti_event(violation: Violation) -> None:
             _join_open(events, violation)
             return
         events.open_key = None
-        if events.pending and events.pending[-1].call_key != violation.call_key:
+        last = events.pending[-1] if events.pending else None
+        if last is not None and last.call_key != violation.call_key and not _same_site(last, violation):
+            # A new Python call: what is held is recorded first. Not for the same site again: a loop's next call of
+            # a function gets a new frame, whose id (part of the key) is reused only when the allocator happens to.
             _flush(events)
         for held in events.pending:
-            if held.kind == violation.kind and held.operation == violation.operation:
+            if _same_site(held, violation):
                 # The same call site again (the next step of a loop, or another blocking call of one Python call):
                 # one entry with a count, one stack, whatever the number of steps.
                 _repeat(held, violation)
                 return
         events.pending.append(violation)
+
+
+def _same_site(held: Violation, again: Violation) -> bool:
+    return held.kind == again.kind and held.operation == again.operation
 
 
 def _repeat(held: Violation, again: Violation) -> None:
