@@ -436,6 +436,7 @@ def offload_to_helper(record: _D2HStream, src: Any, index: int, helper: Any) -> 
                 helper.free.append(slot)  # the copy was not enqueued: the slot holds no write
             raise  # (a failed record keeps the slot out: its write is queued)
         job = _d2h_job.HelperJob(helper, slot, helper.post(slot, nbytes), dst, nbytes)
+        job.settled = _settled
         seq = _submit_locked(record, job, False)
     _host_writes.note_offloaded_d2h(dst, (record.worker, seq))
     return dst
@@ -496,9 +497,6 @@ def _settled() -> None:
     """
     with _pending_lock:
         _PENDING[0] -= 1
-
-
-_d2h_job.SETTLED[0] = _settled
 
 
 def _bump_version(dst: Any) -> None:

@@ -115,10 +115,6 @@ class CopyJob:
         return f"{self.verb} of a {tuple(self.shape)} {self.src_dtype} tensor from {self.device}"
 
 
-# What a job calls once its end is on record (``_d2h._settled``, set at its import: this module is imported first).
-SETTLED: list = [None]
-
-
 class HelperJob:
     """Job ``#n`` of a D2H stream's queue whose copy the D2H helper process makes (:mod:`._helper`).
 
@@ -136,7 +132,7 @@ class HelperJob:
 
     def __init__(self, helper: Any, slot: int, hseq: int, dst: Any, nbytes: int):
         self.helper, self.slot, self.hseq, self.dst, self.nbytes = helper, slot, hseq, dst, nbytes
-        self.settled = SETTLED[0]
+        self.settled = None
 
     def __call__(self) -> None:
         dst = self.dst
