@@ -3,7 +3,7 @@
 ::
 
     D    : ... src -> snap (D2D)  R#n   [later kernels on D] ...
-    W    :                          (whoever runs job #n) wait R#n ; snap -> dst (D2H) ; wait W ; done
+    W    :                          (whoever runs job #n) [wait R#n] snap -> dst (D2H) ; host waits for W ; done
 
 The job is three driver calls (:mod:`._raw`) on whichever thread runs it
 (:mod:`._worker`: the thread that waits for it, or the queue's own), with
@@ -82,15 +82,17 @@ class CopyJob:
     event goes back to its pool.
     """
 
-    __slots__ = ("index", "ready", "dst", "snap", "copy_stream", "nbytes", "verb", "shape", "src_dtype", "device",
-                 "settled")
+    __slots__ = ("index", "ready", "dst", "snap", "copy_stream", "own_stream", "nbytes", "verb", "shape", "src_dtype",
+                 "device", "settled")
 
-    def __init__(self, index: int, ready: Any, dst: Any, snap: Any, copy_stream: Any, verb: str, src: Any):
+    def __init__(self, index: int, ready: Any, dst: Any, snap: Any, copy_stream: Any, verb: str, src: Any,
+                 own_stream: bool = False):
         self.index = index
         self.ready = ready
         self.dst = dst
         self.snap = snap
         self.copy_stream = copy_stream
+        self.own_stream = own_stream  # copy_stream carries this D2H stream's copies alone: the ready wait goes on it
         self.nbytes = snap.nbytes
         self.verb = verb
         self.shape, self.src_dtype, self.device = src.shape, src.dtype, src.device
@@ -99,7 +101,7 @@ class CopyJob:
     def __call__(self) -> None:
         try:
             _raw.run_copy_job(self.index, self.ready, self.dst.data_ptr(), self.snap.data_ptr(), self.nbytes,
-                              self.copy_stream)
+                              self.copy_stream, wait_on_gpu=self.own_stream)
         except Exception:
             self._release()
             raise

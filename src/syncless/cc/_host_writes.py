@@ -32,7 +32,7 @@ import bisect
 import threading
 from typing import Any
 
-from syncless.cc import _streams
+from syncless.cc import _raw, _streams
 
 _lock = threading.Lock()
 # Byte ranges of host storages a noted D2H may still be writing, indexed by the range's start: start -> a list of
@@ -48,8 +48,9 @@ _count = [0]
 _TRIM_FLOOR = 64
 _trim_at = [_TRIM_FLOOR]
 # Set by install() when NVML reported Confidential Computing on: a D2H that torch issues has then finished when its
-# call returns, so a readback the fast lane leaves to torch needs no note (._fast._read_back_now).
-COPIES_FINISH_AT_CALL = [False]
+# call returns, so a readback the fast lane leaves to torch needs no note (._fast._read_back_now); the offloaded
+# job needs no synchronize after its copy (._raw.run_copy_job, which reads the same list).
+COPIES_FINISH_AT_CALL = _raw.COPIES_FINISH_AT_CALL
 # Events of finished plain-D2H notes, for the next note (an event per copy cost a creation each).
 _spare_events: list[Any] = []
 

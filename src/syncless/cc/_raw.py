@@ -28,6 +28,7 @@ from typing import Any
 from syncless._core import cuda as _cuda
 from syncless._core import libcuda
 from syncless._core.driver_waits import standing_for_the_driver
+from syncless.cc import _emulation
 
 _lock = threading.Lock()
 _ready_pools: dict[int, list[Any]] = {}
@@ -177,36 +178,64 @@ def enter_context(index: int) -> bool:
 _primary_handles: dict[int, int] = {}  # device index -> its primary context's handle as an int
 
 
-def run_copy_job(index: int, ready: int, host_ptr: int, device_ptr: int, nbytes: int, stream: Any) -> None:
-    """An offloaded copy's job in three driver calls: wait for ``ready``, copy to the host on torch stream
-    ``stream``, wait for that stream. Blocks the calling thread (GIL released in each wait and in the copy) for the
-    ready event and the transfer; GPU ``index``'s context is made current for it if it is not (and put back after).
+def run_copy_job(index: int, ready: int, host_ptr: int, device_ptr: int, nbytes: int, stream: Any,
+                 wait_on_gpu: bool = False) -> None:
+    """An offloaded copy's job: wait for ``ready``, copy to the host on torch stream ``stream``, wait for that. Blocks
+    the calling thread for the ready event and the transfer (the GIL released while it waits); GPU ``index``'s
+    context is made current for it if it is not (and put back after).
 
-    A ready event that a query finds fired already is not waited for (the decode loop's case: it reads the copy a
-    step late), which saves a release and a take of the GIL.
+    ``wait_on_gpu`` (``stream`` is the D2H stream's own copy stream, which carries nothing else): the wait for
+    ``ready`` is enqueued on ``stream`` ahead of the copy, so the host waits once, for both::
+
+        W : [wait R#n] snap -> dst        host: one blocking wait (the copy's own under CC, else W's synchronize)
+
+    Under CC emulation the copy only enqueues (GIL held through it) and the synchronize of ``W`` is the one wait,
+    the one CC would make. Otherwise the copy may be the wait (under CC it returns once it and the earlier work on
+    ``W`` are done), so the GIL is let go for it; where NVML confirmed CC at ``install()``, a query (GIL held) then
+    confirms it is done and nothing else waits. Under CC, and emulated, the thread so lets go of the GIL once per
+    job, not up to three times: each take of it back while another thread runs Python is a hand-off that thread
+    pays for (issue 33).
+    Without ``wait_on_gpu`` (a stream shared with other D2H streams' copies, where a GPU-side wait would hold their
+    copies behind this one's producer) the host waits for ``ready`` first, skipped when a query finds it fired.
     """
     quick, blocking = libcuda.libraries()
     handle = stream.cuda_stream
     pushed = enter_context(index)
     try:
         with standing_for_the_driver():
-            code = quick.cuEventQuery(ready)
-            if code == libcuda.CUDA_ERROR_NOT_READY:
-                code = blocking.cuEventSynchronize(ready)
+            if wait_on_gpu:
+                code = quick.cuStreamWaitEvent(handle, ready, 0)
                 if code:
-                    libcuda.raise_for("cuEventSynchronize", code)
-            elif code:
-                libcuda.raise_for("cuEventQuery", code)
+                    libcuda.raise_for("cuStreamWaitEvent", code)
+            else:
+                code = quick.cuEventQuery(ready)
+                if code == libcuda.CUDA_ERROR_NOT_READY:
+                    code = blocking.cuEventSynchronize(ready)
+                    if code:
+                        libcuda.raise_for("cuEventSynchronize", code)
+                elif code:
+                    libcuda.raise_for("cuEventQuery", code)
+            finishes_at_call = COPIES_FINISH_AT_CALL[0]
             if nbytes:
-                code = blocking.cuMemcpyDtoHAsync_v2(host_ptr, device_ptr, nbytes, handle)
+                copy = quick.cuMemcpyDtoHAsync_v2 if _emulation.is_emulating() else blocking.cuMemcpyDtoHAsync_v2
+                code = copy(host_ptr, device_ptr, nbytes, handle)
                 if code:
                     libcuda.raise_for("cuMemcpyDtoHAsync", code)
-            code = blocking.cuStreamSynchronize(handle)
-            if code:
-                libcuda.raise_for("cuStreamSynchronize", code)
+            code = quick.cuStreamQuery(handle) if finishes_at_call else libcuda.CUDA_ERROR_NOT_READY
+            if code == libcuda.CUDA_ERROR_NOT_READY:
+                code = blocking.cuStreamSynchronize(handle)
+                if code:
+                    libcuda.raise_for("cuStreamSynchronize", code)
+            elif code:
+                libcuda.raise_for("cuStreamQuery", code)
     finally:
         if pushed:
             _ok("cuCtxPopCurrent", _drv().cuCtxPopCurrent())
+
+
+# Whether a host<->device copy has finished when its driver call returns: NVML confirmed CC at install() (set by
+# syncless.cc.install; _host_writes.COPIES_FINISH_AT_CALL is this same list).
+COPIES_FINISH_AT_CALL = [False]
 
 
 def forget_after_fork() -> None:

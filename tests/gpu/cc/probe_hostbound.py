@@ -33,6 +33,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--setups", default="plain,emulated,emulated+shim,emulated+shim+helper,emulated+shim+copy_",
+                        help="comma-separated; also: floor, emulated+shim+offload, emulated+shim+eager, "
+                             "emulated+shim+readnow, emulated+shim+noinline, emulated+shim+inplace")
     args = parser.parse_args()
 
     import torch
@@ -70,10 +73,23 @@ def main() -> None:
 
     _worker.OrderedWorker._loop = counting_loop
 
-    from syncless.cc import _shim
+    from syncless._core import libcuda
+    from syncless.cc import _d2h_job, _fast, _shim
+
+    defaults = (_fast.READ_BACK_NOW_BYTES, _d2h_job.EAGER_BYTES)
+    lane = _fast._lane()
+    stream_query = lane.stream_query
 
     def enter(setup: str) -> None:
         cc.uninstall()
+        _fast.READ_BACK_NOW_BYTES, _d2h_job.EAGER_BYTES = defaults
+        lane.stream_query = stream_query
+        if setup.endswith("+offload") or setup.endswith("+eager"):
+            _fast.READ_BACK_NOW_BYTES = 0  # every readback offloaded
+        if setup.endswith("+eager"):
+            _d2h_job.EAGER_BYTES = 0  # and run by the queue's own thread at once
+        if setup.endswith("+readnow"):
+            lane.stream_query = lambda stream: True  # every small readback torch's own, then the emulated wait
         if setup == "emulated":
             cc.emulate()
         elif setup.endswith("+helper"):
@@ -88,6 +104,8 @@ def main() -> None:
     def loop(setup: str, steps: int, warmup: int = 50):
         current = torch.cuda.current_stream(dev)
         inplace = setup.endswith("+inplace") or setup.endswith("+copy_")
+        floor = setup == "floor"
+        blocking = libcuda.libraries()[1]
         if inplace:
             cc.register_inplace_h2d_target(step.pos)
         ring = [torch.zeros(1, dtype=torch.int64, pin_memory=True) for _ in range(4)]
@@ -117,6 +135,9 @@ def main() -> None:
             t.append(clock())
             with torch.cuda.stream(d2h):
                 token_host = step.token.to("cpu", non_blocking=True)
+                if floor:  # CC's transfer wait, paid by this thread, and nothing else
+                    code = blocking.cuStreamSynchronize(d2h.cuda_stream)
+                    assert code == 0, code
                 t.append(clock())
                 ready = torch.cuda.Event()
                 ready.record(d2h)
@@ -137,7 +158,7 @@ def main() -> None:
         torch.cuda.synchronize(dev)
         return {p: statistics.median(v) for p, v in spent.items()}, statistics.median(totals)
 
-    setups = ("plain", "emulated", "emulated+shim", "emulated+shim+helper", "emulated+shim+copy_")
+    setups = tuple(args.setups.split(","))
     results = {s: [] for s in setups}
     for round_index in range(args.rounds):
         for setup in setups:
@@ -159,10 +180,10 @@ def main() -> None:
             row.append(statistics.median(values))
         print(f"{name:18s}" + "".join(f"{v:24.1f}" for v in row))
     if args.profile:
-        enter("emulated+shim+helper")
+        enter("emulated+shim")
         profiler = cProfile.Profile()
         profiler.enable()
-        loop("emulated+shim+helper", 200, warmup=10)
+        loop("emulated+shim", 200, warmup=10)
         profiler.disable()
         buffer = io.StringIO()
         pstats.Stats(profiler, stream=buffer).sort_stats("tottime").print_stats(45)
