@@ -92,9 +92,32 @@ def build_step(torch: Any, dev: Any) -> HostBoundStep:
     return HostBoundStep(torch, dev, layers)
 
 
-def decode_loop(torch: Any, dev: Any, step: HostBoundStep, d2h: Any, steps: int, warmup: int) -> float:
-    """Run the host-bound loop; return tokens per second over the measured steps (batch 1: a token per step)."""
+def transfer_wait(d2h: Any):
+    """The wait CC makes the calling thread pay for a readback on ``d2h`` and nothing more (the transfer floor): one
+    ``cuStreamSynchronize`` of ``d2h`` through ctypes, no torch or syncless code around it."""
+    from syncless._core import libcuda
+
+    blocking = libcuda.libraries()[1]
+    handle = d2h.cuda_stream
+
+    def wait() -> None:
+        code = blocking.cuStreamSynchronize(handle)
+        if code:
+            libcuda.raise_for("cuStreamSynchronize", code)
+
+    return wait
+
+
+def decode_loop(torch: Any, dev: Any, step: HostBoundStep, d2h: Any, steps: int, warmup: int,
+                floor: bool = False) -> float:
+    """Run the host-bound loop; return tokens per second over the measured steps (batch 1: a token per step).
+
+    ``floor``: plain torch, and after each readback the wait for its transfer (:func:`transfer_wait`): what CC
+    costs a loop whose copies are made on its own thread by a shim that costs nothing itself (its upload written
+    by a kernel, which needs no wait), so the most an in-process shim can reach.
+    """
     current = torch.cuda.current_stream(dev)
+    wait = transfer_wait(d2h) if floor else None
     ring = [torch.zeros(1, dtype=torch.int64, pin_memory=True) for _ in range(4)]  # rewritten 4 steps later
     pending = None
     start_s = 0.0
@@ -111,6 +134,8 @@ def decode_loop(torch: Any, dev: Any, step: HostBoundStep, d2h: Any, steps: int,
         d2h.wait_stream(current)
         with torch.cuda.stream(d2h):
             token_host = step.token.to("cpu", non_blocking=True)
+            if wait is not None:
+                wait()
             ready = torch.cuda.Event()
             ready.record(d2h)
         if pending is not None:  # the previous step's token, one step late
@@ -122,13 +147,20 @@ def decode_loop(torch: Any, dev: Any, step: HostBoundStep, d2h: Any, steps: int,
     return steps / (time.perf_counter() - start_s)
 
 
-def readback_step_us(torch: Any, dev: Any, d2h: Any, steps: int) -> float:
-    """Median host time (us) of one step's token readback: 8 int64 D2H on ``d2h`` and an event, read one step late.
+def readback_step_us(torch: Any, dev: Any, d2h: Any, steps: int, floor: bool = False) -> float:
+    """Median of :func:`readback_step_samples`."""
+    return statistics.median(readback_step_samples(torch, dev, d2h, steps, floor))
+
+
+def readback_step_samples(torch: Any, dev: Any, d2h: Any, steps: int, floor: bool = False) -> list[float]:
+    """Host times (us) of one step's token readback: 8 int64 D2H on ``d2h`` and an event, read one step late.
 
     Counts the ``.to("cpu", non_blocking=True)``, the event's record and the next step's synchronize of it, with
-    a small kernel producing the tokens each step.
+    a small kernel producing the tokens each step. ``floor``: plain torch and the wait for the transfer, as in
+    :func:`decode_loop`.
     """
     current = torch.cuda.current_stream(dev)
+    wait = transfer_wait(d2h) if floor else None
     tokens = torch.zeros(8, dtype=torch.int64, device=dev)
     pending = None
     times = []
@@ -138,6 +170,8 @@ def readback_step_us(torch: Any, dev: Any, d2h: Any, steps: int) -> float:
         t0 = time.perf_counter()
         with torch.cuda.stream(d2h):
             host = tokens.to("cpu", non_blocking=True)
+            if wait is not None:
+                wait()
             ready = torch.cuda.Event()
             ready.record(d2h)
         spent = time.perf_counter() - t0
@@ -151,4 +185,4 @@ def readback_step_us(torch: Any, dev: Any, d2h: Any, steps: int) -> float:
             times.append(spent * 1e6)
         pending = (host, ready)
     pending[1].synchronize()
-    return statistics.median(times)
+    return times

@@ -104,6 +104,11 @@ class _D2HStream:
     # The stream its worker copies on, of its own (None: the GPU's shared one, _streams.worker_stream). A shared
     # one made a job's wait for its copy, and under CC the driver's copy itself, wait for other D2H streams' copies.
     copy_stream: Any = None
+    # The fast lane's guess whether a small readback finds this stream about to drain (._fast._drains_soon): after a
+    # look that timed out, the next ``drain_skips`` readbacks are offloaded without looking; ``drain_misses`` in a
+    # row double that number (a loop whose readback waits behind long GPU work stops paying for the look).
+    drain_skips: int = 0
+    drain_misses: int = 0
 
 
 # A job of some D2H stream's worker: (worker, number); waiting for it waits for that stream's copies up to it.
@@ -129,6 +134,16 @@ _last_jobs: dict[OrderedWorker, int] = {}  # worker -> its last job; written und
 def pending() -> bool:
     """Whether any offloaded copy, of any D2H stream, has not finished (one integer read, no lock)."""
     return _PENDING[0] > 0
+
+
+def busy() -> bool:
+    """Whether a patched ordering call (an event's record, wait, synchronize or query; a stream's or the device's
+    synchronize; a bypassing copy) has anything to cover: an offloaded copy unfinished, or a failure kept.
+
+    While it is False those calls go straight to torch (the patch layer's idle check, :mod:`._sync_patches`).
+    Read in this order, as :func:`cover_now` does: a failure is kept before its job counts as finished.
+    """
+    return bool(_PENDING[0] or UNRAISED[0])
 
 
 def cover_now() -> tuple:

@@ -93,6 +93,8 @@ def _wrap_cuda(next_cuda):
 def _wrap_copy(next_copy):
     def copy_(*args, **kwargs):
         # The call goes beneath as given (see ._layers); it is read only after torch accepted it.
+        if len(args) == 2 and not kwargs:
+            return next_copy(*args)  # dst.copy_(src): blocking, nothing to emulate
         result = next_copy(*args, **kwargs)
         read = read_copy(args[1:], kwargs, deprecated_async=True)
         if read is None or read[1] is not True or is_compiling() or call_for_routing(args, kwargs) is None:

@@ -31,6 +31,7 @@ the offload and the upload, each about a dozen of syncless's own.
 
 from __future__ import annotations
 
+from time import perf_counter as _clock
 from typing import Any
 
 from syncless._core.errors import CudaError
@@ -70,9 +71,16 @@ class _Lane:
 
 _LANE: list[_Lane | None] = [None]
 _MAX_DEVICE_NAMES = 64
-# A readback smaller than this from an idle D2H stream is torch's own copy (:func:`_read_back_now`): a copy this
-# small is all latency (about 10 us on an H200, run 37), less than what offloading it costs the host.
+# A readback smaller than this from a D2H stream that has drained, or drains within DRAIN_LOOK_S, is torch's own copy
+# (:func:`_read_back_now`): a copy this small is all latency (about 10 us on an H200, run 37), less than what
+# offloading it costs the host.
 READ_BACK_NOW_BYTES = 4096
+# How long a small readback looks for its D2H stream to drain before it is offloaded (seconds). Run 51, the
+# host-bound loop on an H200: reading back every token now (the stream drained a few microseconds after the call)
+# cost 519 us per step against 561 us when every one was offloaded, so a look is worth up to a few tens of us.
+DRAIN_LOOK_S = 40e-6
+MAX_DRAIN_SKIPS = 64
+_MAX_MISSES_COUNTED = 6  # 2 ** 6 = MAX_DRAIN_SKIPS
 
 
 def _lane() -> _Lane:
@@ -160,14 +168,41 @@ def _offload(lane: _Lane, self: Any, device: Any, max_staged_bytes: int) -> Any:
                 COUNTERS.add("offloaded")
                 COUNTERS.add("to_helper")
                 return dst
-    if (self.nbytes < READ_BACK_NOW_BYTES and record.last_job <= record.worker.completed
-            and lane.stream_query(record.stream)):
+    if self.nbytes < READ_BACK_NOW_BYTES and record.last_job <= record.worker.completed and _drains_soon(lane, record):
         return _read_back_now(self, device, record)
     dst = _d2h.pinned_block(self, self.dtype)
     if not _d2h.offload_block(record, dst, self, index):
         return None  # no room for the snapshot, or offloading is closed: the general path runs torch's own
     COUNTERS.add("offloaded")
     return dst
+
+
+def _drains_soon(lane: _Lane, record: Any) -> bool:
+    """Whether D2H stream ``record.stream`` has drained, or drains within :data:`DRAIN_LOOK_S` of looking (host only:
+    queries, the GIL held; never longer than that).
+
+    A decode loop at batch 1 reads its token back just behind its last launch: the GPU is a few kernels behind the
+    host, and the stream drains within microseconds. A small copy then costs its transfer alone as torch's own
+    (:func:`_read_back_now`), well under what offloading it costs the host (the offload, and the job later, which
+    also waits for the transfer). Behind long GPU work the look times out and the copy is offloaded; the next looks
+    are skipped, for twice as many readbacks after each miss in a row (up to :data:`MAX_DRAIN_SKIPS`), so a loop
+    whose readback always waits behind its step pays the look once in that many.
+    """
+    stream = record.stream
+    query = lane.stream_query
+    if query(stream):
+        return True
+    if record.drain_skips:
+        record.drain_skips -= 1
+        return False
+    deadline = _clock() + DRAIN_LOOK_S
+    while _clock() < deadline:
+        if query(stream):
+            record.drain_misses = 0
+            return True
+    misses = record.drain_misses = min(record.drain_misses + 1, _MAX_MISSES_COUNTED)
+    record.drain_skips = min(1 << misses, MAX_DRAIN_SKIPS)
+    return False
 
 
 def _read_back_now(self: Any, device: Any, record: Any) -> Any:

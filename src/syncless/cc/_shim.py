@@ -355,6 +355,8 @@ def _wrap_copy(next_copy):
     def copy_(*args, **kwargs):
         # Takes and passes on exactly what the caller gave (see ._layers); reads only torch's own forms
         # (the deprecated ``async=`` too, which is never routed).
+        if len(args) == 2 and not kwargs and (is_compiling() or not _d2h._PENDING[0]):
+            return next_copy(*args)  # dst.copy_(src): blocking, and no offloaded copy to settle (a decode step's D2D)
         read = read_copy(args[1:], kwargs, deprecated_async=True) if args else None
         if read is None:
             return next_copy(*args, **kwargs)  # torch refuses the call

@@ -333,11 +333,21 @@ def patch_targets() -> list[tuple[Any, str, Any]]:
     return targets
 
 
+# The layers that only cover offloaded copies: with none unfinished and no failure kept (``_d2h.busy()`` False) they
+# have nothing to do, so the patch's entry calls torch directly (``patching.add_layer``'s ``idle``): a decode step's
+# record, wait, synchronize and indexed write then cost one check each, not a wrapper's reading of the call. The
+# capture hooks always run (they note every capture); ``torch.Event`` is a class, replaced outright.
+_IDLE_WHEN_NOTHING_PENDING = {"record", "wait", "synchronize", "query", "__setitem__", "new_tensor", "as_tensor",
+                              "copy_"}
+
+
 def install_sync_patches() -> None:
     """Add the shim's layer to every synchronization entry point (idempotent per attribute)."""
     _streams.forget_captures()
     for owner, name, wrap in patch_targets():
-        patching.add_layer(owner, name, SHIM_KEY, patching.RANK_CC_SHIM, wrap)
+        idle = _d2h.busy if name in _IDLE_WHEN_NOTHING_PENDING and not isinstance(getattr(owner, name), type) \
+            else None
+        patching.add_layer(owner, name, SHIM_KEY, patching.RANK_CC_SHIM, wrap, idle=idle)
 
 
 def uninstall_sync_patches() -> None:

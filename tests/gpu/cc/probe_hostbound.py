@@ -5,13 +5,17 @@ Run on a GPU from the source tree::
     PYTHONPATH=src python3 tests/gpu/cc/probe_hostbound.py [--steps 400] [--rounds 3] [--profile]
 
 Runs :func:`syncless.bench._cc_hostbound.decode_loop`'s loop with a timer around each phase (the H2D of the
-position, its device copy, the graph replay, the eager launches, ``d2h.wait_stream``, the offloaded ``.to``, the
-event, the one-step-late synchronize and ``int``) in the setups ``plain``, ``emulated``, ``emulated+shim`` and
-``emulated+shim+copy_`` (the H2D as ``step.pos.copy_(h, non_blocking=True)``: inline), ``emulated+shim+inplace``
-(into a registered in-place target) and ``emulated+shim+noinline`` (``SYNCLESS_CC_INLINE_MAX_BYTES`` 0: the
-upload staged), rounds interleaved, and prints each phase's median host microseconds per step and the step's. For the shim it also
-counts, per thread, how many jobs each ran and how often the queue's thread woke. ``--profile`` adds a cProfile
-of the shim's loop (top functions by own time).
+position, its device copy, the graph replay, the eager launches, ``d2h.wait_stream``, the readback's ``.to``, the
+event, the one-step-late synchronize and ``int``) in the setups ``--setups`` names, rounds interleaved, and prints
+each phase's median host microseconds per step and the step's. Setups: ``plain``; ``floor`` (plain torch and a
+``cuStreamSynchronize`` of the D2H stream after the readback: the transfer CC makes the calling thread wait for,
+and nothing else); ``emulated``; ``emulated+shim``; and the shim with one thing changed: ``+copy_`` (the upload as
+``step.pos.copy_(h, non_blocking=True)``), ``+inplace`` (into a registered target), ``+noinline`` (the upload
+staged), ``+helper`` (the D2H helper process), ``+offload`` (every readback offloaded, its job run by the thread
+that waits for it), ``+eager`` (offloaded and run by the queue's own thread at once), ``+readnow`` (every small
+readback torch's own, whatever is queued), ``+nolook`` (read back now only from a stream found drained at once).
+For the shim it also counts, per thread, how many jobs each ran and how often the queue's thread woke.
+``--profile`` adds a cProfile of the shim's loop (top functions by own time).
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--setups", default="plain,emulated,emulated+shim,emulated+shim+helper,emulated+shim+copy_",
                         help="comma-separated; also: floor, emulated+shim+offload, emulated+shim+eager, "
-                             "emulated+shim+readnow, emulated+shim+noinline, emulated+shim+inplace")
+                             "emulated+shim+readnow, emulated+shim+nolook, emulated+shim+noinline, "
+                             "emulated+shim+inplace")
     args = parser.parse_args()
 
     import torch
@@ -76,13 +81,15 @@ def main() -> None:
     from syncless._core import libcuda
     from syncless.cc import _d2h_job, _fast, _shim
 
-    defaults = (_fast.READ_BACK_NOW_BYTES, _d2h_job.EAGER_BYTES)
+    defaults = (_fast.READ_BACK_NOW_BYTES, _d2h_job.EAGER_BYTES, _fast.DRAIN_LOOK_S)
     lane = _fast._lane()
     stream_query = lane.stream_query
 
     def enter(setup: str) -> None:
         cc.uninstall()
-        _fast.READ_BACK_NOW_BYTES, _d2h_job.EAGER_BYTES = defaults
+        _fast.READ_BACK_NOW_BYTES, _d2h_job.EAGER_BYTES, _fast.DRAIN_LOOK_S = defaults
+        if setup.endswith("+nolook"):
+            _fast.DRAIN_LOOK_S = 0.0  # read back now only from a stream found drained at once (run 49's rule)
         lane.stream_query = stream_query
         if setup.endswith("+offload") or setup.endswith("+eager"):
             _fast.READ_BACK_NOW_BYTES = 0  # every readback offloaded
