@@ -37,6 +37,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--untimed", action="store_true",
+                        help="the bench's own loop (no timer per phase): tokens/s per setup, paired with plain's in "
+                             "each round, and what the shim did with the readbacks")
     parser.add_argument("--setups", default="plain,emulated,emulated+shim,emulated+shim+helper,emulated+shim+copy_",
                         help="comma-separated; also: floor, emulated+shim+offload, emulated+shim+eager, "
                              "emulated+shim+readnow, emulated+shim+nolook, emulated+shim+noinline, "
@@ -108,6 +111,23 @@ def main() -> None:
             if setup.endswith("+noinline"):
                 _shim._STATE.inline_max_bytes = 0  # the upload staged, as before the inline kernel
 
+    def untimed(setups) -> None:
+        rates = {s: [] for s in setups}
+        for round_index in range(args.rounds):
+            for setup in setups:
+                enter(setup)
+                cc.reset_stats()
+                rates[setup].append(_cc_hostbound.decode_loop(torch, dev, step, d2h, args.steps, 50,
+                                                              floor=setup == "floor"))
+                did = cc.stats()
+                print(f"round {round_index + 1} {setup:24s} {rates[setup][-1]:7.0f} tokens/s  offloaded "
+                      f"{did.offloaded}, read back now {did.left_alone.get('idle_stream', 0)}, inlined {did.inlined}")
+        print()
+        for setup in setups:
+            ratios = [r / p for r, p in zip(rates[setup], rates["plain"])]
+            print(f"{setup:24s} median {statistics.median(rates[setup]):7.0f} tokens/s, vs plain (paired median) "
+                  f"{statistics.median(ratios):.3f}x, per round {' '.join(f'{x:.3f}' for x in ratios)}")
+
     def loop(setup: str, steps: int, warmup: int = 50):
         current = torch.cuda.current_stream(dev)
         inplace = setup.endswith("+inplace") or setup.endswith("+copy_")
@@ -166,6 +186,10 @@ def main() -> None:
         return {p: statistics.median(v) for p, v in spent.items()}, statistics.median(totals)
 
     setups = tuple(args.setups.split(","))
+    if args.untimed:
+        untimed(setups)
+        cc.uninstall()
+        return
     results = {s: [] for s in setups}
     for round_index in range(args.rounds):
         for setup in setups:
