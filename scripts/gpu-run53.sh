@@ -8,6 +8,8 @@ diag_header $OUT/diag.log
 timeout -k 5 $(slot 60) python3 tests/gpu/cc/probe_hostbound.py --untimed --steps 400 --rounds 7 \
   --setups plain,floor,emulated,emulated+shim,emulated+shim+nolook,emulated+shim+offload,emulated+shim+readnow >> $OUT/diag.log 2>&1
 tail -8 $OUT/diag.log
+timeout -k 5 $(slot 40) python3 tests/gpu/cc/probe_call_counts.py --repeats 300 --names > $OUT/counts.log 2>&1
+tail -6 $OUT/counts.log
 echo "== bench cc (t=${SECONDS}s)" > $OUT/bench-cc.log
 timeout -k 5 $(slot 90) python3 -m syncless bench cc --out /tmp/bench-cc >> $OUT/bench-cc.log 2>&1
 tar czf $OUT/bench-cc.tgz -C /tmp bench-cc

@@ -31,13 +31,21 @@ import sys
 import time
 
 
-def _count(fn):
-    """Run ``fn()`` once under a profiler; return (syncless Python calls, other Python calls, C calls)."""
+CALLED: dict[str, list[str]] = {}  # path -> the syncless functions its counted call entered, in order (--names)
+
+
+def _count(fn, label: str = ""):
+    """Run ``fn()`` once under a profiler; return (syncless Python calls, other Python calls, C calls). With a
+    ``label``, the names of the syncless functions entered go into :data:`CALLED` under it."""
     counts = [0, 0, 0]
+    names = CALLED.setdefault(label, []) if label else None
 
     def prof(frame, event, arg):
         if event == "call":
-            counts[0 if "syncless" in frame.f_code.co_filename else 1] += 1
+            ours = "syncless" in frame.f_code.co_filename
+            counts[0 if ours else 1] += 1
+            if ours and names is not None:
+                names.append(f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_code.co_name}")
         elif event == "c_call":
             counts[2] += 1
 
@@ -55,6 +63,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=400)
     parser.add_argument("--label", default="")
     parser.add_argument("--json", default="")
+    parser.add_argument("--names", action="store_true", help="also list the syncless functions each counted call entered")
     args = parser.parse_args()
     sys.path.insert(0, args.src)
 
@@ -108,7 +117,7 @@ def main() -> None:
         d2h.wait_stream(current)
         with torch.cuda.stream(d2h):
             box = {}
-            counts["d2h"] = _count(lambda: box.__setitem__("h", tokens.to("cpu", non_blocking=True)))
+            counts["d2h"] = _count(lambda: box.__setitem__("h", tokens.to("cpu", non_blocking=True)), f"{setup}:d2h")
             ready = torch.cuda.Event()
             counts["record"] = _count(lambda: ready.record(d2h))
         time.sleep(0.01)  # the copy's source is ready: the consume below is the common case
@@ -136,9 +145,9 @@ def main() -> None:
             del out
         torch.cuda.synchronize()
         box = {}
-        count = _count(lambda: box.__setitem__("o", host.to(dev, non_blocking=True)))
-        torch.cuda.synchronize()
         name = f"{setup}:h2d-{'1MiB' if nbytes >= 1 << 20 else f'{nbytes}B'}" + (":transfer-alone" if then_wait else "")
+        count = _count(lambda: box.__setitem__("o", host.to(dev, non_blocking=True)), name)
+        torch.cuda.synchronize()
         rows[name] = (statistics.median(samples), count)
 
     for setup in ("plain", "shim", "helper"):
@@ -160,6 +169,10 @@ def main() -> None:
           f"({step_shim / step_plain:.2f}x)")
     idle = rows["shim:h2d-1MiB"][0] / rows["plain:h2d-1MiB:transfer-alone"][0]
     print(f"1 MiB idle H2D, shim vs the transfer alone: {idle:.2f}x")
+    if args.names:
+        for path, names in CALLED.items():
+            if names:
+                print(f"{path}: {len(names)} syncless calls: {' '.join(names)}")
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"label": label, "rows": rows}, out, indent=1)
