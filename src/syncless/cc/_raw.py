@@ -208,29 +208,29 @@ def run_copy_job(index: int, ready: int, host_ptr: int, device_ptr: int, nbytes:
                 if code:
                     libcuda.raise_for("cuStreamWaitEvent", code)
             else:
-                code = quick.cuEventQuery(ready)
-                if code == libcuda.CUDA_ERROR_NOT_READY:
-                    code = blocking.cuEventSynchronize(ready)
-                    if code:
-                        libcuda.raise_for("cuEventSynchronize", code)
-                elif code:
-                    libcuda.raise_for("cuEventQuery", code)
-            finishes_at_call = COPIES_FINISH_AT_CALL[0]
+                _wait_unless_done(ready, quick.cuEventQuery, blocking.cuEventSynchronize, "cuEvent")
             if nbytes:
                 copy = quick.cuMemcpyDtoHAsync_v2 if _emulation.is_emulating() else blocking.cuMemcpyDtoHAsync_v2
                 code = copy(host_ptr, device_ptr, nbytes, handle)
                 if code:
                     libcuda.raise_for("cuMemcpyDtoHAsync", code)
-            code = quick.cuStreamQuery(handle) if finishes_at_call else libcuda.CUDA_ERROR_NOT_READY
-            if code == libcuda.CUDA_ERROR_NOT_READY:
-                code = blocking.cuStreamSynchronize(handle)
-                if code:
-                    libcuda.raise_for("cuStreamSynchronize", code)
-            elif code:
-                libcuda.raise_for("cuStreamQuery", code)
+            _wait_unless_done(handle, quick.cuStreamQuery if COPIES_FINISH_AT_CALL[0] else None,
+                              blocking.cuStreamSynchronize, "cuStream")
     finally:
         if pushed:
             _ok("cuCtxPopCurrent", _drv().cuCtxPopCurrent())
+
+
+def _wait_unless_done(handle: Any, query: Any, wait: Any, prefix: str) -> None:
+    """``query(handle)`` (GIL held; None: not asked, taken as not ready), then ``wait(handle)`` (GIL released) only if
+    it is not ready; raise ``CudaError`` named ``<prefix>Query`` / ``<prefix>Synchronize`` for a failure."""
+    code = query(handle) if query is not None else libcuda.CUDA_ERROR_NOT_READY
+    if code == libcuda.CUDA_ERROR_NOT_READY:
+        code = wait(handle)
+        if code:
+            libcuda.raise_for(prefix + "Synchronize", code)
+    elif code:
+        libcuda.raise_for(prefix + "Query", code)
 
 
 # Whether a host<->device copy has finished when its driver call returns: NVML confirmed CC at install() (set by
