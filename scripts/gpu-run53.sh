@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # Session 2026-12-03 (17), third call: the host-bound loop untimed (the bench's own loop) per readback policy, with
-# what the shim did with each readback; bench cc again; the demo's GPU tests; the fuzzer with the D2H helper on.
+# what the shim did with each readback; tests/gpu/cc; call counts with names; bench cc again; the demo's GPU tests;
+# the fuzzer with the D2H helper on.
 set -u
-LIMIT=${LIMIT:-330}
+LIMIT=${LIMIT:-400}
 source "$(dirname "$0")/gpu-common.sh"
 diag_header $OUT/diag.log
+echo "== tests/gpu/cc without the fuzzer (t=${SECONDS}s)" > $OUT/gpu-cc.log
+SYNCLESS_FUZZ_PROGRAMS=400 timeout -k 5 $(slot 100) python3 -m pytest -q -rfE -p no:cacheprovider --timeout 60 tests/gpu/cc \
+  --deselect tests/gpu/cc/test_cc_fuzz.py::test_differential_fuzz >> $OUT/gpu-cc.log 2>&1
+tail -2 $OUT/gpu-cc.log
 timeout -k 5 $(slot 60) python3 tests/gpu/cc/probe_hostbound.py --untimed --steps 400 --rounds 7 \
   --setups plain,floor,emulated,emulated+shim,emulated+shim+nolook,emulated+shim+offload,emulated+shim+readnow >> $OUT/diag.log 2>&1
 tail -8 $OUT/diag.log
