@@ -9,3 +9,10 @@ slot() { local want=$1; local l; l=$(left); [ "$want" -gt "$l" ] && want=$l; ech
 diag_header() {
   { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 -c "import torch; print(torch.__version__)"; date -u; } > "$1" 2>&1
 }
+# tests/gpu/cc without the fuzzer, appended to $1, within a slot of $2 seconds.
+cc_suites() {
+  echo "== tests/gpu/cc without the fuzzer (t=${SECONDS}s)" >> "$1"
+  SYNCLESS_FUZZ_PROGRAMS=400 timeout -k 5 $(slot "$2") python3 -m pytest -q -rfE -p no:cacheprovider --timeout 60 tests/gpu/cc \
+    --deselect tests/gpu/cc/test_cc_fuzz.py::test_differential_fuzz >> "$1" 2>&1
+  tail -2 "$1"
+}

@@ -15,7 +15,7 @@ import logging
 import warnings
 
 from syncless._core.logs import log_once
-from syncless.cc import _host_writes
+from syncless.cc import _host_writes, _raw
 from syncless.cc._d2h import close_d2h_stream, is_d2h_stream, new_d2h_stream
 from syncless.cc._detect import ModeDecision, cc_mode, decide_mode, is_confidential_compute
 from syncless.cc._emulation import Emulation, is_emulating
@@ -87,6 +87,8 @@ def install(mode: str | None = None, *, max_staged_bytes: int | None = None) -> 
     install_shim(max_staged_bytes)
     # NVML said CC is on: a D2H torch issues has finished when its call returns (docs/cc.md, the fast lane).
     _host_writes.COPIES_FINISH_AT_CALL[0] = decision.requested == "auto" and decision.mode == "on"
+    # CC emulated where NVML says it is off: the offloaded job's driver copy only enqueues (cc/_raw.run_copy_job).
+    _raw.COPY_ONLY_ENQUEUES[0] = decision.mode == "emulate" and not is_confidential_compute()
     return True
 
 
@@ -155,6 +157,7 @@ def uninstall(timeout_s: float = 60.0) -> None:
     if not timeout_s >= 0:  # also refuses NaN
         raise ValueError(f"uninstall(timeout_s=...) must be >= 0 seconds, got {timeout_s!r}")
     _host_writes.COPIES_FINISH_AT_CALL[0] = False
+    _raw.COPY_ONLY_ENQUEUES[0] = False
     uninstall_all(timeout_s)
 
 

@@ -466,9 +466,8 @@ def _queue(record: _D2HStream, dst: Any, snap: Any, src: Any, verb: str, into_ex
     """Record the ready event after ``snap`` on the D2H stream and queue the job that copies it into ``dst``."""
     stream = record.stream
     ready = _raw.take_ready_event(index)
-    own = record.copy_stream
-    copy_stream = own if own is not None else _streams.worker_stream(index)
-    job = _d2h_job.CopyJob(index, ready, dst, snap, copy_stream, verb, src, own_stream=own is not None)
+    copy_stream = record.copy_stream if record.copy_stream is not None else _streams.worker_stream(index)
+    job = _d2h_job.CopyJob(index, ready, dst, snap, copy_stream, verb, src)
     job.settled = _settled
     del snap  # the job holds it until its copy has run
     with _offload_lock:

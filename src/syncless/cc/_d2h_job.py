@@ -3,7 +3,7 @@
 ::
 
     D    : ... src -> snap (D2D)  R#n   [later kernels on D] ...
-    W    :                          (whoever runs job #n) [wait R#n] snap -> dst (D2H) ; host waits for W ; done
+    W    :                          (whoever runs job #n) wait R#n ; snap -> dst (D2H) ; wait W ; done
 
 The job is three driver calls (:mod:`._raw`) on whichever thread runs it
 (:mod:`._worker`: the thread that waits for it, or the queue's own), with
@@ -82,26 +82,27 @@ class CopyJob:
     event goes back to its pool.
     """
 
-    __slots__ = ("index", "ready", "dst", "snap", "copy_stream", "own_stream", "nbytes", "verb", "shape", "src_dtype",
-                 "device", "settled")
+    __slots__ = ("index", "ready", "dst", "snap", "copy_stream", "nbytes", "verb", "shape", "src_dtype", "device",
+                 "settled")
 
-    def __init__(self, index: int, ready: Any, dst: Any, snap: Any, copy_stream: Any, verb: str, src: Any,
-                 own_stream: bool = False):
+    def __init__(self, index: int, ready: Any, dst: Any, snap: Any, copy_stream: Any, verb: str, src: Any):
         self.index = index
         self.ready = ready
         self.dst = dst
         self.snap = snap
         self.copy_stream = copy_stream
-        self.own_stream = own_stream  # copy_stream carries this D2H stream's copies alone: the ready wait goes on it
         self.nbytes = snap.nbytes
         self.verb = verb
         self.shape, self.src_dtype, self.device = src.shape, src.dtype, src.device
         self.settled = None
 
     def __call__(self) -> None:
+        dst = self.dst
+        if dst is None:
+            return  # copied and released already: a run again after an interrupt that came after the copy
         try:
-            _raw.run_copy_job(self.index, self.ready, self.dst.data_ptr(), self.snap.data_ptr(), self.nbytes,
-                              self.copy_stream, wait_on_gpu=self.own_stream)
+            _raw.run_copy_job(self.index, self.ready, dst.data_ptr(), self.snap.data_ptr(), self.nbytes,
+                              self.copy_stream)
         except Exception:
             self._release()
             raise
@@ -109,8 +110,13 @@ class CopyJob:
         self._release()
 
     def _release(self) -> None:
-        _raw.give_back_ready_event(self.index, self.ready)
-        self.dst = self.snap = None  # released only after the copy has run (or failed)
+        """Let go of the snapshot and the destination (only after the copy has run, or failed) and give the ready
+        event back, once: an interrupt in here leaves at most an event out of the pool, never one in it twice (two
+        later offloads sharing one event would each wait for the other's record)."""
+        self.dst = self.snap = None
+        ready, self.ready = self.ready, None
+        if ready is not None:
+            _raw.give_back_ready_event(self.index, ready)
 
     def describe(self) -> str:
         """How errors name the copy (built only when one failed)."""

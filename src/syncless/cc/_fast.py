@@ -188,7 +188,9 @@ def _drains_soon(lane: _Lane, record: Any) -> bool:
     (:func:`_read_back_now`), well under what offloading it costs the host (the offload, and the job later, which
     also waits for the transfer). Behind long GPU work the look times out and the copy is offloaded; the next looks
     are skipped, for twice as many readbacks after each miss in a row (up to :data:`MAX_DRAIN_SKIPS`), so a loop
-    whose readback always waits behind its step pays the look once in that many.
+    whose readback always waits behind its step pays the look once in that many. A capture another thread begins
+    (``CUDAGraph.capture_begin`` notes it before it begins) ends the look before the next query: in torch's global
+    capture mode a query from any thread would invalidate it.
     """
     stream = record.stream
     query = lane.stream_query
@@ -198,7 +200,10 @@ def _drains_soon(lane: _Lane, record: Any) -> bool:
         record.drain_skips -= 1
         return False
     deadline = _clock() + DRAIN_LOOK_S
+    captures = _streams.CAPTURES
     while _clock() < deadline:
+        if captures[0]:
+            return False  # a capture began on another thread: no more queries (the offload then refuses too)
         if query(stream):
             record.drain_misses = 0
             return True

@@ -178,39 +178,32 @@ def enter_context(index: int) -> bool:
 _primary_handles: dict[int, int] = {}  # device index -> its primary context's handle as an int
 
 
-def run_copy_job(index: int, ready: int, host_ptr: int, device_ptr: int, nbytes: int, stream: Any,
-                 wait_on_gpu: bool = False) -> None:
-    """An offloaded copy's job: wait for ``ready``, copy to the host on torch stream ``stream``, wait for that. Blocks
-    the calling thread for the ready event and the transfer (the GIL released while it waits); GPU ``index``'s
-    context is made current for it if it is not (and put back after).
+def run_copy_job(index: int, ready: int, host_ptr: int, device_ptr: int, nbytes: int, stream: Any) -> None:
+    """An offloaded copy's job in three driver calls: wait for ``ready``, copy to the host on torch stream ``stream``,
+    wait for that stream. Blocks the calling thread for the ready event and the transfer (the GIL released while it
+    waits); GPU ``index``'s context is made current for it if it is not (and put back after).
 
-    ``wait_on_gpu`` (``stream`` is the D2H stream's own copy stream, which carries nothing else): the wait for
-    ``ready`` is enqueued on ``stream`` ahead of the copy, so the host waits once, for both::
+    A ready event that a query finds fired already is not waited for (the decode loop's case: it reads the copy a
+    step late, or the look of :mod:`._fast` found it drained), which saves a release and a take of the GIL. The
+    copy keeps the GIL only where it is known to return at once (:data:`COPY_ONLY_ENQUEUES`: CC emulated on a GPU
+    NVML says has CC off); then the synchronize of ``stream`` is the one wait, the one CC would make, and a job
+    whose event has fired lets go of the GIL once, not twice (each take of it back while another thread runs Python
+    is a hand-off that thread pays for, issue 33). Anywhere else the copy may itself block (under CC it returns
+    once done), so it lets go of the GIL; where NVML confirmed CC at ``install()``, a query (GIL held) then confirms
+    the stream is done and nothing else waits.
 
-        W : [wait R#n] snap -> dst        host: one blocking wait (the copy's own under CC, else W's synchronize)
-
-    Under CC emulation the copy only enqueues (GIL held through it) and the synchronize of ``W`` is the one wait,
-    the one CC would make. Otherwise the copy may be the wait (under CC it returns once it and the earlier work on
-    ``W`` are done), so the GIL is let go for it; where NVML confirmed CC at ``install()``, a query (GIL held) then
-    confirms it is done and nothing else waits. Under CC, and emulated, the thread so lets go of the GIL once per
-    job, not up to three times: each take of it back while another thread runs Python is a hand-off that thread
-    pays for (issue 33).
-    Without ``wait_on_gpu`` (a stream shared with other D2H streams' copies, where a GPU-side wait would hold their
-    copies behind this one's producer) the host waits for ``ready`` first, skipped when a query finds it fired.
+    The wait for ``ready`` stays on the host, never on ``stream``: a GPU-side wait there would hold whatever else
+    shares ``stream``'s hardware queue behind the producer of ``ready`` (review of run 52's code).
     """
     quick, blocking = libcuda.libraries()
     handle = stream.cuda_stream
     pushed = enter_context(index)
     try:
         with standing_for_the_driver():
-            if wait_on_gpu:
-                code = quick.cuStreamWaitEvent(handle, ready, 0)
-                if code:
-                    libcuda.raise_for("cuStreamWaitEvent", code)
-            else:
-                _wait_unless_done(ready, quick.cuEventQuery, blocking.cuEventSynchronize, "cuEvent")
+            _wait_unless_done(ready, quick.cuEventQuery, blocking.cuEventSynchronize, "cuEvent")
             if nbytes:
-                copy = quick.cuMemcpyDtoHAsync_v2 if _emulation.is_emulating() else blocking.cuMemcpyDtoHAsync_v2
+                enqueues_only = COPY_ONLY_ENQUEUES[0] and _emulation.is_emulating()
+                copy = quick.cuMemcpyDtoHAsync_v2 if enqueues_only else blocking.cuMemcpyDtoHAsync_v2
                 code = copy(host_ptr, device_ptr, nbytes, handle)
                 if code:
                     libcuda.raise_for("cuMemcpyDtoHAsync", code)
@@ -236,6 +229,9 @@ def _wait_unless_done(handle: Any, query: Any, wait: Any, prefix: str) -> None:
 # Whether a host<->device copy has finished when its driver call returns: NVML confirmed CC at install() (set by
 # syncless.cc.install; _host_writes.COPIES_FINISH_AT_CALL is this same list).
 COPIES_FINISH_AT_CALL = [False]
+# Whether a host<->device copy only enqueues (returns at once): install("emulate") on a GPU that NVML says has CC
+# off (set by syncless.cc.install). Emulated on a CC machine the driver's copy still blocks, so it lets go of the GIL.
+COPY_ONLY_ENQUEUES = [False]
 
 
 def forget_after_fork() -> None:

@@ -20,10 +20,10 @@ def _driver_fails_copies_into(doomed):
 
     real_job = _raw.run_copy_job
 
-    def failing_job(index, ready, host_ptr, device_ptr, nbytes, stream, **options):
+    def failing_job(index, ready, host_ptr, device_ptr, nbytes, stream):
         if host_ptr == doomed.data_ptr():
             raise RuntimeError("injected copy failure")
-        return real_job(index, ready, host_ptr, device_ptr, nbytes, stream, **options)
+        return real_job(index, ready, host_ptr, device_ptr, nbytes, stream)
 
     _raw.run_copy_job = failing_job
     try:

@@ -86,7 +86,7 @@ def stand_in_raw_driver(monkeypatch):
     monkeypatch.setattr(_raw, "copy_device_block",
                         lambda index, dst_ptr, src_ptr, nbytes, stream: ctypes.memmove(dst_ptr, src_ptr, nbytes))
 
-    def run_copy_job(index, ready, host_ptr, device_ptr, nbytes, stream, wait_on_gpu=False):
+    def run_copy_job(index, ready, host_ptr, device_ptr, nbytes, stream):
         _streams.wait_event_raw(ready)
         ctypes.memmove(host_ptr, device_ptr, nbytes)
         _streams.wait_stream_raw(stream)
@@ -611,9 +611,9 @@ def test_the_snapshot_is_converted_and_broadcast_on_the_d2h_stream(gpu_calls, mo
     copied = []
     real_job = _d2h_job.CopyJob
 
-    def spy(index, ready, dst, snap, copy_stream, verb, src, **options):
+    def spy(index, ready, dst, snap, copy_stream, verb, src):
         copied.append((snap.dtype, tuple(snap.shape), snap.stride()))
-        return real_job(index, ready, dst, snap, copy_stream, verb, src, **options)
+        return real_job(index, ready, dst, snap, copy_stream, verb, src)
 
     monkeypatch.setattr(_d2h_job, "CopyJob", spy)
     dst = torch.full((4, 8), float("nan"))

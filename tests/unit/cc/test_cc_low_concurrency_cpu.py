@@ -1,5 +1,5 @@
 """Issue 33, the host's cost at batch 1, on a CPU-only torch: the readback lane's look for a draining D2H stream,
-the offloaded job's one host wait, and the patched ordering calls that go straight to torch with nothing to cover."""
+the offloaded job's waits, and the patched ordering calls that go straight to torch with nothing to cover."""
 
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def test_a_skipped_look_still_reads_back_now_from_a_stream_that_has_drained(monk
     assert record.drain_skips == 10
 
 
-# -- the offloaded job: one host wait --------------------------------------------------------------------
+# -- the offloaded job: its waits and its hand-offs of the GIL ------------------------------------------
 
 
 class _Library:
@@ -100,77 +100,94 @@ class _Library:
         return call
 
 
-def _run_job(monkeypatch, *, emulating: bool, finishes_at_call: bool, wait_on_gpu: bool, quick_answers=None):
+def _run_job(monkeypatch, *, emulating: bool, enqueues_only: bool, finishes_at_call: bool, quick_answers=None):
     log: list = []
     quick, blocking = _Library("quick", log, quick_answers), _Library("blocking", log)
     monkeypatch.setattr(libcuda, "libraries", lambda: (quick, blocking))
     monkeypatch.setattr(_raw, "enter_context", lambda index: False)
     monkeypatch.setattr(_emulation, "is_emulating", lambda: emulating)
     monkeypatch.setattr(_raw, "COPIES_FINISH_AT_CALL", [finishes_at_call])
-    _raw.run_copy_job(0, 11, 22, 33, 64, SimpleNamespace(cuda_stream=44), wait_on_gpu=wait_on_gpu)
+    monkeypatch.setattr(_raw, "COPY_ONLY_ENQUEUES", [enqueues_only])
+    _raw.run_copy_job(0, 11, 22, 33, 64, SimpleNamespace(cuda_stream=44))
     return log
 
 
-def test_an_emulated_job_waits_once_on_the_host_for_its_ready_event_and_its_copy(monkeypatch):
-    log = _run_job(monkeypatch, emulating=True, finishes_at_call=False, wait_on_gpu=True)
-    assert log == [("quick", "cuStreamWaitEvent"), ("quick", "cuMemcpyDtoHAsync_v2"),
-                   ("blocking", "cuStreamSynchronize")]
+NOT_READY = libcuda.CUDA_ERROR_NOT_READY
 
 
-def test_under_confirmed_cc_the_copy_is_the_one_wait_and_a_query_confirms_it(monkeypatch):
-    log = _run_job(monkeypatch, emulating=False, finishes_at_call=True, wait_on_gpu=True)
-    assert log == [("quick", "cuStreamWaitEvent"), ("blocking", "cuMemcpyDtoHAsync_v2"), ("quick", "cuStreamQuery")]
+@pytest.mark.parametrize("case, emulating, enqueues_only, finishes_at_call, answers, calls", [
+    # CC emulated on a CC-off GPU, the event fired (read a step late): the copy only enqueues (GIL held), and the
+    # one wait is the synchronize CC would make: one hand-off of the GIL
+    ("emulated", True, True, False, {},
+     [("quick", "cuEventQuery"), ("quick", "cuMemcpyDtoHAsync_v2"), ("blocking", "cuStreamSynchronize")]),
+    # the event has not fired: the host waits for it (never a GPU-side wait on the copy stream, which would hold
+    # whatever shares its hardware queue behind the producer)
+    ("not fired", True, True, False, {"cuEventQuery": NOT_READY},
+     [("quick", "cuEventQuery"), ("blocking", "cuEventSynchronize"), ("quick", "cuMemcpyDtoHAsync_v2"),
+      ("blocking", "cuStreamSynchronize")]),
+    # emulated on a machine NVML says has CC on: the driver's copy blocks there, so it lets go of the GIL
+    ("emulated on CC", True, False, False, {},
+     [("quick", "cuEventQuery"), ("blocking", "cuMemcpyDtoHAsync_v2"), ("blocking", "cuStreamSynchronize")]),
+    # CC confirmed by NVML: the copy is the wait, and a query (GIL held) confirms it
+    ("CC", False, False, True, {},
+     [("quick", "cuEventQuery"), ("blocking", "cuMemcpyDtoHAsync_v2"), ("quick", "cuStreamQuery")]),
+    ("CC, stream still busy", False, False, True, {"cuStreamQuery": NOT_READY},
+     [("quick", "cuEventQuery"), ("blocking", "cuMemcpyDtoHAsync_v2"), ("quick", "cuStreamQuery"),
+      ("blocking", "cuStreamSynchronize")]),
+])
+def test_the_jobs_driver_calls_and_which_let_go_of_the_gil(monkeypatch, case, emulating, enqueues_only,
+                                                           finishes_at_call, answers, calls):
+    assert _run_job(monkeypatch, emulating=emulating, enqueues_only=enqueues_only,
+                    finishes_at_call=finishes_at_call, quick_answers=answers) == calls
 
 
-def test_under_confirmed_cc_a_copy_stream_still_busy_after_the_copy_is_waited_for(monkeypatch):
-    log = _run_job(monkeypatch, emulating=False, finishes_at_call=True, wait_on_gpu=True,
-                   quick_answers={"cuStreamQuery": libcuda.CUDA_ERROR_NOT_READY})
-    assert log[-2:] == [("quick", "cuStreamQuery"), ("blocking", "cuStreamSynchronize")]
+def test_a_failed_query_is_raised_by_its_name(monkeypatch):
+    from syncless._core.errors import CudaError
+
+    monkeypatch.setattr(libcuda, "raise_for", lambda call, code: (_ for _ in ()).throw(CudaError(call, code, "E", "")))
+    with pytest.raises(CudaError) as raised:
+        _run_job(monkeypatch, emulating=False, enqueues_only=False, finishes_at_call=True,
+                 quick_answers={"cuStreamQuery": 700})
+    assert raised.value.call == "cuStreamQuery"
 
 
-def test_without_cc_or_emulation_the_copy_lets_go_of_the_gil(monkeypatch):
-    """A copy that may block (CC forced on, unconfirmed) never holds the GIL while it runs."""
-    log = _run_job(monkeypatch, emulating=False, finishes_at_call=False, wait_on_gpu=True)
-    assert log == [("quick", "cuStreamWaitEvent"), ("blocking", "cuMemcpyDtoHAsync_v2"),
-                   ("blocking", "cuStreamSynchronize")]
+def test_the_enqueue_only_copy_is_set_at_install_only_for_emulation_where_nvml_says_cc_is_off(monkeypatch):
+    import syncless.cc as cc
+    from syncless.cc import _detect
 
-
-def test_a_shared_copy_stream_gets_no_gpu_side_wait(monkeypatch):
-    """On a copy stream other D2H streams use too, a GPU-side wait would hold their copies behind this producer."""
-    log = _run_job(monkeypatch, emulating=True, finishes_at_call=False, wait_on_gpu=False,
-                   quick_answers={"cuEventQuery": libcuda.CUDA_ERROR_NOT_READY})
-    assert ("quick", "cuStreamWaitEvent") not in log
-    assert log[:2] == [("quick", "cuEventQuery"), ("blocking", "cuEventSynchronize")]
-
-
-def test_a_d2h_streams_job_waits_on_its_own_copy_stream(monkeypatch):
-    """The offload hands the job the stream's own copy stream, and says so (the GPU-side wait is safe there)."""
-    made = []
-
-    class Job:
-        nbytes = 0
-        settled = None
-
-        def __init__(self, *args, **options):
-            made.append(options)
-
-        def __call__(self):
-            pass
-
-    monkeypatch.setattr(_d2h._d2h_job, "CopyJob", Job)
-    monkeypatch.setattr(_raw, "take_ready_event", lambda index: 7)
-    monkeypatch.setattr(_raw, "record_ready", lambda event, stream: None)
-    monkeypatch.setattr(_d2h._host_writes, "note_offloaded_d2h", lambda dst, ticket: None)
-    monkeypatch.setattr(_d2h._streams, "worker_stream", lambda index: object())
-    worker = _worker.OrderedWorker("test-own-copy-stream")
+    seen = {}
+    monkeypatch.setattr(cc, "_cuda_available", lambda: True)
+    monkeypatch.setattr(cc, "check_bindings", lambda: None)
+    monkeypatch.setattr(cc, "_emulation_install", lambda: None)
+    monkeypatch.setattr(cc, "install_shim", lambda max_staged_bytes: None)
+    monkeypatch.setattr(_detect, "ask_nvml_for_cc", lambda: False)
+    monkeypatch.setattr(cc, "uninstall_all", lambda timeout_s: None)
     try:
-        for record in (_d2h._D2HStream(object(), worker=worker, copy_stream=object()),
-                       _d2h._D2HStream(object(), worker=worker)):
-            _d2h._queue(record, object(), object(), object(), "copy", False, 0)
-        worker.wait_for(worker.submitted)  # (run here; each lowers the pending count as it ends)
+        for mode, nvml_says_cc in (("emulate", False), ("emulate", True), ("on", False)):
+            monkeypatch.setattr(cc, "is_confidential_compute", lambda answer=nvml_says_cc: answer)
+            cc.install(mode)
+            seen[(mode, nvml_says_cc)] = _raw.COPY_ONLY_ENQUEUES[0]
+        cc.uninstall()
+        assert not _raw.COPY_ONLY_ENQUEUES[0]
     finally:
-        worker.shutdown(1.0)
-    assert [options["own_stream"] for options in made] == [True, False]
+        _raw.COPY_ONLY_ENQUEUES[0] = False
+        _raw.COPIES_FINISH_AT_CALL[0] = False
+    assert seen == {("emulate", False): True, ("emulate", True): False, ("on", False): False}
+
+
+def test_a_job_run_again_after_it_copied_makes_nothing_twice(monkeypatch):
+    """An interrupt that lands after the copy (in or after its release) has the queue run the job again: it does
+    nothing, and its ready event went back to the pool once (two offloads sharing one would wait on each other)."""
+    from syncless.cc import _d2h_job
+
+    copies, given_back = [], []
+    monkeypatch.setattr(_raw, "run_copy_job", lambda *args: copies.append(args))
+    monkeypatch.setattr(_raw, "give_back_ready_event", lambda index, event: given_back.append(event))
+    tensor = SimpleNamespace(data_ptr=lambda: 1, nbytes=8, shape=(1,), dtype="int64", device="cuda:0")
+    job = _d2h_job.CopyJob(0, 5, tensor, tensor, object(), "copy", tensor)
+    job()
+    job()
+    assert len(copies) == 1 and given_back == [5]
 
 
 # -- ordering calls with nothing to cover ---------------------------------------------------------------
@@ -237,3 +254,34 @@ def test_a_blocking_copy_reads_no_call_while_nothing_is_pending(monkeypatch, pen
     dst, src = torch.zeros(3), torch.ones(3)
     assert copy_(dst, src) is dst
     assert len(copied) == 1 and len(reads) == pending
+
+
+def test_the_emulators_blocking_copy_reads_no_call_and_waits_for_nothing(monkeypatch):
+    import torch
+
+    reads, waits = [], []
+    real_read = _emulation.read_copy
+    monkeypatch.setattr(_emulation, "read_copy", lambda *a, **k: reads.append(a) or real_read(*a, **k))
+    monkeypatch.setattr(_emulation, "_emulate_wait", lambda device: waits.append(device))
+    copy_ = _emulation._wrap_copy(lambda *args, **kwargs: args[0])
+    dst, src = torch.zeros(2), torch.ones(2)
+    assert copy_(dst, src) is dst and reads == [] and waits == []
+    assert copy_(dst, src, non_blocking=False) is dst and len(reads) == 1  # any other form is read, as before
+
+
+def test_a_capture_begun_during_the_look_ends_it_before_the_next_query(monkeypatch):
+    from syncless.cc import _streams
+
+    monkeypatch.setattr(_fast, "_clock", _Clock(1e-6))
+    monkeypatch.setattr(_streams, "CAPTURES", [0])
+    lane, record, calls = _lane_and_record(drained_after=None)
+
+    def query(stream):
+        calls.append(stream)
+        if len(calls) == 3:
+            _streams.CAPTURES[0] = 1  # another thread's capture_begin noted it
+        return False
+
+    lane.stream_query = query
+    assert not _fast._drains_soon(lane, record)
+    assert len(calls) == 3
