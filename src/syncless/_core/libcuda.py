@@ -51,7 +51,6 @@ _SIGNATURES = {
     "cuEventRecord": (_ptr, _ptr),
     "cuEventQuery": (_ptr,),
     "cuEventSynchronize": (_ptr,),
-    "cuStreamWaitEvent": (_ptr, _ptr, _uint),
     "cuStreamQuery": (_ptr,),
     "cuStreamSynchronize": (_ptr,),
     "cuLaunchKernel": (_ptr, _uint, _uint, _uint, _uint, _uint, _uint, _uint, _ptr, _ptr, _ptr),

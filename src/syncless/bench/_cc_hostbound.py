@@ -16,7 +16,7 @@ time shows. The loop here:
   reads the previous step's token after synchronizing the previous step's
   event (one step late).
 
-:func:`readback_step_us` times that readback alone (the ``.to("cpu",
+:func:`readback_step_samples` times that readback alone (the ``.to("cpu",
 non_blocking=True)``, the record, and the next step's synchronize) per
 setup; the issue's goal compares its host time with the shim under emulated
 CC to plain torch.
@@ -145,11 +145,6 @@ def decode_loop(torch: Any, dev: Any, step: HostBoundStep, d2h: Any, steps: int,
     pending[1].synchronize()
     torch.cuda.synchronize(dev)
     return steps / (time.perf_counter() - start_s)
-
-
-def readback_step_us(torch: Any, dev: Any, d2h: Any, steps: int, floor: bool = False) -> float:
-    """Median of :func:`readback_step_samples`."""
-    return statistics.median(readback_step_samples(torch, dev, d2h, steps, floor))
 
 
 def readback_step_samples(torch: Any, dev: Any, d2h: Any, steps: int, floor: bool = False) -> list[float]:

@@ -345,8 +345,7 @@ def install_sync_patches() -> None:
     """Add the shim's layer to every synchronization entry point (idempotent per attribute)."""
     _streams.forget_captures()
     for owner, name, wrap in patch_targets():
-        idle = _d2h.busy if name in _IDLE_WHEN_NOTHING_PENDING and not isinstance(getattr(owner, name), type) \
-            else None
+        idle = _d2h.busy if name in _IDLE_WHEN_NOTHING_PENDING else None
         patching.add_layer(owner, name, SHIM_KEY, patching.RANK_CC_SHIM, wrap, idle=idle)
 
 
