@@ -16,6 +16,9 @@ from __future__ import annotations
 import threading
 
 _local = threading.local()
+# The per-thread mark itself: ``depth`` above 0 while a thread stands for the driver. A hot wait (the CC emulator's,
+# once per copy) raises and restores it inline rather than through the context manager's two calls.
+MARKS = _local
 
 
 class _StandingForTheDriver:

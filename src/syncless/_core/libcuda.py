@@ -35,6 +35,7 @@ from syncless._core.errors import CudaError, MissingDependencyError
 
 _lock = threading.Lock()
 _LIBS: list[Any] = [None]  # (quick, blocking) once loaded
+LOADED = _LIBS  # the same list, for hot paths that read it before calling libraries() (one call fewer)
 LOADED_FROM: list[str] = [""]  # the name or path libcuda was opened by (the D2H helper process opens the same)
 
 _u64 = ctypes.c_uint64
@@ -129,9 +130,14 @@ def raise_for(call: str, code: int) -> None:
 
 def current_context() -> int:
     """The calling thread's current CUDA context handle (0: none). Host only; GIL held."""
-    quick, _ = libraries()
-    handle = _ptr()
-    code = quick.cuCtxGetCurrent(ctypes.byref(handle))
+    quick = (_LIBS[0] or libraries())[0]
+    handle = getattr(_context_out, "handle", None)
+    if handle is None:
+        handle = _context_out.handle = _ptr()
+    code = quick.cuCtxGetCurrent(handle)  # ctypes passes it by reference (the argument type is a pointer)
     if code:
         raise_for("cuCtxGetCurrent", code)
     return handle.value or 0
+
+
+_context_out = threading.local()  # per thread: the out-parameter of cuCtxGetCurrent, made once

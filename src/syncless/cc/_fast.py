@@ -67,6 +67,7 @@ class _Lane:
         self.ready = None not in (self.dispatch_depth, self.functorch_peek, self.functorch_wrapped,
                                   self.current_device, self.raw_stream, self.capturing, self.stream_query)
         self.devices: dict[str, Any] = {}  # "cpu", "cuda", "cuda:1": torch.device, read once each
+        self.torch_to = _staging._torch_own("to")  # beneath every syncless layer, the emulator's too
 
 
 _LANE: list[_Lane | None] = [None]
@@ -127,9 +128,12 @@ def to(self: Any, where: Any, max_staged_bytes: int, inline_max_bytes: int) -> A
     if (not lane.ready or type(self) is not lane.tensor or lane.has_override(self) or lane.dispatch_depth()
             or lane.functorch_peek() is not None or lane.functorch_wrapped(self) or lane.forward_ad._current_level >= 0):
         return None
-    device = lane.devices.get(where) if type(where) is str else None
-    if device is None:
-        device = _device(lane, where)
+    if type(where) is lane.device_type:
+        device = where
+    else:
+        device = lane.devices.get(where) if type(where) is str else None
+        if device is None:
+            device = _device(lane, where)
     if device is None or _streams.CAPTURES[0]:
         return None
     if self.is_cuda:
@@ -158,7 +162,9 @@ def _offload(lane: _Lane, self: Any, device: Any, max_staged_bytes: int) -> Any:
     if index != lane.current_device() or lane.capturing():
         return None
     record = streams.get((index, lane.raw_stream(index)))
-    if record is None or not _plain_block(lane, self, max_staged_bytes):
+    # _plain_block, inline (this is the readback of every decode step)
+    if (record is None or self.layout is not lane.strided or self.is_nested or self.is_quantized
+            or not self.is_contiguous() or self.is_conj() or self.is_neg() or self.nbytes > max_staged_bytes):
         return None
     if self.requires_grad and lane.grad_enabled():
         return None  # torch records the copy for autograd: its own copy (general path: "autograd")
@@ -170,8 +176,11 @@ def _offload(lane: _Lane, self: Any, device: Any, max_staged_bytes: int) -> Any:
                 COUNTERS.add("offloaded")
                 COUNTERS.add("to_helper")
                 return dst
-    if self.nbytes < READ_BACK_NOW_BYTES and record.last_job <= record.worker.completed and _drains_soon(lane, record):
-        return _read_back_now(self, device, record)
+    # Nothing offloaded from this stream is unfinished (no copy pending anywhere, the common case, reads one
+    # integer), and the stream has drained or drains within the look: torch's own copy, read at the call.
+    if (self.nbytes < READ_BACK_NOW_BYTES and (not _d2h._PENDING[0] or record.last_job <= record.worker.completed)
+            and (lane.stream_query(record.stream) or _drains_soon(lane, record))):
+        return _read_back_now(lane, self, device, record)
     dst = _d2h.pinned_block(self, self.dtype)
     if not _d2h.offload_block(record, dst, self, index):
         return None  # no room for the snapshot, or offloading is closed: the general path runs torch's own
@@ -180,8 +189,8 @@ def _offload(lane: _Lane, self: Any, device: Any, max_staged_bytes: int) -> Any:
 
 
 def _drains_soon(lane: _Lane, record: Any) -> bool:
-    """Whether D2H stream ``record.stream`` has drained, or drains within :data:`DRAIN_LOOK_S` of looking (host only:
-    queries, the GIL held; never longer than that).
+    """Whether D2H stream ``record.stream``, found busy by the caller's query, drains within :data:`DRAIN_LOOK_S` of
+    looking (host only: queries, the GIL held; never longer than that).
 
     A decode loop at batch 1 reads its token back just behind its last launch: the GPU is a few kernels behind the
     host, and the stream drains within microseconds. A small copy then costs its transfer alone as torch's own
@@ -194,8 +203,6 @@ def _drains_soon(lane: _Lane, record: Any) -> bool:
     """
     stream = record.stream
     query = lane.stream_query
-    if query(stream):
-        return True
     if record.drain_skips:
         record.drain_skips -= 1
         return False
@@ -212,7 +219,7 @@ def _drains_soon(lane: _Lane, record: Any) -> bool:
     return False
 
 
-def _read_back_now(self: Any, device: Any, record: Any) -> Any:
+def _read_back_now(lane: _Lane, self: Any, device: Any, record: Any) -> Any:
     """torch's own ``self.to("cpu", non_blocking=True)`` (under :data:`READ_BACK_NOW_BYTES`) on D2H stream
     ``record.stream``, which has nothing queued and no offloaded copy pending: under CC the host then waits for the
     transfer alone.
@@ -226,9 +233,10 @@ def _read_back_now(self: Any, device: Any, record: Any) -> Any:
     """
     COUNTERS.left_alone("idle_stream")
     stream = record.stream
-    result = _staging._torch_own("to")(self, device, non_blocking=True)
+    result = lane.torch_to(self, device, non_blocking=True)
     if _emulation.is_emulating():
-        _emulation.wait_after_copy_on(stream)
+        _streams.wait_stream_raw(stream)  # the wait CC makes (what _emulation.wait_after_copy_on makes)
+        COUNTERS.add("emulated_waits")
     elif not _host_writes.COPIES_FINISH_AT_CALL[0]:
         _host_writes.note_plain_d2h(result, stream)
     return result
@@ -241,14 +249,16 @@ def _stage(lane: _Lane, self: Any, device: Any, max_staged_bytes: int, inline_ma
     current_device = lane.current_device()
     if index is None:
         index = current_device
-    if index != current_device or lane.capturing() or not _plain_block(lane, self, max_staged_bytes):
+    if (index != current_device or lane.capturing() or self.layout is not lane.strided or self.is_nested
+            or self.is_quantized or not self.is_contiguous() or self.is_conj() or self.is_neg()
+            or self.nbytes > max_staged_bytes):  # _plain_block, inline (the upload of every decode step)
         return None
     if _d2h._PENDING[0] and _d2h._streams_by_key and (index, lane.raw_stream(index)) in _d2h._streams_by_key:
         return None  # a D2H stream is current: the general path waits for its offloaded copies first
     if self.requires_grad and lane.grad_enabled():
         return None  # torch records the copy for autograd: the general path stages torch's own copy
     nbytes = self.nbytes
-    if nbytes <= inline_max_bytes and _host_writes.settle_for_host_read(self):
+    if nbytes <= inline_max_bytes and (not _host_writes.NOTED_STARTS or _host_writes.settle_for_host_read(self)):
         entries = _inline_h2d.functions(index)
         if entries is not None:
             landed = lane.empty_strided(self.shape, self.stride(), dtype=self.dtype, device=device)
@@ -261,9 +271,10 @@ def _stage(lane: _Lane, self: Any, device: Any, max_staged_bytes: int, inline_ma
         # offloaded copies still writing this host memory (the host waits for those, as a staged copy does);
         # then the wait CC would make, if it is emulated (as a staged copy does: not through the emulator's layer,
         # whose reading of the call is no part of what CC costs).
-        _host_writes.order_after_pending_writes(current, self)
+        if _host_writes.NOTED_STARTS:
+            _host_writes.order_after_pending_writes(current, self)
         COUNTERS.left_alone("idle_stream")
-        landed = _staging._torch_own("to")(self, device, non_blocking=True)
+        landed = lane.torch_to(self, device, non_blocking=True)
         _emulation.wait_after_copy_on(current)
         return landed
     COUNTERS.add("staged")

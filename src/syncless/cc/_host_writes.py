@@ -43,6 +43,8 @@ _lock = threading.Lock()
 # trim before rescanned every entry at each note past 64, 56 us a note with 64 copies in flight (issue 33).
 _by_start: dict[int, list[list]] = {}
 _starts: list[int] = []
+# The same list (changed only in place): empty while no write is noted, which the fast lane reads before calling in.
+NOTED_STARTS = _starts
 _longest = [0]
 _count = [0]
 _TRIM_FLOOR = 64

@@ -179,7 +179,7 @@ def launch(entries: tuple[int, ...], dst_ptr: int, src_ptr: int, nbytes: int, st
     """Enqueue on ``stream_handle`` the kernel that writes host bytes ``[src_ptr, src_ptr + nbytes)`` (read now)
     to device ``dst_ptr``. GPU-side; the host does not block (GIL held through the launch); the calling thread's
     current context must be the GPU's primary one. ``0 < nbytes <= INLINE_MAX_BYTES``."""
-    blocks = _blocks()
+    blocks = getattr(_local, "blocks", None) or _blocks()
     slot = 0
     while blocks[slot].size < nbytes:
         slot += 1
@@ -187,7 +187,7 @@ def launch(entries: tuple[int, ...], dst_ptr: int, src_ptr: int, nbytes: int, st
     _pack_header(block.buffer, 0, dst_ptr, nbytes)
     ctypes.memmove(block.address + _HEADER, src_ptr, nbytes)
     grid = (nbytes + _THREADS - 1) // _THREADS
-    code = libcuda.libraries()[0].cuLaunchKernel(entries[slot], grid, 1, 1, _THREADS, 1, 1, 0, stream_handle,
+    code = (libcuda.LOADED[0] or libcuda.libraries())[0].cuLaunchKernel(entries[slot], grid, 1, 1, _THREADS, 1, 1, 0, stream_handle,
                                                  None, block.extra_address)
     if code:
         libcuda.raise_for("cuLaunchKernel", code)

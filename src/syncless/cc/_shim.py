@@ -171,9 +171,13 @@ def _present_cuda_index(device: Any) -> int | None:
 def _wrap_to(next_to):
     import torch
 
+    # torch's own predicate, called directly (dynamo folds it wherever it is referenced from): one Python call
+    # fewer than syncless._core.compiling.is_compiling on every .to() of the program.
+    compiling = torch.compiler.is_compiling
+
     def to(*args, **kwargs):
         # Takes and passes on exactly what the caller gave (see ._layers); reads only torch's own forms.
-        if is_compiling() or not args:
+        if compiling() or not args:
             return next_to(*args, **kwargs)
         if len(args) == 2 and len(kwargs) == 1 and kwargs.get("non_blocking") is True:
             # x.to(device, non_blocking=True): the decode loop's upload and readback (the fast lane, ._fast)
@@ -352,10 +356,12 @@ def _settle_for_to(self: Any, args: tuple, kwargs: dict) -> None:
 def _wrap_copy(next_copy):
     import torch
 
+    compiling = torch.compiler.is_compiling  # called directly: see _wrap_to
+
     def copy_(*args, **kwargs):
         # Takes and passes on exactly what the caller gave (see ._layers); reads only torch's own forms
         # (the deprecated ``async=`` too, which is never routed).
-        if len(args) == 2 and not kwargs and (is_compiling() or not _d2h._PENDING[0]):
+        if len(args) == 2 and not kwargs and (compiling() or not _d2h._PENDING[0]):
             return next_copy(*args)  # dst.copy_(src): blocking, and no offloaded copy to settle (a decode step's D2D)
         read = read_copy(args[1:], kwargs, deprecated_async=True) if args else None
         if read is None:

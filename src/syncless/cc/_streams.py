@@ -21,6 +21,7 @@ from typing import Any
 
 from syncless._core import cuda as _cuda
 from syncless._core import libcuda
+from syncless._core.driver_waits import MARKS as _DRIVER_MARKS
 from syncless._core.driver_waits import standing_for_the_driver
 
 BINDINGS_FLOOR = (12, 9, 1)
@@ -114,6 +115,7 @@ def _cuda_up(torch: Any) -> bool:
 def forget_after_fork() -> None:
     """In a forked child: CUDA is not initialized there (torch refuses it); forget that it was here."""
     _CUDA_UP[0] = False
+    _STREAM_SYNC[0] = None
 
 
 def device_index(device: Any) -> int:
@@ -314,11 +316,36 @@ def wait_stream_raw(stream: Any) -> None:
     """Block the calling thread until ``stream`` has drained, via the driver (invisible to sync debug mode).
 
     One ``cuStreamSynchronize`` through ctypes, the GIL released while it waits. Marked as a wait that stands for
-    the driver's own, so the detector's CUPTI layer does not count it either.
+    the driver's own, so the detector's CUPTI layer does not count it either. The CC emulator makes this wait
+    after every copy: when the driver is up and ``stream``'s GPU is current, it is one Python call and two C calls
+    (the device check and the wait); otherwise the GPU is made current for it first.
     """
+    sync = _STREAM_SYNC[0]
+    getter = _C_CALLS.get("_cuda_getDevice")
+    if sync is None or getter is None or getter() != stream.device_index:
+        _wait_stream_on_its_device(stream)
+        return
+    depth = getattr(_DRIVER_MARKS, "depth", 0)
+    _DRIVER_MARKS.depth = depth + 1
+    try:
+        code = sync(stream.cuda_stream)
+    finally:
+        _DRIVER_MARKS.depth = depth
+    if code:
+        libcuda.raise_for("cuStreamSynchronize", code)
+
+
+# ``cuStreamSynchronize`` through ctypes with the GIL released, set by the first wait once the driver is initialized.
+_STREAM_SYNC: list[Any] = [None]
+
+
+def _wait_stream_on_its_device(stream: Any) -> None:
+    """:func:`wait_stream_raw` with ``stream``'s GPU made current for it (and the driver initialized, first time)."""
     _cuda.ensure_driver()
     with _OnDevice(stream.device_index), standing_for_the_driver():
-        code = libcuda.libraries()[1].cuStreamSynchronize(stream.cuda_stream)
+        sync = libcuda.libraries()[1].cuStreamSynchronize
+        code = sync(stream.cuda_stream)
+    _STREAM_SYNC[0] = sync
     if code:
         libcuda.raise_for("cuStreamSynchronize", code)
 

@@ -39,7 +39,7 @@ def _lane_and_record(drained_after: int | None):
     return SimpleNamespace(stream_query=query), record, calls
 
 
-def test_a_drained_stream_is_read_back_now_with_one_query(monkeypatch):
+def test_a_stream_that_drains_at_the_looks_first_query_is_read_back_now(monkeypatch):
     monkeypatch.setattr(_fast, "_clock", _Clock(1e-6))
     lane, record, calls = _lane_and_record(drained_after=0)
     assert _fast._drains_soon(lane, record)
@@ -71,16 +71,81 @@ def test_a_look_that_times_out_offloads_and_the_next_looks_are_skipped_twice_as_
             skipped.append(len(calls) - before)
         assert not _fast._drains_soon(lane, record)  # the next one looks again, and misses again
         assert record.drain_skips == expected_skips
-    assert set(skipped) == {1}  # a skipped readback made one query (is it drained already?) and no look
+    assert set(skipped) == {0}  # a skipped readback makes no look (the lane's own query came before it)
     assert record.drain_skips <= _fast.MAX_DRAIN_SKIPS
 
 
-def test_a_skipped_look_still_reads_back_now_from_a_stream_that_has_drained(monkeypatch):
+class _Block:
+    """A CUDA tensor as the lane reads it: one contiguous 64-byte block on GPU 0."""
+
+    layout = "strided"
+    is_nested = is_quantized = requires_grad = False
+    nbytes = 64
+    dtype = "int64"
+
+    def get_device(self):
+        return 0
+
+    def is_contiguous(self):
+        return True
+
+    def is_conj(self):
+        return False
+
+    def is_neg(self):
+        return False
+
+
+def _readback_lane(monkeypatch, drained: bool):
+    """``_fast._offload``'s world: one D2H stream current on GPU 0 whose query answers ``drained``; what the lane
+    then did is logged (``read_now``: torch's own copy at the call; ``offloaded``)."""
+    from syncless.cc import _helper
+
+    log, queries = [], []
+    record = _d2h._D2HStream(object())
+
+    def query(stream):
+        queries.append(stream)
+        return drained
+
+    lane = SimpleNamespace(current_device=lambda: 0, capturing=lambda: False, raw_stream=lambda index: 7,
+                           strided="strided", grad_enabled=lambda: True, stream_query=query)
+    monkeypatch.setattr(_d2h, "_streams_by_key", {(0, 7): record})
+    monkeypatch.setattr(_helper, "ENABLED", [False])
+    monkeypatch.setattr(_fast, "_read_back_now", lambda lane, src, device, rec: log.append("read_now") or "now")
+    monkeypatch.setattr(_d2h, "pinned_block", lambda src, dtype: "pinned")
+    monkeypatch.setattr(_d2h, "offload_block", lambda rec, dst, src, index: log.append("offloaded") or 1)
     monkeypatch.setattr(_fast, "_clock", _Clock(1e-6))
-    lane, record, _ = _lane_and_record(drained_after=0)
+    return lane, record, log, queries
+
+
+def test_a_skipped_look_still_reads_back_now_from_a_stream_that_has_drained(monkeypatch):
+    lane, record, log, queries = _readback_lane(monkeypatch, drained=True)
     record.drain_skips = 10
-    assert _fast._drains_soon(lane, record)
-    assert record.drain_skips == 10
+    assert _fast._offload(lane, _Block(), "cpu", 1 << 20) == "now"
+    assert log == ["read_now"] and queries == [record.stream] and record.drain_skips == 10
+
+
+def test_a_busy_stream_with_looks_to_skip_is_offloaded_after_one_query(monkeypatch):
+    lane, record, log, queries = _readback_lane(monkeypatch, drained=False)
+    record.drain_skips = 3
+    assert _fast._offload(lane, _Block(), "cpu", 1 << 20) == "pinned"
+    assert log == ["offloaded"] and queries == [record.stream] and record.drain_skips == 2
+
+
+def test_a_readback_behind_an_unfinished_offload_of_its_stream_is_offloaded_without_a_query(monkeypatch):
+    lane, record, log, queries = _readback_lane(monkeypatch, drained=True)
+    monkeypatch.setattr(_d2h, "_PENDING", [1])
+    record.last_job = 5  # its worker has finished none of them (completed 0)
+    assert _fast._offload(lane, _Block(), "cpu", 1 << 20) == "pinned"
+    assert log == ["offloaded"] and queries == []
+
+
+def test_a_readback_while_only_other_streams_have_copies_pending_is_still_read_back_now(monkeypatch):
+    lane, record, log, queries = _readback_lane(monkeypatch, drained=True)
+    monkeypatch.setattr(_d2h, "_PENDING", [2])  # another D2H stream's copies; this one's last job has finished
+    assert _fast._offload(lane, _Block(), "cpu", 1 << 20) == "now"
+    assert log == ["read_now"]
 
 
 # -- the offloaded job: its waits and its hand-offs of the GIL ------------------------------------------
@@ -285,3 +350,159 @@ def test_a_capture_begun_during_the_look_ends_it_before_the_next_query(monkeypat
     lane.stream_query = query
     assert not _fast._drains_soon(lane, record)
     assert len(calls) == 3
+
+
+# -- Python calls on the hot paths (the GPU probe, tests/gpu/cc/probe_call_counts.py, counts the whole call) ----
+
+
+def _syncless_calls(fn) -> list[str]:
+    """The syncless functions ``fn()`` enters, in order (``module:function``), counted with sys.setprofile."""
+    import sys
+
+    names = []
+
+    def profile(frame, event, arg):
+        filename = frame.f_code.co_filename
+        if event == "call" and "/syncless/" in filename and "/tests/" not in filename:
+            names.append(f"{filename.rsplit('/', 1)[-1][:-3]}:{frame.f_code.co_name}")
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return names
+
+
+class _Stream:
+    device_index = 0
+    cuda_stream = 0x51
+
+
+def _emulated_driver(monkeypatch, codes=None):
+    """The emulator's wait with a stand-in ``cuStreamSynchronize`` (logs the stream and whether the thread stands
+    for the driver during it) and GPU 0 current."""
+    from syncless._core import driver_waits
+    from syncless.cc import _streams
+
+    waits = []
+
+    def sync(handle):
+        waits.append((handle, getattr(driver_waits.MARKS, "depth", 0) > 0))  # read, not called: not counted
+        return (codes or {}).get(handle, 0)
+
+    monkeypatch.setattr(_streams, "_STREAM_SYNC", [sync])
+    monkeypatch.setitem(_streams._C_CALLS, "_cuda_getDevice", lambda: 0)
+    return waits
+
+
+def test_the_emulators_wait_is_one_python_call_and_stands_for_the_driver(monkeypatch):
+    from syncless._core import driver_waits
+    from syncless.cc import _streams
+
+    waits = _emulated_driver(monkeypatch)
+    assert _syncless_calls(lambda: _streams.wait_stream_raw(_Stream())) == ["_streams:wait_stream_raw"]
+    assert waits == [(0x51, True)] and not driver_waits.is_standing_for_the_driver()
+
+
+def test_the_emulators_wait_raises_the_drivers_error_and_leaves_the_mark_as_it_was(monkeypatch):
+    from syncless._core import driver_waits
+    from syncless._core.errors import CudaError
+    from syncless.cc import _streams
+
+    _emulated_driver(monkeypatch, codes={0x51: 700})
+    monkeypatch.setattr(libcuda, "libraries", lambda: (_Library("quick", []), _Library("blocking", [])))
+    with pytest.raises(CudaError, match="cuStreamSynchronize"):
+        _streams.wait_stream_raw(_Stream())
+    assert not driver_waits.is_standing_for_the_driver()
+
+
+def test_the_emulators_wait_on_a_gpu_that_is_not_current_makes_it_current_first(monkeypatch):
+    from syncless.cc import _streams
+
+    waits = _emulated_driver(monkeypatch)
+    monkeypatch.setitem(_streams._C_CALLS, "_cuda_getDevice", lambda: 1)  # GPU 1 current, the stream on GPU 0
+    switched = []
+    monkeypatch.setattr(_streams, "_wait_stream_on_its_device", lambda stream: switched.append(stream))
+    stream = _Stream()
+    _streams.wait_stream_raw(stream)
+    assert switched == [stream] and waits == []
+
+
+def test_the_readback_read_at_the_call_enters_six_syncless_functions(monkeypatch):
+    """docs/cc.md gives the count: the lane's offload check, the read, two counters, the emulator's check and wait
+    (the patch entry, the shim's wrapper and the lane's dispatch come before: 10 in all, the probe's count)."""
+    lane, record, log, queries = _readback_lane(monkeypatch, drained=True)
+    monkeypatch.setattr(_fast, "_read_back_now", _READ_BACK_NOW)
+    record.stream = _Stream()
+    lane.torch_to = lambda src, device, non_blocking: "copied"
+    monkeypatch.setattr(_emulation, "_installed", True)
+    waits = _emulated_driver(monkeypatch)
+    names = _syncless_calls(lambda: _fast._offload(lane, _Block(), "cpu", 1 << 20))
+    assert names == ["_fast:_offload", "_fast:_read_back_now", "_stats:left_alone", "_emulation:is_emulating",
+                     "_streams:wait_stream_raw", "_stats:add"], names
+    assert waits == [(0x51, True)]
+
+
+_READ_BACK_NOW = _fast._read_back_now  # the real one (the lane fixture replaces it with a logger)
+
+
+class _HostBlock(_Block):
+    """A pinned host tensor as the upload lane reads it: 8 bytes at a real address."""
+
+    nbytes = 8
+    shape = (1,)
+
+    def __init__(self) -> None:
+        import ctypes
+
+        self._bytes = ctypes.create_string_buffer(b"\x07" * 8, 8)
+
+    def stride(self):
+        return (1,)
+
+    def data_ptr(self):
+        import ctypes
+
+        return ctypes.addressof(self._bytes)
+
+
+def test_the_inline_upload_enters_seven_syncless_functions(monkeypatch):
+    """docs/cc.md gives the count (10 with the patch entry, the shim's wrapper and the lane's dispatch)."""
+    import ctypes
+
+    from syncless.cc import _inline_h2d
+
+    launched = []
+
+    class Quick:
+        def cuCtxGetCurrent(self, handle):
+            handle.value = 0xC0
+            return 0
+
+        def cuLaunchKernel(self, function, *rest):
+            launched.append(function)
+            return 0
+
+    device_bytes = ctypes.create_string_buffer(8)
+    landed = SimpleNamespace(data_ptr=lambda: ctypes.addressof(device_bytes))
+    lane = SimpleNamespace(current_device=lambda: 0, capturing=lambda: False, raw_stream=lambda index: 7,
+                           strided="strided", grad_enabled=lambda: True,
+                           empty_strided=lambda shape, stride, dtype, device: landed)
+    loaded = libcuda.LOADED[0]
+    libcuda.LOADED[0] = (Quick(), None)  # the one list both hot paths read (put back below)
+    monkeypatch.setitem(_raw._primary_handles, 0, 0xC0)
+    monkeypatch.setitem(_inline_h2d._FUNCTIONS, 0, (11, 12, 13))
+    monkeypatch.setattr(_d2h, "_PENDING", [0])
+    src = _HostBlock()
+    try:
+        _inline_h2d.launch((11, 12, 13), landed.data_ptr(), src.data_ptr(), 8, 7)  # this thread's blocks, made once
+        launched.clear()
+        names = _syncless_calls(lambda: _fast._stage(lane, src, SimpleNamespace(index=0), 1 << 20, 4080))
+    finally:
+        libcuda.LOADED[0] = loaded
+    assert names == ["_fast:_stage", "_inline_h2d:functions", "_fast:_inline", "_raw:enter_context",
+                     "libcuda:current_context", "_inline_h2d:launch", "_stats:add"], names
+    assert launched == [11]  # the 64-byte parameter block's entry
+    block = _inline_h2d._local.blocks[0]
+    assert bytes(block.buffer[16:24]) == b"\x07" * 8  # the payload: the source's bytes, read at the call
