@@ -37,6 +37,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--calls", action="store_true",
+                        help="per line of the loop and per setup: the Python calls (syncless's own, the rest) and C "
+                             "calls one step makes, and the syncless functions they enter (sys.setprofile)")
     parser.add_argument("--untimed", action="store_true",
                         help="the bench's own loop (no timer per phase): tokens/s per setup, paired with plain's in "
                              "each round, and what the shim did with the readbacks")
@@ -185,7 +188,61 @@ def main() -> None:
         torch.cuda.synchronize(dev)
         return {p: statistics.median(v) for p, v in spent.items()}, statistics.median(totals)
 
+    def calls_per_line(setup: str, steps: int = 20) -> None:
+        """One step's calls, per line of :func:`loop` (counted over ``steps`` steps after a warm-up)."""
+        import linecache
+        import sys
+
+        enter(setup)
+        loop(setup, 30, warmup=20)
+        code = loop.__code__
+        per_line: dict = collections.defaultdict(lambda: [0, 0, 0, collections.Counter()])
+
+        def line_of(frame):
+            while frame is not None and frame.f_code is not code:
+                frame = frame.f_back
+            return frame.f_lineno if frame is not None else None
+
+        def profile(frame, event, arg):
+            if event not in ("call", "c_call"):
+                return
+            line = line_of(frame if event == "c_call" else frame.f_back)
+            if line is None:
+                return
+            row = per_line[line]
+            if event == "c_call":
+                row[2] += 1
+            elif "/syncless/" in frame.f_code.co_filename:
+                row[0] += 1
+                row[3][f"{frame.f_code.co_filename.rsplit('/', 1)[-1][:-3]}:{frame.f_code.co_name}"] += 1
+            else:
+                row[1] += 1
+
+        sys.setprofile(profile)
+        try:
+            loop(setup, steps, warmup=0)
+        finally:
+            sys.setprofile(None)
+        print(f"== calls per step, {setup} (syncless Python, other Python, C; per line of the loop)")
+        total = [0.0, 0.0, 0.0]
+        for line in sorted(per_line):
+            ours, other, c_calls, names = per_line[line]
+            if not (ours or other or c_calls):
+                continue
+            text = linecache.getline(code.co_filename, line).strip()[:60]
+            print(f"  {ours / steps:5.1f} {other / steps:5.1f} {c_calls / steps:6.1f}  {text}")
+            if ours:
+                print("        " + " ".join(f"{name}x{count / steps:g}" for name, count in names.most_common()))
+            for i, value in enumerate((ours, other, c_calls)):
+                total[i] += value / steps
+        print(f"  {total[0]:5.1f} {total[1]:5.1f} {total[2]:6.1f}  per step in all")
+
     setups = tuple(args.setups.split(","))
+    if args.calls:
+        for setup in setups:
+            calls_per_line(setup)
+        cc.uninstall()
+        return
     if args.untimed:
         untimed(setups)
         cc.uninstall()
