@@ -103,6 +103,30 @@ def main() -> None:
     timed("_inline_h2d.launch 8 B alone", lambda: _inline_h2d.launch(entries, landed.data_ptr(), host.data_ptr(), 64,
                                                                      lane.raw_stream(0)))
     timed("WHOLE inline dst.copy_(h, nb) 8 B", lambda: landed.copy_(host, non_blocking=True))
+    # The driver's own cost per call, for the next cut: a stream memory op that carries 8 bytes in the command
+    # (cuStreamWriteValue64) against the inline kernel's launch, and a bare stream query.
+    import ctypes
+
+    from syncless._core import libcuda
+
+    quick = libcuda.libraries()[0]
+    write_value = quick.cuStreamWriteValue64_v2
+    write_value.argtypes = (ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint)
+    write_value.restype = ctypes.c_int
+    handle = lane.raw_stream(0)
+    word = torch.empty(1, dtype=torch.int64, device=dev)
+    value = 0x0123456789ABCDEF
+
+    def write_word():
+        code = write_value(handle, word.data_ptr(), value, 0)
+        if code:
+            raise RuntimeError(f"cuStreamWriteValue64: {code}")
+
+    timed("raw cuStreamWriteValue64 8 B (the driver alone)", write_word)
+    torch.cuda.synchronize()
+    print(f"cuStreamWriteValue64 wrote the value exactly: {int(word.item()) == value}")
+    query = quick.cuStreamQuery
+    timed("raw cuStreamQuery of the current stream", lambda: query(handle))
     _shim._STATE.inline_max_bytes = 0
     torch.cuda._sleep(400_000_000)  # ~0.2 s of queued work, so that the upload is staged rather than torch's own
     timed("WHOLE staged h.to('cuda', nb) 8 B (inline off)", lambda: host.to(dev, non_blocking=True))
