@@ -67,6 +67,12 @@ _SIGNATURES = {
     "cuDeviceGetPCIBusId": (ctypes.c_char_p, _int, _int),
     "cuGetErrorString": (_int, ctypes.POINTER(ctypes.c_char_p)),
 }
+# Declared where the driver has them (a missing one is no error: its caller asks with hasattr first).
+_OPTIONAL_SIGNATURES = {
+    # a small upload carried in the command itself (syncless.cc._inline_h2d); the _v2 forms need no opt-in
+    "cuStreamWriteValue32_v2": (_ptr, _u64, ctypes.c_uint32, _uint),
+    "cuStreamWriteValue64_v2": (_ptr, _u64, _u64, _uint),
+}
 CUDA_ERROR_NOT_READY = 600
 
 
@@ -99,6 +105,11 @@ def _declare(lib: Any) -> None:
         function = getattr(lib, name)
         function.argtypes = argtypes
         function.restype = _int
+    for name, argtypes in _OPTIONAL_SIGNATURES.items():
+        function = getattr(lib, name, None)
+        if function is not None:
+            function.argtypes = argtypes
+            function.restype = _int
 
 
 def libraries() -> tuple[Any, Any]:

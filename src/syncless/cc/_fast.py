@@ -294,7 +294,7 @@ def _inline(lane: _Lane, dst: Any, src: Any, index: int, nbytes: int, entries: t
     if nbytes:
         pushed = _raw.enter_context(index)
         try:
-            _inline_h2d.launch(entries, dst.data_ptr(), src.data_ptr(), nbytes, lane.raw_stream(index))
+            _inline_h2d.launch(entries, dst.data_ptr(), src.data_ptr(), nbytes, lane.raw_stream(index), index)
         except CudaError as err:
             _inline_h2d.give_up(index, err)  # nothing was enqueued: the caller stages this copy, and later ones
             return False

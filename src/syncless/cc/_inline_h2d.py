@@ -28,6 +28,14 @@ cost: one allocation, one ``memmove`` and the launch (docs/cc.md has the
 count). If the module cannot be loaded on a GPU, or a launch there fails,
 uploads there go the staging way (logged once; a load that ran out of
 memory is tried again at the next upload).
+
+An upload of exactly 4 or 8 bytes into an aligned destination (a batch-1
+step's token id or position) is not a kernel at all but one stream memory
+operation, ``cuStreamWriteValue32/64``, whose command carries the value:
+stream-ordered like the kernel, after a memory fence (the default flags), and
+about a third of a launch's host time (docs/cc.md). Where the GPU lacks
+64-bit stream memory operations, or the driver refuses one, those uploads
+take the kernel (logged once).
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import struct
 import threading
 
 from syncless._core import libcuda
+from syncless._core.errors import CudaError
 
 _log = logging.getLogger(__name__)
 
@@ -98,6 +107,9 @@ def module_ptx() -> str:
 
 _lock = threading.Lock()
 _FUNCTIONS: dict[int, tuple[int, ...] | None] = {}  # GPU index -> its entries' handles (None: could not load)
+_WORD_WRITES: dict[int, bool] = {}  # GPU index -> 4- and 8-byte uploads go as one stream memory op (set at _load)
+_u32_at = ctypes.c_uint32.from_address
+_u64_at = ctypes.c_uint64.from_address
 _RETRY = object()  # what _load returns when the load may work later (out of memory)
 _local = threading.local()  # per host thread: its parameter blocks (a launch copies them; a thread reuses its own)
 
@@ -110,9 +122,11 @@ def _load(index: int) -> tuple[int, ...] | None:
     try:
         with _raw.InContext(index):
             module = _raw._ok("cuModuleLoadData", drv.cuModuleLoadData(module_ptx().encode() + b"\0"))
-            return tuple(int(_raw._ok("cuModuleGetFunction",
-                                      drv.cuModuleGetFunction(module, _entry_name(size).encode())))
-                         for size in PAYLOAD_SIZES)
+            entries = tuple(int(_raw._ok("cuModuleGetFunction",
+                                         drv.cuModuleGetFunction(module, _entry_name(size).encode())))
+                            for size in PAYLOAD_SIZES)
+        _WORD_WRITES[index] = _can_write_words(index)
+        return entries
     except Exception as err:  # noqa: BLE001 - no inline uploads on this GPU: the staging path stays correct
         if getattr(err, "name", "") == "CUDA_ERROR_OUT_OF_MEMORY":
             _log.info("syncless.cc: no memory to load the inline-upload kernel on cuda:%d now; tried again at the "
@@ -121,6 +135,28 @@ def _load(index: int) -> tuple[int, ...] | None:
         _log.warning("syncless.cc: the inline-upload kernel could not be loaded on cuda:%d (%s); small H2D copies "
                      "there are staged instead", index, err)
         return None
+
+
+def _can_write_words(index: int) -> bool:
+    """Whether GPU ``index`` takes 64-bit stream memory operations and the driver has their ``_v2`` entry points."""
+    from syncless._core import cuda
+
+    quick = libcuda.libraries()[0]
+    if not (hasattr(quick, "cuStreamWriteValue32_v2") and hasattr(quick, "cuStreamWriteValue64_v2")):
+        return False
+    try:
+        return cuda.supports_64bit_stream_mem_ops(index)
+    except CudaError:
+        return False
+
+
+def _stop_word_writes(index: int, code: int) -> None:
+    """After the driver refused a stream memory op on GPU ``index`` (nothing enqueued): the kernel from now on."""
+    with _lock:
+        if _WORD_WRITES.get(index):
+            _log.warning("syncless.cc: cuStreamWriteValue refused an upload on cuda:%d (CUresult %d); 4- and 8-byte "
+                         "uploads there are written by the inline kernel from now on", index, code)
+        _WORD_WRITES[index] = False
 
 
 def functions(index: int) -> tuple[int, ...] | None:
@@ -175,10 +211,23 @@ def _blocks() -> tuple[_Block, ...]:
 _pack_header = struct.Struct("<QI").pack_into
 
 
-def launch(entries: tuple[int, ...], dst_ptr: int, src_ptr: int, nbytes: int, stream_handle: int) -> None:
-    """Enqueue on ``stream_handle`` the kernel that writes host bytes ``[src_ptr, src_ptr + nbytes)`` (read now)
-    to device ``dst_ptr``. GPU-side; the host does not block (GIL held through the launch); the calling thread's
-    current context must be the GPU's primary one. ``0 < nbytes <= INLINE_MAX_BYTES``."""
+def launch(entries: tuple[int, ...], dst_ptr: int, src_ptr: int, nbytes: int, stream_handle: int,
+           index: int = -1) -> None:
+    """Enqueue on ``stream_handle`` of GPU ``index`` a write of host bytes ``[src_ptr, src_ptr + nbytes)`` (read
+    now) to device ``dst_ptr``: one stream memory op for 4 or 8 aligned bytes, else the kernel. GPU-side; the host
+    does not block (GIL held through the call); the calling thread's current context must be the GPU's primary
+    one. ``0 < nbytes <= INLINE_MAX_BYTES``."""
+    if nbytes <= 8 and _WORD_WRITES.get(index):
+        quick = (libcuda.LOADED[0] or libcuda.libraries())[0]
+        code = -1
+        if nbytes == 8 and not dst_ptr & 7:
+            code = quick.cuStreamWriteValue64_v2(stream_handle, dst_ptr, _u64_at(src_ptr).value, 0)
+        elif nbytes == 4 and not dst_ptr & 3:
+            code = quick.cuStreamWriteValue32_v2(stream_handle, dst_ptr, _u32_at(src_ptr).value, 0)
+        if code == 0:
+            return
+        if code > 0:
+            _stop_word_writes(index, code)  # refused, nothing enqueued: this upload and later ones take the kernel
     blocks = getattr(_local, "blocks", None) or _blocks()
     slot = 0
     while blocks[slot].size < nbytes:
@@ -198,3 +247,4 @@ def forget_after_fork() -> None:
     global _lock
     _lock = threading.Lock()
     _FUNCTIONS.clear()
+    _WORD_WRITES.clear()

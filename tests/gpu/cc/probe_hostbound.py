@@ -13,7 +13,8 @@ and nothing else); ``emulated``; ``emulated+shim``; and the shim with one thing 
 ``step.pos.copy_(h, non_blocking=True)``), ``+inplace`` (into a registered target), ``+noinline`` (the upload
 staged), ``+helper`` (the D2H helper process), ``+offload`` (every readback offloaded, its job run by the thread
 that waits for it), ``+eager`` (offloaded and run by the queue's own thread at once), ``+readnow`` (every small
-readback torch's own, whatever is queued), ``+nolook`` (read back now only from a stream found drained at once).
+readback torch's own, whatever is queued), ``+nowords`` (the 8-byte upload by the inline kernel, not a stream
+memory op), ``+nolook`` (read back now only from a stream found drained at once).
 For the shim it also counts, per thread, how many jobs each ran and how often the queue's thread woke.
 ``--profile`` adds a cProfile of the shim's loop (top functions by own time).
 """
@@ -44,7 +45,7 @@ def main() -> None:
                         help="the bench's own loop (no timer per phase): tokens/s per setup, paired with plain's in "
                              "each round, and what the shim did with the readbacks")
     parser.add_argument("--setups", default="plain,emulated,emulated+shim,emulated+shim+helper,emulated+shim+copy_",
-                        help="comma-separated; also: floor, emulated+shim+offload, emulated+shim+eager, "
+                        help="comma-separated; also: floor, emulated+shim+nowords, emulated+shim+offload, emulated+shim+eager, "
                              "emulated+shim+readnow, emulated+shim+nolook, emulated+shim+noinline, "
                              "emulated+shim+inplace")
     args = parser.parse_args()
@@ -87,7 +88,11 @@ def main() -> None:
     from syncless._core import libcuda
     from syncless.cc import _d2h_job, _fast, _shim
 
+    from syncless.cc import _inline_h2d
+
     defaults = (_fast.READ_BACK_NOW_BYTES, _d2h_job.EAGER_BYTES, _fast.DRAIN_LOOK_S)
+    _inline_h2d.functions(0)  # loads the inline kernel, and says whether this GPU takes word writes
+    words = _inline_h2d._WORD_WRITES.get(0, False)
     lane = _fast._lane()
     stream_query = lane.stream_query
 
@@ -97,6 +102,7 @@ def main() -> None:
         if setup.endswith("+nolook"):
             _fast.DRAIN_LOOK_S = 0.0  # read back now only from a stream found drained at once (run 49's rule)
         lane.stream_query = stream_query
+        _inline_h2d._WORD_WRITES[0] = words and not setup.endswith("+nowords")  # +nowords: the 8-byte upload a kernel
         if setup.endswith("+offload") or setup.endswith("+eager"):
             _fast.READ_BACK_NOW_BYTES = 0  # every readback offloaded
         if setup.endswith("+eager"):

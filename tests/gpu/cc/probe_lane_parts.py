@@ -100,8 +100,10 @@ def main() -> None:
     timed("torch's .to on staging (set_stream in/out)", staging_copy)
     timed("WHOLE inline h.to('cuda', nb) 8 B", lambda: host.to(dev, non_blocking=True))
     entries = _inline_h2d.functions(0)
-    timed("_inline_h2d.launch 8 B alone", lambda: _inline_h2d.launch(entries, landed.data_ptr(), host.data_ptr(), 64,
-                                                                     lane.raw_stream(0)))
+    timed("_inline_h2d.launch 64 B alone (the kernel)", lambda: _inline_h2d.launch(
+        entries, landed.data_ptr(), host.data_ptr(), 64, lane.raw_stream(0), 0))
+    timed("_inline_h2d.launch 8 B alone (a word write where the GPU has them)", lambda: _inline_h2d.launch(
+        entries, landed.data_ptr(), host.data_ptr(), 8, lane.raw_stream(0), 0))
     timed("WHOLE inline dst.copy_(h, nb) 8 B", lambda: landed.copy_(host, non_blocking=True))
     # The driver's own cost per call, for the next cut: a stream memory op that carries 8 bytes in the command
     # (cuStreamWriteValue64) against the inline kernel's launch, and a bare stream query.

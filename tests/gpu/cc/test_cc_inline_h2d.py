@@ -1,7 +1,7 @@
 """Small uploads written by one kernel from its launch parameters (``cc/_inline_h2d.py``), on a GPU.
 
 Under emulated CC with the shim (``emulated_cc``), with fresh random bytes each run: bit-exact against the
-source for every payload size class and its edges, both call forms (``h.to(dev, non_blocking=True)`` and
+source for every payload size class and its edges (4 and 8 bytes: one stream memory op), both call forms (``h.to(dev, non_blocking=True)`` and
 ``dst.copy_(h, non_blocking=True)``), pinned and pageable sources; stream order on the current stream (behind
 queued work, the host does not wait, and a reader queued before the copy sees the old bytes); the source read
 at the call; a source an offloaded D2H still writes; another current stream; two host threads at once. (A CUDA
@@ -16,7 +16,7 @@ import pytest
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120)]
 
-SIZES = (1, 2, 7, 8, 47, 48, 49, 255, 256, 257, 495, 496, 497, 1000, 2048, 4079, 4080)
+SIZES = (1, 2, 3, 4, 5, 7, 8, 9, 16, 47, 48, 49, 255, 256, 257, 495, 496, 497, 1000, 2048, 4079, 4080)
 
 
 def _random_bytes(torch, n: int, pinned: bool):
@@ -68,14 +68,15 @@ def test_a_4081_byte_upload_is_staged_not_inlined(emulated_cc, cycles_per_ms):
     assert torch.equal(up.cpu(), host)
 
 
-def test_behind_queued_work_the_host_goes_on_and_stream_order_holds(emulated_cc, cycles_per_ms):
+@pytest.mark.parametrize("nbytes", [4, 8, 1000])  # 4 and 8: one stream memory op (cuStreamWriteValue); 1000: the kernel
+def test_behind_queued_work_the_host_goes_on_and_stream_order_holds(emulated_cc, cycles_per_ms, nbytes):
     """current : [sleep 30 ms] [old <- dst] [K: dst <- new bytes] [after <- dst]; the host returns at once."""
     import torch
 
     dev = torch.device("cuda", 0)
-    dst = torch.randint(0, 256, (1000,), dtype=torch.uint8, device=dev)
+    dst = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=dev)
     original = dst.clone()
-    host = _random_bytes(torch, 1000, True)
+    host = _random_bytes(torch, nbytes, True)
     torch.cuda.synchronize()
     torch.cuda._sleep(cycles_per_ms * 30)
     queued = torch.cuda.Event()
@@ -89,6 +90,37 @@ def test_behind_queued_work_the_host_goes_on_and_stream_order_holds(emulated_cc,
     assert torch.equal(old, original)
     assert torch.equal(after.cpu(), host) and torch.equal(up.cpu(), host)
     assert dst._version >= 1
+
+
+def test_word_sized_uploads_into_aligned_and_unaligned_views_are_bit_exact(emulated_cc, cycles_per_ms):
+    """A position or token id (one int64, one int32) into a fresh tensor, into the middle of a buffer (aligned:
+    a stream memory op; 4 bytes off for an int64 pair of int32s: the kernel), behind queued work and read back
+    after later kernels on the same stream, with fresh random values."""
+    import torch
+
+    dev = torch.device("cuda", 0)
+    from syncless.cc import _inline_h2d
+
+    assert _inline_h2d._WORD_WRITES.get(0) is not None  # set when the module loaded on this GPU
+    for dtype in (torch.int64, torch.int32, torch.float64, torch.float32):
+        width = torch.empty((), dtype=dtype).element_size()
+        raw = _random_bytes(torch, 3 * width, True)
+        host = raw.view(dtype)
+        buffer = torch.zeros(6, dtype=dtype, device=dev)
+        torch.cuda._sleep(cycles_per_ms * 5)
+        one = host[1:2].to(dev, non_blocking=True)  # 4 or 8 bytes of a pinned block
+        buffer[3:4].copy_(host[2:3], non_blocking=True)  # aligned view
+        doubled = one * 2  # a later kernel on the same stream reads the write
+        torch.cuda.synchronize()
+        assert torch.equal(one.cpu().view(torch.uint8), host[1:2].view(torch.uint8)), dtype
+        assert torch.equal(buffer[3:4].cpu().view(torch.uint8), host[2:3].view(torch.uint8)), dtype
+        if not dtype.is_floating_point:  # (random bits as a float may be a NaN, whose payload the GPU may change)
+            assert torch.equal(doubled.cpu(), host[1:2] * 2), dtype
+    pairs = torch.zeros(4, dtype=torch.int32, device=dev)
+    host = _random_bytes(torch, 8, True).view(torch.int32)
+    pairs[1:3].copy_(host, non_blocking=True)  # 8 bytes at a 4-byte offset: not 8-aligned, the kernel writes it
+    torch.cuda.synchronize()
+    assert torch.equal(pairs[1:3].cpu(), host) and int(pairs[0]) == 0 and int(pairs[3]) == 0
 
 
 def test_the_source_is_read_at_the_call(emulated_cc, cycles_per_ms):

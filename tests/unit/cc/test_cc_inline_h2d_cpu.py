@@ -197,3 +197,93 @@ def test_a_dual_level_keeps_d2h_copies_for_torch(monkeypatch):
     assert not _fast.in_dual_level()
     with fwAD.dual_level():
         assert _fast.in_dual_level()
+
+
+# -- 4- and 8-byte uploads as one stream memory op (cuStreamWriteValue32/64) ------------------------------------
+
+
+class _WordDriver(_FakeDriver):
+    """Also takes stream memory ops: records ``(width, stream, address, value, flags)``; ``refuse``: their code."""
+
+    def __init__(self, refuse: int = 0):
+        super().__init__()
+        self.words = []
+        self.refuse = refuse
+
+    def cuStreamWriteValue64_v2(self, stream, address, value, flags):
+        self.words.append((64, stream, address, value, flags))
+        return self.refuse
+
+    def cuStreamWriteValue32_v2(self, stream, address, value, flags):
+        self.words.append((32, stream, address, value, flags))
+        return self.refuse
+
+
+@pytest.fixture
+def word_driver(monkeypatch):
+    fake = _WordDriver()
+    monkeypatch.setattr(libcuda, "libraries", lambda: (fake, fake))
+    monkeypatch.setattr(_inline_h2d, "_WORD_WRITES", {0: True})
+    return fake
+
+
+@pytest.mark.parametrize("dtype, width", [(torch.int64, 64), (torch.int32, 32), (torch.float64, 64),
+                                          (torch.float32, 32)])
+def test_a_4_or_8_byte_upload_is_one_stream_memory_op_carrying_the_bytes_read_at_the_call(word_driver, dtype,
+                                                                                          width):
+    if dtype.is_floating_point:
+        source = (torch.randn(1) * 1000).to(dtype)
+    else:
+        source = torch.randint(-2**30, 2**30, (1,), dtype=dtype)
+    expected = int.from_bytes(bytes(source.view(torch.uint8).tolist()), "little")
+    _inline_h2d.launch((1, 2, 3), 0xBEEF0000, source.data_ptr(), source.nbytes, 77, 0)
+    source.zero_()  # rewritten right after the call: the command already holds the value
+    assert word_driver.words == [(width, 77, 0xBEEF0000, expected, 0)]  # flags 0: a memory fence before the write
+    assert word_driver.launches == []
+
+
+@pytest.mark.parametrize("nbytes, dst", [(8, 0xBEEF0004), (4, 0xBEEF0002), (2, 0xBEEF0000), (16, 0xBEEF0000),
+                                         (7, 0xBEEF0000)])
+def test_other_sizes_and_unaligned_destinations_take_the_kernel(word_driver, nbytes, dst):
+    source = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    _inline_h2d.launch((1, 2, 3), dst, source.data_ptr(), nbytes, 77, 0)
+    assert word_driver.words == [] and len(word_driver.launches) == 1
+    assert word_driver.launches[0]["payload"] == bytes(source.tolist())
+
+
+def test_a_gpu_without_word_writes_takes_the_kernel(word_driver):
+    source = torch.ones(1, dtype=torch.int64)
+    _inline_h2d.launch((1, 2, 3), 0xBEEF0000, source.data_ptr(), 8, 77, 1)  # GPU 1: never loaded, no word writes
+    assert word_driver.words == [] and len(word_driver.launches) == 1
+
+
+def test_a_refused_memory_op_is_written_by_the_kernel_and_later_ones_go_there_too(word_driver, caplog):
+    word_driver.refuse = 801  # CUDA_ERROR_NOT_SUPPORTED: nothing enqueued
+    source = torch.full((1,), 12345, dtype=torch.int64)
+    with caplog.at_level("WARNING", logger="syncless.cc._inline_h2d"):
+        _inline_h2d.launch((1, 2, 3), 0xBEEF0000, source.data_ptr(), 8, 77, 0)
+        _inline_h2d.launch((1, 2, 3), 0xBEEF0000, source.data_ptr(), 8, 77, 0)
+    assert len(word_driver.words) == 1  # asked once, then the kernel
+    assert [launch["payload"] for launch in word_driver.launches] == [bytes(source.view(torch.uint8).tolist())] * 2
+    assert sum("cuStreamWriteValue refused" in record.message for record in caplog.records) == 1
+
+
+def test_word_writes_need_the_v2_entry_points_and_the_gpus_64_bit_memory_ops(monkeypatch):
+    from syncless._core import cuda
+
+    class Old:  # a driver without the _v2 entry points
+        pass
+
+    monkeypatch.setattr(libcuda, "libraries", lambda: (Old(), Old()))
+    monkeypatch.setattr(cuda, "supports_64bit_stream_mem_ops", lambda index: True)
+    assert _inline_h2d._can_write_words(0) is False
+    monkeypatch.setattr(libcuda, "libraries", lambda: (_WordDriver(), _WordDriver()))
+    assert _inline_h2d._can_write_words(0) is True
+    monkeypatch.setattr(cuda, "supports_64bit_stream_mem_ops", lambda index: False)
+    assert _inline_h2d._can_write_words(0) is False
+
+    def refuses(index):
+        raise CudaError("cuDeviceGetAttribute", 101, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal")
+
+    monkeypatch.setattr(cuda, "supports_64bit_stream_mem_ops", refuses)
+    assert _inline_h2d._can_write_words(0) is False
