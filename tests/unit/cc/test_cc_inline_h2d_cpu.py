@@ -50,6 +50,7 @@ class _FakeDriver:
 def driver(monkeypatch):
     fake = _FakeDriver()
     monkeypatch.setattr(libcuda, "libraries", lambda: (fake, fake))
+    monkeypatch.setattr(libcuda, "LOADED", [(fake, fake)])  # launch reads the loaded list first (a GPU host has one)
     return fake
 
 
@@ -223,6 +224,7 @@ class _WordDriver(_FakeDriver):
 def word_driver(monkeypatch):
     fake = _WordDriver()
     monkeypatch.setattr(libcuda, "libraries", lambda: (fake, fake))
+    monkeypatch.setattr(libcuda, "LOADED", [(fake, fake)])
     monkeypatch.setattr(_inline_h2d, "_WORD_WRITES", {0: True})
     return fake
 
