@@ -389,7 +389,8 @@ def closest_name(name: str) -> str | None:
 def unknown_names(environ: Mapping[str, str] | None = None) -> list[tuple[str, str | None]]:
     """Return ``(name, closest declared name or None)`` for every ``SYNCLESS_*`` variable not declared here."""
     env = os.environ if environ is None else environ
-    return [(name, closest_name(name)) for name in sorted(env) if name.startswith("SYNCLESS_") and name not in _SETTINGS]
+    return [(name, closest_name(name)) for name in sorted(env)
+            if name.startswith("SYNCLESS_") and name not in _SETTINGS]
 
 
 def describe_unknown(name: str, closest: str | None) -> str:

@@ -239,7 +239,8 @@ def run_ranks(
     allowed_deaths = set(may_die)
     context = mp.get_context("spawn")
     results = context.Queue()
-    processes = [context.Process(target=_rank_main, args=(plan, rank, results), name=f"syncless-rank{rank}", daemon=True)
+    processes = [context.Process(target=_rank_main, args=(plan, rank, results), name=f"syncless-rank{rank}",
+                                 daemon=True)
                  for rank in range(world_size)]
     # A rank must ignore Ctrl-C from its first instruction: the terminal sends it to the whole process group,
     # and a rank still importing torch (its target is unpickled before _rank_main runs) printed a

@@ -173,8 +173,8 @@ def _active_nvlinks(nvml: Any, handle: Any) -> int:
 def link_matrix(gpus: list[GpuInfo] | None = None) -> dict[tuple[int, int], LinkInfo]:
     """Return how every ordered pair of GPUs is connected.
 
-    Peer access comes from the driver; NVLink from NVML (:func:`nvlink_p2p`). Without NVML, links with peer access are reported as
-    PCIe-or-unknown (``kind="pcie"``), which the copy-engine transport refuses.
+    Peer access comes from the driver; NVLink from NVML (:func:`nvlink_p2p`). Without NVML, links with peer access
+    are reported as PCIe-or-unknown (``kind="pcie"``), which the copy-engine transport refuses.
     """
     gpus = list_gpus() if gpus is None else gpus
     try:

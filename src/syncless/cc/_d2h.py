@@ -51,7 +51,8 @@ an ordinary stream or the device waits for every stream's (docs/cc.md,
 "Limits"). What syncless cannot see stays unordered after the copy's write of
 the host memory: a kernel launched on ``D`` that reads that host memory
 itself (zero-copy access to pinned memory), or a wait through a C-made
-``torch.Event`` recorded on ``D`` (``torch.Stream.record_event()``); nor is anything done through the generic ``torch.Stream`` object of
+``torch.Event`` recorded on ``D`` (``torch.Stream.record_event()``); nor is
+anything done through the generic ``torch.Stream`` object of
 ``D`` (what ``torch.accelerator.current_stream()`` returns while ``D`` is
 current): its ``synchronize``, ``query``, ``wait_stream`` and
 ``record_event`` are C methods the shim does not patch, and

@@ -126,7 +126,8 @@ def to(self: Any, where: Any, max_staged_bytes: int, inline_max_bytes: int) -> A
     """
     lane = _LANE[0] or _lane()
     if (not lane.ready or type(self) is not lane.tensor or lane.has_override(self) or lane.dispatch_depth()
-            or lane.functorch_peek() is not None or lane.functorch_wrapped(self) or lane.forward_ad._current_level >= 0):
+            or lane.functorch_peek() is not None or lane.functorch_wrapped(self)
+            or lane.forward_ad._current_level >= 0):
         return None
     if type(where) is lane.device_type:
         device = where
@@ -177,11 +178,20 @@ def _offload(lane: _Lane, self: Any, device: Any, max_staged_bytes: int) -> Any:
                 COUNTERS.add("to_helper")
                 return dst
     # Nothing offloaded from this stream is unfinished (no copy pending anywhere, the common case, reads one
-    # integer), and the stream has drained or drains within the look: torch's own copy, read at the call.
-    if (self.nbytes < READ_BACK_NOW_BYTES and (not _d2h._PENDING[0] or record.last_job <= record.worker.completed)
-            and (lane.stream_query(record.stream) or _drains_soon(lane, record))):
-        return _read_back_now(lane, self, device, record)
-    dst = _d2h.pinned_block(self, self.dtype)
+    # integer), and the stream has drained or drains within the look: read back at the call.
+    dst = None
+    if self.nbytes < READ_BACK_NOW_BYTES and (not _d2h._PENDING[0] or record.last_job <= record.worker.completed):
+        if _emulation._installed or _raw.COPIES_FINISH_AT_CALL[0]:
+            # The host waits for the copy (CC, or its emulation): the result is made before the look, so only the
+            # copy's two driver calls follow the drain (:func:`_read_back_into`).
+            dst = lane.empty_strided(self.shape, self.stride(), dtype=self.dtype, pin_memory=True)
+            done = _read_back_into(lane, dst, self, device, index, record)
+            if done is not None:
+                return done
+        elif lane.stream_query(record.stream) or _drains_soon(lane, record):
+            return _read_back_now(lane, self, device, record)
+    if dst is None:
+        dst = _d2h.pinned_block(self, self.dtype)
     if not _d2h.offload_block(record, dst, self, index):
         return None  # no room for the snapshot, or offloading is closed: the general path runs torch's own
     COUNTERS.add("offloaded")
@@ -217,6 +227,39 @@ def _drains_soon(lane: _Lane, record: Any) -> bool:
     misses = record.drain_misses = min(record.drain_misses + 1, _MAX_MISSES_COUNTED)
     record.drain_skips = min(1 << misses, MAX_DRAIN_SKIPS)
     return False
+
+
+def _read_back_into(lane: _Lane, dst: Any, src: Any, device: Any, index: int, record: Any) -> Any:
+    """Where the host waits for a D2H copy anyway (CC, or its emulation): copy small ``src`` into the fresh pinned
+    ``dst`` at the call if D2H stream ``record.stream`` has drained or drains within the look, and return ``dst``;
+    None (nothing enqueued) if it does not drain: the caller offloads into ``dst``.
+
+    What torch's own copy costs there, less its serialized part: torch's ``.to()`` allocates its result and reads
+    the call only once the stream has drained (the look), while here the result and the context check come
+    first, so the GPU's last kernels finish meanwhile, and after the drain come only the copy's two driver calls
+    (:func:`._raw.copy_to_host_now`: the copy, and the wait CC makes). Its bytes are those torch's copy reads on
+    ``record.stream`` at the call: nothing is queued there ahead of it, and nothing can be queued behind it
+    before it finishes (it has when this returns). ``dst`` is pinned, with ``src``'s shape and strides and
+    version 0, as torch's result is. A copy the driver refuses (nothing enqueued) is torch's own instead, which
+    raises torch's own error if there is one. Counted in ``left_alone["idle_stream"]``, as torch's copy there is.
+    """
+    pushed = _raw.enter_context(index)
+    try:
+        if not (lane.stream_query(record.stream) or _drains_soon(lane, record)):
+            return None
+        try:
+            _raw.copy_to_host_now(dst.data_ptr(), src.data_ptr(), src.nbytes, record.stream.cuda_stream)
+        except CudaError as err:
+            if err.call != "cuMemcpyDtoHAsync":
+                raise  # the copy is enqueued and its wait failed: a GPU error, as torch's own wait would raise
+            return _read_back_now(lane, src, device, record)
+    finally:
+        if pushed:
+            _raw.leave_context()
+    COUNTERS.left_alone("idle_stream")
+    if _emulation._installed:
+        COUNTERS.add("emulated_waits")
+    return dst
 
 
 def _read_back_now(lane: _Lane, self: Any, device: Any, record: Any) -> Any:

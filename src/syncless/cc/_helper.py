@@ -311,7 +311,8 @@ class D2HHelper(_Channel):
 
 def _make_cuda_resources(index: int, channel: D2HHelper) -> None:
     """Allocate the device ring and the interprocess ready events on GPU ``index`` (``channel.ring``,
-    ``channel.events``) and write their IPC handles, and the GPU's PCI bus id, into ``channel``'s header. Host only (a ``cuMemAlloc``, ``slots`` event creations)."""
+    ``channel.events``) and write their IPC handles, and the GPU's PCI bus id, into ``channel``'s header. Host only
+    (a ``cuMemAlloc``, ``slots`` event creations)."""
     quick = libcuda.libraries()[0]
     layout = channel.layout
 

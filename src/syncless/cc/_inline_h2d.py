@@ -138,24 +138,37 @@ def _load(index: int) -> tuple[int, ...] | None:
 
 
 def _can_write_words(index: int) -> bool:
-    """Whether GPU ``index`` takes 64-bit stream memory operations and the driver has their ``_v2`` entry points."""
+    """Whether GPU ``index`` takes 64-bit stream memory operations and the driver has their ``_v2`` entry points.
+
+    Any error asking says no (logged at debug): word writes are an optimization, and a failed question must not
+    cost the GPU its inline kernel (:func:`_load` gives that up on any exception it sees).
+    """
     from syncless._core import cuda
 
-    quick = libcuda.libraries()[0]
-    if not (hasattr(quick, "cuStreamWriteValue32_v2") and hasattr(quick, "cuStreamWriteValue64_v2")):
-        return False
     try:
-        return cuda.supports_64bit_stream_mem_ops(index)
-    except CudaError:
+        quick = libcuda.libraries()[0]
+        if not (hasattr(quick, "cuStreamWriteValue32_v2") and hasattr(quick, "cuStreamWriteValue64_v2")):
+            return False
+        return bool(cuda.supports_64bit_stream_mem_ops(index))
+    except Exception as err:  # noqa: BLE001 - see the docstring
+        _log.debug("syncless.cc: could not ask whether cuda:%d takes 64-bit stream memory ops (%s); 4- and 8-byte "
+                   "uploads there take the inline kernel", index, err)
         return False
+
+
+# What a refused stream memory op returns when the op itself is what the driver will not do (nothing enqueued):
+# CUDA_ERROR_INVALID_VALUE (a flag or address it does not take) and CUDA_ERROR_NOT_SUPPORTED. Only these turn word
+# writes off for good; any other code (a context being torn down, a sticky error) is the kernel's to meet too.
+_REFUSALS = {1: "CUDA_ERROR_INVALID_VALUE", 801: "CUDA_ERROR_NOT_SUPPORTED"}
 
 
 def _stop_word_writes(index: int, code: int) -> None:
-    """After the driver refused a stream memory op on GPU ``index`` (nothing enqueued): the kernel from now on."""
+    """After the driver refused a stream memory op on GPU ``index`` with a :data:`_REFUSALS` code (nothing
+    enqueued): the kernel from now on (logged once, with the error's name)."""
     with _lock:
         if _WORD_WRITES.get(index):
-            _log.warning("syncless.cc: cuStreamWriteValue refused an upload on cuda:%d (CUresult %d); 4- and 8-byte "
-                         "uploads there are written by the inline kernel from now on", index, code)
+            _log.warning("syncless.cc: cuStreamWriteValue refused an upload on cuda:%d (%s); 4- and 8-byte uploads "
+                         "there are written by the inline kernel from now on", index, _REFUSALS[code])
         _WORD_WRITES[index] = False
 
 
@@ -226,8 +239,9 @@ def launch(entries: tuple[int, ...], dst_ptr: int, src_ptr: int, nbytes: int, st
             code = quick.cuStreamWriteValue32_v2(stream_handle, dst_ptr, _u32_at(src_ptr).value, 0)
         if code == 0:
             return
-        if code > 0:
+        if code in _REFUSALS:
             _stop_word_writes(index, code)  # refused, nothing enqueued: this upload and later ones take the kernel
+        # (another code: this upload takes the kernel, whose launch meets the same state and reports it)
     blocks = getattr(_local, "blocks", None) or _blocks()
     slot = 0
     while blocks[slot].size < nbytes:
@@ -236,8 +250,8 @@ def launch(entries: tuple[int, ...], dst_ptr: int, src_ptr: int, nbytes: int, st
     _pack_header(block.buffer, 0, dst_ptr, nbytes)
     ctypes.memmove(block.address + _HEADER, src_ptr, nbytes)
     grid = (nbytes + _THREADS - 1) // _THREADS
-    code = (libcuda.LOADED[0] or libcuda.libraries())[0].cuLaunchKernel(entries[slot], grid, 1, 1, _THREADS, 1, 1, 0, stream_handle,
-                                                 None, block.extra_address)
+    quick = (libcuda.LOADED[0] or libcuda.libraries())[0]
+    code = quick.cuLaunchKernel(entries[slot], grid, 1, 1, _THREADS, 1, 1, 0, stream_handle, None, block.extra_address)
     if code:
         libcuda.raise_for("cuLaunchKernel", code)
 

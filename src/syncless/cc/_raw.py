@@ -27,6 +27,7 @@ from typing import Any
 
 from syncless._core import cuda as _cuda
 from syncless._core import libcuda
+from syncless._core.driver_waits import MARKS as _DRIVER_MARKS
 from syncless._core.driver_waits import standing_for_the_driver
 from syncless.cc import _emulation
 
@@ -212,6 +213,39 @@ def run_copy_job(index: int, ready: int, host_ptr: int, device_ptr: int, nbytes:
     finally:
         if pushed:
             _ok("cuCtxPopCurrent", _drv().cuCtxPopCurrent())
+
+
+def copy_to_host_now(host_ptr: int, device_ptr: int, nbytes: int, handle: int) -> None:
+    """A device-to-host copy of ``nbytes`` (none if 0) on stream ``handle``, finished when this returns: the small
+    readback read at the call (:mod:`._fast`), where the host waits for the copy anyway (under CC, or emulated).
+
+    Two driver calls, as :func:`run_copy_job` makes them without its event: the copy (GIL held where it only
+    enqueues, :data:`COPY_ONLY_ENQUEUES`; released where it may block), then the wait CC makes for ``stream``
+    (under CC, as NVML confirmed at ``install()``, a query that finds it done; GIL released while waiting).
+    Blocks the host for the transfer. The caller has made the GPU's context current and holds ``host_ptr``'s
+    pinned block, which torch's host allocator knows no copy of: it is written only until this returns.
+
+    Raises :class:`CudaError`: its ``call`` is ``"cuMemcpyDtoHAsync"`` when the copy was refused (nothing was
+    enqueued) and ``"cuStreamQuery"``/``"cuStreamSynchronize"`` when the wait failed.
+    """
+    quick, blocking = libcuda.LOADED[0] or libcuda.libraries()
+    marks = _DRIVER_MARKS
+    depth = getattr(marks, "depth", 0)
+    marks.depth = depth + 1  # (standing_for_the_driver, inline: this is the readback of every decode step)
+    try:
+        if nbytes:
+            copy = quick.cuMemcpyDtoHAsync_v2 if COPY_ONLY_ENQUEUES[0] else blocking.cuMemcpyDtoHAsync_v2
+            code = copy(host_ptr, device_ptr, nbytes, handle)
+            if code:
+                libcuda.raise_for("cuMemcpyDtoHAsync", code)
+        if COPIES_FINISH_AT_CALL[0]:
+            _wait_unless_done(handle, quick.cuStreamQuery, blocking.cuStreamSynchronize, "cuStream")
+        else:
+            code = blocking.cuStreamSynchronize(handle)
+            if code:
+                libcuda.raise_for("cuStreamSynchronize", code)
+    finally:
+        marks.depth = depth
 
 
 def _wait_unless_done(handle: Any, query: Any, wait: Any, prefix: str) -> None:

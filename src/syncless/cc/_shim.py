@@ -208,7 +208,8 @@ def _wrap_to(next_to):
                 return next_to(*args, **kwargs)  # torch raises its own error
         elif src_type == "cuda":
             index = src_device.index
-        autograd = (self.requires_grad and torch.is_grad_enabled()) or _fast.in_dual_level()  # a tangent only torch's copy carries
+        # (a forward-mode tangent is carried only by torch's own copy)
+        autograd = (self.requires_grad and torch.is_grad_enabled()) or _fast.in_dual_level()
         route, _, record = _decide(self, dst_type, index, into_existing=False, registered=False,
                                    dtype_changes=dtype is not None and dtype != self.dtype, autograd=autograd,
                                    dst_dtype=dtype, src_type=src_type)
@@ -393,7 +394,8 @@ def _wrap_copy(next_copy):
                 COUNTERS.add("staged")
                 return _staging.stage_into(self, src, next_copy)
             return next_copy(*args, **kwargs)
-        autograd = ((self.requires_grad or src.requires_grad) and torch.is_grad_enabled()) or _fast.in_dual_level()  # a tangent only torch's copy carries
+        # (a forward-mode tangent is carried only by torch's own copy)
+        autograd = ((self.requires_grad or src.requires_grad) and torch.is_grad_enabled()) or _fast.in_dual_level()
         route, _, record = _decide(src, self.device.type, src.device.index if src.device.type == "cuda" else None,
                                    into_existing=True, registered=False, dtype_changes=self.dtype != src.dtype,
                                    autograd=autograd, dst=self)

@@ -57,13 +57,46 @@ def _count(fn, label: str = ""):
     return tuple(counts)
 
 
+def _profile_steps(torch, d2h, tokens, current, steps: int, setup: str) -> None:
+    """``steps`` readback steps (the d2h, the record, the next step's synchronize) under cProfile; print the top
+    functions by own time, per step."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    previous = None
+    for _ in range(steps):
+        tokens.add_(1)
+        d2h.wait_stream(current)
+        profiler.enable()
+        with torch.cuda.stream(d2h):
+            host = tokens.to("cpu", non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(d2h)
+        if previous is not None:
+            previous[1].synchronize()
+        profiler.disable()
+        previous = (host, ready)
+    previous[1].synchronize()
+    stats = pstats.Stats(profiler)
+    rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:25]
+    print(f"== cProfile, {setup}, {steps} readback steps: own time and calls per step (us), top 25")
+    for (filename, line, name), (calls, _, own, cumulative, _) in rows:
+        where = f"{filename.rsplit('/', 1)[-1]}:{line}:{name}"
+        print(f"  {own / steps * 1e6:8.2f} own {cumulative / steps * 1e6:8.2f} cum {calls / steps:6.2f} calls  {where}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--src", default="src", help="the source tree whose syncless to import (default: src)")
     parser.add_argument("--repeats", type=int, default=400)
     parser.add_argument("--label", default="")
     parser.add_argument("--json", default="")
-    parser.add_argument("--names", action="store_true", help="also list the syncless functions each counted call entered")
+    parser.add_argument("--names", action="store_true",
+                        help="also list the syncless functions each counted call entered")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="also run STEPS readback steps per setup under cProfile and print where the host time "
+                             "goes (the top functions by own time; cProfile slows every call alike)")
     args = parser.parse_args()
     sys.path.insert(0, args.src)
 
@@ -112,6 +145,8 @@ def main() -> None:
                 times["d2h"].append((t1 - t0) * 1e6)
                 times["record"].append((t3 - t2) * 1e6)
             previous = (host, ready)
+        if args.profile:
+            _profile_steps(torch, d2h, tokens, current, args.profile, setup)
         # One more step, counted.
         tokens.add_(1)
         d2h.wait_stream(current)

@@ -92,16 +92,42 @@ def test_behind_queued_work_the_host_goes_on_and_stream_order_holds(emulated_cc,
     assert dst._version >= 1
 
 
-def test_word_sized_uploads_into_aligned_and_unaligned_views_are_bit_exact(emulated_cc, cycles_per_ms):
+class _CountingDriver:
+    """The loaded driver's quick library, counting the stream memory ops the inline path makes (the rest passes)."""
+
+    def __init__(self, quick):
+        self._quick = quick
+        self.memops = {32: 0, 64: 0}
+
+    def cuStreamWriteValue32_v2(self, *args):
+        self.memops[32] += 1
+        return self._quick.cuStreamWriteValue32_v2(*args)
+
+    def cuStreamWriteValue64_v2(self, *args):
+        self.memops[64] += 1
+        return self._quick.cuStreamWriteValue64_v2(*args)
+
+    def __getattr__(self, name):
+        return getattr(self._quick, name)
+
+
+def test_word_sized_uploads_into_aligned_and_unaligned_views_are_bit_exact(emulated_cc, cycles_per_ms,
+                                                                           monkeypatch):
     """A position or token id (one int64, one int32) into a fresh tensor, into the middle of a buffer (aligned:
     a stream memory op; 4 bytes off for an int64 pair of int32s: the kernel), behind queued work and read back
-    after later kernels on the same stream, with fresh random values."""
+    after later kernels on the same stream, with fresh random values. The H200 takes 64-bit memory ops, so the
+    aligned ones must be word writes: the memory ops made are counted."""
     import torch
 
     dev = torch.device("cuda", 0)
+    from syncless._core import libcuda
     from syncless.cc import _inline_h2d
 
-    assert _inline_h2d._WORD_WRITES.get(0) is not None  # set when the module loaded on this GPU
+    torch.ones(1, dtype=torch.int64).pin_memory().to(dev, non_blocking=True)  # the module loads at the first upload
+    assert _inline_h2d._WORD_WRITES.get(0) is True, "cuda:0 should take 64-bit stream memory ops (an H200 does)"
+    quick, blocking = libcuda.libraries()
+    counting = _CountingDriver(quick)
+    monkeypatch.setattr(libcuda, "LOADED", [(counting, blocking)])
     for dtype in (torch.int64, torch.int32, torch.float64, torch.float32):
         width = torch.empty((), dtype=dtype).element_size()
         raw = _random_bytes(torch, 3 * width, True)
@@ -116,11 +142,14 @@ def test_word_sized_uploads_into_aligned_and_unaligned_views_are_bit_exact(emula
         assert torch.equal(buffer[3:4].cpu().view(torch.uint8), host[2:3].view(torch.uint8)), dtype
         if not dtype.is_floating_point:  # (random bits as a float may be a NaN, whose payload the GPU may change)
             assert torch.equal(doubled.cpu(), host[1:2] * 2), dtype
+    assert counting.memops == {32: 4, 64: 4}, counting.memops  # two aligned uploads per dtype, each one memory op
     pairs = torch.zeros(4, dtype=torch.int32, device=dev)
     host = _random_bytes(torch, 8, True).view(torch.int32)
     pairs[1:3].copy_(host, non_blocking=True)  # 8 bytes at a 4-byte offset: not 8-aligned, the kernel writes it
     torch.cuda.synchronize()
     assert torch.equal(pairs[1:3].cpu(), host) and int(pairs[0]) == 0 and int(pairs[3]) == 0
+    assert counting.memops == {32: 4, 64: 4}, counting.memops  # the unaligned one was no memory op
+    assert _inline_h2d._WORD_WRITES.get(0) is True  # none was refused
 
 
 def test_the_source_is_read_at_the_call(emulated_cc, cycles_per_ms):

@@ -267,7 +267,30 @@ def test_a_refused_memory_op_is_written_by_the_kernel_and_later_ones_go_there_to
         _inline_h2d.launch((1, 2, 3), 0xBEEF0000, source.data_ptr(), 8, 77, 0)
     assert len(word_driver.words) == 1  # asked once, then the kernel
     assert [launch["payload"] for launch in word_driver.launches] == [bytes(source.view(torch.uint8).tolist())] * 2
-    assert sum("cuStreamWriteValue refused" in record.message for record in caplog.records) == 1
+    assert sum("cuStreamWriteValue refused" in record.message and "CUDA_ERROR_NOT_SUPPORTED" in record.message
+               for record in caplog.records) == 1
+
+
+def test_a_memory_op_failing_for_another_reason_leaves_word_writes_on(word_driver, caplog):
+    """A code that says something other than "this op is not done here" (a context being torn down: 709) sends that
+    upload to the kernel, which meets the same state, and does not give word writes up for good."""
+    word_driver.refuse = 709  # CUDA_ERROR_CONTEXT_IS_DESTROYED
+    source = torch.full((1,), 7, dtype=torch.int64)
+    with caplog.at_level("WARNING", logger="syncless.cc._inline_h2d"):
+        _inline_h2d.launch((1, 2, 3), 0xBEEF0000, source.data_ptr(), 8, 77, 0)
+    assert len(word_driver.words) == 1 and len(word_driver.launches) == 1
+    assert _inline_h2d._WORD_WRITES[0] is True
+    assert not any("refused" in record.message for record in caplog.records)
+    word_driver.refuse = 0
+    _inline_h2d.launch((1, 2, 3), 0xBEEF0000, source.data_ptr(), 8, 77, 0)
+    assert len(word_driver.words) == 2 and len(word_driver.launches) == 1  # the next one is a word write again
+
+
+def test_an_invalid_value_refusal_also_stops_word_writes(word_driver):
+    word_driver.refuse = 1  # CUDA_ERROR_INVALID_VALUE
+    source = torch.full((1,), 7, dtype=torch.int32)
+    _inline_h2d.launch((1, 2, 3), 0xBEEF0000, source.data_ptr(), 4, 77, 0)
+    assert _inline_h2d._WORD_WRITES[0] is False and len(word_driver.launches) == 1
 
 
 def test_word_writes_need_the_v2_entry_points_and_the_gpus_64_bit_memory_ops(monkeypatch):
@@ -288,4 +311,16 @@ def test_word_writes_need_the_v2_entry_points_and_the_gpus_64_bit_memory_ops(mon
         raise CudaError("cuDeviceGetAttribute", 101, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal")
 
     monkeypatch.setattr(cuda, "supports_64bit_stream_mem_ops", refuses)
+    assert _inline_h2d._can_write_words(0) is False
+
+    def breaks(index):
+        raise RuntimeError("an error that is not a CudaError")
+
+    monkeypatch.setattr(cuda, "supports_64bit_stream_mem_ops", breaks)
+    assert _inline_h2d._can_write_words(0) is False  # (it used to escape, and _load then gave up the whole kernel)
+
+    def no_driver():
+        raise OSError("libcuda.so.1: cannot open shared object file")
+
+    monkeypatch.setattr(libcuda, "libraries", no_driver)
     assert _inline_h2d._can_write_words(0) is False

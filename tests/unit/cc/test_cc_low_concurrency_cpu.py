@@ -429,17 +429,164 @@ def test_the_emulators_wait_on_a_gpu_that_is_not_current_makes_it_current_first(
     assert switched == [stream] and waits == []
 
 
-def test_the_readback_read_at_the_call_enters_six_syncless_functions(monkeypatch):
-    """docs/cc.md gives the count: the lane's offload check, the read, two counters, the emulator's check and wait
-    (the patch entry, the shim's wrapper and the lane's dispatch come before: 10 in all, the probe's count)."""
+def test_the_readback_read_at_the_call_enters_seven_syncless_functions(monkeypatch):
+    """docs/cc.md gives the count: the lane's offload check, the read, the context check (two), the copy and its
+    wait, two counters (the patch entry, the shim's wrapper and the lane's dispatch come before: 10 in all)."""
+    real_enter_context = _raw.enter_context
+    lane, record, driver = _waiting_lane(monkeypatch, drained=True)
+    monkeypatch.setattr(_raw, "enter_context", real_enter_context)
+    monkeypatch.setitem(_raw._primary_handles, 0, 0)  # the stand-in driver's current context (cuCtxGetCurrent: 0)
+    names = _syncless_calls(lambda: _fast._offload(lane, _SizedBlock(), "cpu", 1 << 20))
+    assert names == ["_fast:_offload", "_fast:_read_back_into", "_raw:enter_context", "libcuda:current_context",
+                     "_raw:copy_to_host_now", "_stats:left_alone", "_stats:add"], names
+    assert [call[:2] for call in driver.log] == [("quick", "cuCtxGetCurrent"), ("quick", "cuMemcpyDtoHAsync_v2"),
+                                                 ("blocking", "cuStreamSynchronize")]
+
+
+class _SizedBlock(_Block):
+    """:class:`_Block` with the shape, strides and address the read at the call uses."""
+
+    shape = (8,)
+
+    def stride(self):
+        return (1,)
+
+    def data_ptr(self):
+        return 0xD000
+
+
+class _Driver:
+    """Both libcuda handles: logs ``(handle, name, args, standing for the driver)``; ``codes``: name -> CUresult."""
+
+    def __init__(self, events: list, codes: dict | None = None) -> None:
+        self.log, self.events, self.codes = [], events, codes or {}
+
+    def handle(self, which: str):
+        from syncless._core import driver_waits
+
+        driver = self
+
+        class Handle:
+            def __getattr__(self, name):
+                def call(*args):
+                    marked = getattr(driver_waits.MARKS, "depth", 0) > 0
+                    driver.log.append((which, name, args, marked))
+                    driver.events.append(name)
+                    return driver.codes.get(name, 0)
+
+                return call
+
+        return Handle()
+
+
+def _waiting_lane(monkeypatch, drained, *, emulating: bool = True, finishes_at_call: bool = False,
+                  codes: dict | None = None, pushed: bool = False):
+    """``_fast._offload``'s world where the host waits for a readback (CC emulated, or CC): one D2H stream (handle
+    0x51) on GPU 0 whose query answers ``drained`` (a bool, or a list of answers in turn), a stand-in driver, and
+    a log of the order of events (the result's allocation, the context check, queries, driver calls)."""
+    from syncless.cc import _helper
+
+    events: list = []
+    answers = list(drained) if isinstance(drained, list) else None
+    record = _d2h._D2HStream(SimpleNamespace(cuda_stream=0x51))
+
+    def query(stream):
+        events.append("query")
+        return answers.pop(0) if answers is not None else drained
+
+    def empty_strided(shape, stride, dtype, pin_memory):
+        events.append("allocate")
+        assert pin_memory is True and shape == (8,) and stride == (1,)
+        return SimpleNamespace(data_ptr=lambda: 0xAB00, pinned=True)
+
+    def enter_context(index):
+        events.append("context")
+        return pushed
+
+    lane = SimpleNamespace(current_device=lambda: 0, capturing=lambda: False, raw_stream=lambda index: 7,
+                           strided="strided", grad_enabled=lambda: True, stream_query=query,
+                           empty_strided=empty_strided)
+    driver = _Driver(events, codes)
+    libs = [(driver.handle("quick"), driver.handle("blocking"))]
+    monkeypatch.setattr(libcuda, "LOADED", libs)
+    monkeypatch.setattr(libcuda, "_LIBS", libs)
+    monkeypatch.setattr(_d2h, "_streams_by_key", {(0, 7): record})
+    monkeypatch.setattr(_helper, "ENABLED", [False])
+    monkeypatch.setattr(_emulation, "_installed", emulating)
+    monkeypatch.setattr(_raw, "COPIES_FINISH_AT_CALL", [finishes_at_call])
+    monkeypatch.setattr(_raw, "COPY_ONLY_ENQUEUES", [emulating])
+    monkeypatch.setattr(_raw, "enter_context", enter_context)
+    monkeypatch.setattr(_raw, "leave_context", lambda: events.append("leave"))
+    monkeypatch.setattr(_fast, "_read_back_now", lambda lane, src, device, rec: events.append("torch's") or "torch's")
+    monkeypatch.setattr(_d2h, "offload_block", lambda rec, dst, src, index: events.append(("offloaded", dst)) or 1)
+    monkeypatch.setattr(_fast, "_clock", _Clock(1e-6))
+    return lane, record, driver
+
+
+def test_where_the_host_waits_the_result_and_the_context_come_before_the_look_and_only_the_copy_after(monkeypatch):
+    lane, record, driver = _waiting_lane(monkeypatch, drained=[False, False, True])
+    out = _fast._offload(lane, _SizedBlock(), "cpu", 1 << 20)
+    assert out.pinned and out.data_ptr() == 0xAB00
+    assert driver.events == ["allocate", "context", "query", "query", "query", "cuMemcpyDtoHAsync_v2",
+                             "cuStreamSynchronize"]
+    # the copy (GIL held: it only enqueues under emulation) into the result, from the source, on the D2H stream,
+    # then the emulator's wait on that stream; both stand for the driver's own wait (the syncs detector skips them)
+    assert driver.log == [("quick", "cuMemcpyDtoHAsync_v2", (0xAB00, 0xD000, 64, 0x51), True),
+                          ("blocking", "cuStreamSynchronize", (0x51,), True)]
+
+
+def test_under_cc_the_copy_lets_go_of_the_gil_and_a_query_confirms_it_is_done(monkeypatch):
+    lane, record, driver = _waiting_lane(monkeypatch, drained=True, emulating=False, finishes_at_call=True)
+    assert _fast._offload(lane, _SizedBlock(), "cpu", 1 << 20).pinned
+    assert [call[:2] for call in driver.log] == [("blocking", "cuMemcpyDtoHAsync_v2"), ("quick", "cuStreamQuery")]
+
+
+def test_where_the_host_waits_a_stream_that_does_not_drain_is_offloaded_into_the_result_made_for_it(monkeypatch):
+    lane, record, driver = _waiting_lane(monkeypatch, drained=False, pushed=True)
+    out = _fast._offload(lane, _SizedBlock(), "cpu", 1 << 20)
+    assert driver.log == []  # no copy made at the call
+    assert driver.events[:3] == ["allocate", "context", "query"]
+    assert driver.events[-2:] == ["leave", ("offloaded", out)]  # the pushed context put back before the offload
+
+
+def test_a_copy_the_driver_refuses_is_torchs_own_and_the_pushed_context_is_put_back(monkeypatch):
+    lane, record, driver = _waiting_lane(monkeypatch, drained=True, codes={"cuMemcpyDtoHAsync_v2": 1}, pushed=True)
+    monkeypatch.setattr(libcuda, "raise_for", _raise_for)
+    assert _fast._offload(lane, _SizedBlock(), "cpu", 1 << 20) == "torch's"
+    assert driver.events[-2:] == ["torch's", "leave"]
+
+
+def test_a_failed_wait_after_the_copy_raises_the_drivers_error(monkeypatch):
+    from syncless._core.errors import CudaError
+
+    lane, record, driver = _waiting_lane(monkeypatch, drained=True, codes={"cuStreamSynchronize": 700}, pushed=True)
+    monkeypatch.setattr(libcuda, "raise_for", _raise_for)
+    with pytest.raises(CudaError, match="cuStreamSynchronize"):
+        _fast._offload(lane, _SizedBlock(), "cpu", 1 << 20)
+    assert driver.events[-1] == "leave" and "torch's" not in driver.events
+
+
+def _raise_for(call, code):
+    from syncless._core.errors import CudaError
+
+    raise CudaError(call, code, f"CUresult {code}", "a stand-in driver's error")
+
+
+def test_where_the_host_does_not_wait_the_readback_is_still_torchs_own_copy(monkeypatch):
+    lane, record, driver = _waiting_lane(monkeypatch, drained=True, emulating=False)
+    assert _fast._offload(lane, _SizedBlock(), "cpu", 1 << 20) == "torch's"  # (it notes the copy for host writes)
+    assert driver.events == ["query", "torch's"]
+
+
+def test_torchs_own_read_at_the_call_enters_six_syncless_functions_under_emulation(monkeypatch):
+    """``_read_back_now``, where the driver refused the raw copy: the read, two counters, the emulator's wait."""
     lane, record, log, queries = _readback_lane(monkeypatch, drained=True)
-    monkeypatch.setattr(_fast, "_read_back_now", _READ_BACK_NOW)
     record.stream = _Stream()
     lane.torch_to = lambda src, device, non_blocking: "copied"
     monkeypatch.setattr(_emulation, "_installed", True)
     waits = _emulated_driver(monkeypatch)
-    names = _syncless_calls(lambda: _fast._offload(lane, _Block(), "cpu", 1 << 20))
-    assert names == ["_fast:_offload", "_fast:_read_back_now", "_stats:left_alone", "_emulation:is_emulating",
+    names = _syncless_calls(lambda: _READ_BACK_NOW(lane, _Block(), "cpu", record))
+    assert names == ["_fast:_read_back_now", "_stats:left_alone", "_emulation:is_emulating",
                      "_streams:wait_stream_raw", "_stats:add"], names
     assert waits == [(0x51, True)]
 
