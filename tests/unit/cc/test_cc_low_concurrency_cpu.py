@@ -640,7 +640,11 @@ def test_the_inline_upload_enters_seven_syncless_functions(monkeypatch):
     libcuda.LOADED[0] = (Quick(), None)  # the one list both hot paths read (put back below)
     monkeypatch.setitem(_raw._primary_handles, 0, 0xC0)
     monkeypatch.setitem(_inline_h2d._FUNCTIONS, 0, (11, 12, 13))
+    monkeypatch.setattr(_inline_h2d, "_WORD_WRITES", {})  # the kernel, whatever an earlier test left
     monkeypatch.setattr(_d2h, "_PENDING", [0])
+    from syncless.cc import _host_writes
+
+    monkeypatch.setattr(_host_writes, "NOTED_STARTS", [])  # (an earlier test in this process may have left notes)
     src = _HostBlock()
     try:
         _inline_h2d.launch((11, 12, 13), landed.data_ptr(), src.data_ptr(), 8, 7)  # this thread's blocks, made once
