@@ -258,25 +258,40 @@ def _record_us(torch, dev, cycles_per_ms: int, repeats: int = 2000) -> dict[str,
     return out
 
 
+# Rounds of the host-bound rows. A round of the batch-1 loop is a fraction of a second, and on a shared host the
+# speed of every call drifts by 20-30% between such spans (run 59: plain's own rounds 1,530-1,901 tokens/s, the
+# floor above plain in two of seven), so many short rounds, each running every setup once in an order that rotates
+# from round to round (no setup always runs first, right after the GPU idled while the previous round's figures
+# were taken), give a paired median that a few long rounds do not.
+HOST_BOUND_ROUNDS = 15
+
+
+def rotated(setups: tuple, round_index: int) -> tuple:
+    """``setups`` in round ``round_index``'s order: rotated by one place a round."""
+    shift = round_index % len(setups)
+    return setups[shift:] + setups[:shift]
+
+
 def _host_bound_rows(torch, dev, d2h, quick: bool, rounds: int, progress):
-    """The host-bound loop per setup (rounds interleaved) and one step's readback; return the figures."""
+    """The host-bound loop per setup (rounds interleaved, the order rotated) and one step's readback; return the
+    figures. ``rounds``: the rounds of the host-bound loop (:data:`HOST_BOUND_ROUNDS` unless quick)."""
     step = _cc_hostbound.build_step(torch, dev)
     graph_us = step.gpu_us()
     progress(f"host-bound loop: batch 1, CUDA graph of {graph_us:.0f} us GPU time, "
              f"{_cc_hostbound.EAGER_LAUNCHES} eager launches per step")
-    steps, warmup = (100, 20) if quick else (600, 50)
+    steps, warmup = (100, 20) if quick else (300, 40)
     rates: dict[str, list[float]] = {s: [] for s in HOST_BOUND_SETUPS}
     for round_index in range(rounds):
-        for setup in HOST_BOUND_SETUPS:
+        for setup in rotated(HOST_BOUND_SETUPS, round_index):
             _enter(setup)
             rate = _cc_hostbound.decode_loop(torch, dev, step, d2h, steps, warmup, floor=setup == FLOOR_SETUP)
             rates[setup].append(rate)
             progress(f"host-bound round {round_index + 1}/{rounds} {setup}: {rate:,.0f} tokens/s")
     samples: dict[str, list[float]] = {s: [] for s in HOST_BOUND_SETUPS}
-    for _ in range(rounds):  # interleaved, as the loop's rounds are
-        for setup in HOST_BOUND_SETUPS:
+    for round_index in range(rounds):  # interleaved and rotated, as the loop's rounds are
+        for setup in rotated(HOST_BOUND_SETUPS, round_index):
             _enter(setup)
-            samples[setup] += _cc_hostbound.readback_step_samples(torch, dev, d2h, (200 if quick else 2000) // rounds,
+            samples[setup] += _cc_hostbound.readback_step_samples(torch, dev, d2h, (200 if quick else 2400) // rounds,
                                                                   floor=setup == FLOOR_SETUP)
     readback = {setup: statistics.median(values) for setup, values in samples.items()}
     for setup, us in readback.items():
@@ -320,7 +335,8 @@ def run(args: Any, progress) -> BenchOutput:
                 tokens_per_s[setup].append(rate)
                 stats[setup] = cc.stats().__dict__ | {"left_alone": dict(cc.stats().left_alone)}
                 progress(f"round {round_index + 1}/{rounds} {setup}: {rate:,.0f} tokens/s")
-        host_bound, readback_us, graph_us = _host_bound_rows(torch, dev, d2h, quick, rounds, progress)
+        host_bound, readback_us, graph_us = _host_bound_rows(torch, dev, d2h, quick,
+                                                             rounds if quick else HOST_BOUND_ROUNDS, progress)
         h2d_us = _h2d_table(torch, dev, cycles, H2D_ROUNDS if quick else 6 * H2D_ROUNDS, progress)
         record_us = _record_us(torch, dev, cycles, 200 if quick else 2000)
         for name, us in record_us.items():
@@ -392,7 +408,8 @@ def run(args: Any, progress) -> BenchOutput:
               "host_bound_vs_plain": hb_vs_plain, "host_bound_vs_floor": hb_vs_floor,
               "host_bound_eager_launches": _cc_hostbound.EAGER_LAUNCHES, "readback_step_us": readback_us,
               "event_record_us": record_us,
-              "gpu_ms_per_step": target_ms, "spin_cycles_per_ms": cycles, "batch": BATCH, "hidden": HIDDEN, "steps": steps, "rounds": rounds, "stats": stats},
+              "gpu_ms_per_step": target_ms, "spin_cycles_per_ms": cycles, "batch": BATCH, "hidden": HIDDEN, "steps": steps, "rounds": rounds,
+              "host_bound_rounds": rounds if quick else HOST_BOUND_ROUNDS, "stats": stats},
         tables=[
             (f"Host-bound decode loop: batch 1, a CUDA graph of {graph_us:.0f} us of GPU time and "
              f"{_cc_hostbound.EAGER_LAUNCHES} eager launches per step",
@@ -412,8 +429,9 @@ def run(args: Any, progress) -> BenchOutput:
             "The reference GPUs have CC off; 'emulated' makes every non_blocking host<->device copy wait for its "
             "stream, as the driver does under CC (syncless.cc.emulate).",
             "Tokens are read back on a stream from syncless.cc.new_d2h_stream(); the host consumes them one step late.",
-            "Host-bound rows: 'vs plain' and 'vs the transfer floor' are medians of per-round ratios (each round runs "
-            "every setup in turn, so a drift of the host's speed between rounds cancels); 'transfer floor' is plain "
+            f"Host-bound rows: {HOST_BOUND_ROUNDS} short rounds; 'vs plain' and 'vs the transfer floor' are medians of "
+            "per-round ratios (each round runs every setup once, in an order rotated from round to round, so a drift "
+            "of the host's speed between rounds cancels and no setup always runs first); 'transfer floor' is plain "
             "torch plus a cuStreamSynchronize of the D2H stream after each readback, the wait CC makes whichever "
             "thread makes the copy: the most a shim that makes its copies in the program's own process can reach.",
             "'+events' rows: the same loop also records a torch.cuda.Event and a torch.Event on the current stream "
@@ -422,7 +440,8 @@ def run(args: Any, progress) -> BenchOutput:
             f"Each step: embedding of the uploaded ids and positions, {target_ms:g} ms of GPU work (one calibrated "
             "spin kernel standing for a CUDA-graphed forward pass), a 4096 x 32000 sampling head and argmax.",
             "The transfer alone: torch's copy and a stream synchronize on an idle GPU, no syncless code, so the host "
-            "waits for the 1 MiB copy itself and nothing else (what CC's driver makes it wait for). Under CC the copy call returns only after its transfer; a design that issues it on the "
+            "waits for the 1 MiB copy itself and nothing else (what CC's driver makes it wait for). Under CC the copy "
+            "call returns only after its transfer; a design that issues it on the "
             "calling thread cannot return sooner, so that row, not plain, bounds what the shim can reach; the "
             "shim's own cost is the idle-GPU row with the shim against it.",
             f"H2D rows: {H2D_ROUNDS} rounds, each timing every row in turn; medians over all rounds. Every ratio "

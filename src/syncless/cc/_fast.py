@@ -318,7 +318,9 @@ def _stage(lane: _Lane, self: Any, device: Any, max_staged_bytes: int, inline_ma
             _host_writes.order_after_pending_writes(current, self)
         COUNTERS.left_alone("idle_stream")
         landed = lane.torch_to(self, device, non_blocking=True)
-        _emulation.wait_after_copy_on(current)
+        if _emulation._installed:  # (_emulation.wait_after_copy_on, inline)
+            _streams.wait_stream_raw(current)
+            COUNTERS.add("emulated_waits")
         return landed
     COUNTERS.add("staged")
     return _staging.land(self, index, current=current)

@@ -121,9 +121,11 @@ def main() -> None:
                 _shim._STATE.inline_max_bytes = 0  # the upload staged, as before the inline kernel
 
     def untimed(setups) -> None:
+        from syncless.bench import _cc as bench_cc
+
         rates = {s: [] for s in setups}
         for round_index in range(args.rounds):
-            for setup in setups:
+            for setup in bench_cc.rotated(tuple(setups), round_index):  # the order rotated, as the bench's rounds
                 enter(setup)
                 cc.reset_stats()
                 rates[setup].append(_cc_hostbound.decode_loop(torch, dev, step, d2h, args.steps, 50,
