@@ -240,8 +240,9 @@ def _read_back_into(lane: _Lane, dst: Any, src: Any, device: Any, index: int, re
     (:func:`._raw.copy_to_host_now`: the copy, and the wait CC makes). Its bytes are those torch's copy reads on
     ``record.stream`` at the call: nothing is queued there ahead of it, and nothing can be queued behind it
     before it finishes (it has when this returns). ``dst`` is pinned, with ``src``'s shape and strides and
-    version 0, as torch's result is. A copy the driver refuses (nothing enqueued) is torch's own instead, which
-    raises torch's own error if there is one. Counted in ``left_alone["idle_stream"]``, as torch's copy there is.
+    version 0, as torch's result is. A copy call that fails is torch's own instead, which raises torch's own
+    error if there is one; after any failure ``dst`` is kept for good (:func:`._raw.park`), since a copy may
+    have been enqueued into it. Counted in ``left_alone["idle_stream"]``, as torch's copy there is.
     """
     pushed = _raw.enter_context(index)
     try:
@@ -249,10 +250,13 @@ def _read_back_into(lane: _Lane, dst: Any, src: Any, device: Any, index: int, re
             return None
         try:
             _raw.copy_to_host_now(dst.data_ptr(), src.data_ptr(), src.nbytes, record.stream.cuda_stream)
-        except CudaError as err:
-            if err.call != "cuMemcpyDtoHAsync":
-                raise  # the copy is enqueued and its wait failed: a GPU error, as torch's own wait would raise
-            return _read_back_now(lane, src, device, record)
+        except BaseException as err:
+            # A copy may be enqueued into dst (a failed wait; an interrupt between the two calls; a blocking copy
+            # call that failed): torch's host allocator knows no event for it, so dst is never given back.
+            _raw.park(dst)
+            if not isinstance(err, CudaError) or err.call != "cuMemcpyDtoHAsync":
+                raise  # the wait failed (a GPU error, as torch's own wait would raise), or an interrupt
+            return _read_back_now(lane, src, device, record)  # torch's own copy, and its own error if any
     finally:
         if pushed:
             _raw.leave_context()

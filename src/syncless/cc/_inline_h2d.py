@@ -108,6 +108,7 @@ def module_ptx() -> str:
 _lock = threading.Lock()
 _FUNCTIONS: dict[int, tuple[int, ...] | None] = {}  # GPU index -> its entries' handles (None: could not load)
 _WORD_WRITES: dict[int, bool] = {}  # GPU index -> 4- and 8-byte uploads go as one stream memory op (set at _load)
+_OTHER_FAILURES_LOGGED: set[int] = set()  # GPUs where a word write failed with a code not in _REFUSALS (logged)
 _u32_at = ctypes.c_uint32.from_address
 _u64_at = ctypes.c_uint64.from_address
 _RETRY = object()  # what _load returns when the load may work later (out of memory)
@@ -241,7 +242,12 @@ def launch(entries: tuple[int, ...], dst_ptr: int, src_ptr: int, nbytes: int, st
             return
         if code in _REFUSALS:
             _stop_word_writes(index, code)  # refused, nothing enqueued: this upload and later ones take the kernel
-        # (another code: this upload takes the kernel, whose launch meets the same state and reports it)
+        elif code > 0 and index not in _OTHER_FAILURES_LOGGED:
+            # Another code: this upload takes the kernel, whose launch meets the same state and reports it. Said
+            # once per GPU (debug), so that one that keeps coming back without failing the kernel is visible.
+            _OTHER_FAILURES_LOGGED.add(index)
+            _log.debug("syncless.cc: cuStreamWriteValue failed on cuda:%d (CUresult %d); that upload went to the "
+                       "inline kernel", index, code)
     blocks = getattr(_local, "blocks", None) or _blocks()
     slot = 0
     while blocks[slot].size < nbytes:
@@ -262,3 +268,4 @@ def forget_after_fork() -> None:
     _lock = threading.Lock()
     _FUNCTIONS.clear()
     _WORD_WRITES.clear()
+    _OTHER_FAILURES_LOGGED.clear()

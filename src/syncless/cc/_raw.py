@@ -219,14 +219,18 @@ def copy_to_host_now(host_ptr: int, device_ptr: int, nbytes: int, handle: int) -
     """A device-to-host copy of ``nbytes`` (none if 0) on stream ``handle``, finished when this returns: the small
     readback read at the call (:mod:`._fast`), where the host waits for the copy anyway (under CC, or emulated).
 
-    Two driver calls, as :func:`run_copy_job` makes them without its event: the copy (GIL held where it only
-    enqueues, :data:`COPY_ONLY_ENQUEUES`; released where it may block), then the wait CC makes for ``stream``
-    (under CC, as NVML confirmed at ``install()``, a query that finds it done; GIL released while waiting).
-    Blocks the host for the transfer. The caller has made the GPU's context current and holds ``host_ptr``'s
-    pinned block, which torch's host allocator knows no copy of: it is written only until this returns.
+    Emulated, two driver calls: the copy (GIL held where it only enqueues, :data:`COPY_ONLY_ENQUEUES`; released
+    where it may block: emulated on a GPU with CC on), then the wait CC makes for ``stream`` (GIL released). Under
+    CC (NVML confirmed it at ``install()``) one: the copy, which returns once it is done, the premise torch's own
+    copy at the call relies on there too (:func:`._fast._read_back_now` makes no call after it either; a query
+    here would also be a call on a stream while another thread may have begun a global-mode capture). Blocks the
+    host for the transfer. The caller has made the GPU's context current and holds ``host_ptr``'s pinned block,
+    which torch's host allocator knows no copy of: on any failure here the caller must keep the block (a copy may
+    have been enqueued into it).
 
-    Raises :class:`CudaError`: its ``call`` is ``"cuMemcpyDtoHAsync"`` when the copy was refused (nothing was
-    enqueued) and ``"cuStreamQuery"``/``"cuStreamSynchronize"`` when the wait failed.
+    Raises :class:`CudaError`: its ``call`` is ``"cuMemcpyDtoHAsync"`` when the copy call failed (emulated on a
+    GPU with CC off: refused, nothing enqueued; where the call blocks, it may have been enqueued) and
+    ``"cuStreamSynchronize"`` when the wait failed.
     """
     quick, blocking = libcuda.LOADED[0] or libcuda.libraries()
     marks = _DRIVER_MARKS
@@ -238,14 +242,27 @@ def copy_to_host_now(host_ptr: int, device_ptr: int, nbytes: int, handle: int) -
             code = copy(host_ptr, device_ptr, nbytes, handle)
             if code:
                 libcuda.raise_for("cuMemcpyDtoHAsync", code)
-        if COPIES_FINISH_AT_CALL[0]:
-            _wait_unless_done(handle, quick.cuStreamQuery, blocking.cuStreamSynchronize, "cuStream")
-        else:
+        if not COPIES_FINISH_AT_CALL[0]:
             code = blocking.cuStreamSynchronize(handle)
             if code:
                 libcuda.raise_for("cuStreamSynchronize", code)
     finally:
         marks.depth = depth
+
+
+# Pinned results of reads at the call that failed after their copy may have been enqueued (:func:`._fast.
+# _read_back_into`): kept for the process's life, so that torch's host allocator, which knows no event for them,
+# never hands one out again while the copy may still write it. Bounded (each is at most 4 KiB): past the bound the
+# oldest goes, long after its copy ended or its context failed for good.
+PARKED: list[Any] = []
+_MAX_PARKED = 1024
+
+
+def park(block: Any) -> None:
+    """Keep ``block`` (see :data:`PARKED`)."""
+    with _lock:
+        PARKED.append(block)
+        del PARKED[:-_MAX_PARKED]
 
 
 def _wait_unless_done(handle: Any, query: Any, wait: Any, prefix: str) -> None:

@@ -24,3 +24,28 @@ def test_the_host_bound_rounds_run_every_setup_once_each_in_a_rotated_order():
     assert all(sorted(order) == sorted(setups) for order in orders)  # each round runs every setup once
     assert sorted(order[0] for order in orders) == sorted(setups)  # each setup runs first in one round of len()
     assert orders[0] == setups and _cc.rotated(setups, len(setups)) == setups
+
+
+def test_the_host_bound_rows_run_their_rounds_in_the_rotated_orders(monkeypatch):
+    """What ``_host_bound_rows`` runs, with the loop and the readback stood in for: ``rounds`` rounds of each, each
+    running every setup once, in round ``i``'s rotated order; the rates and samples kept per setup."""
+    from types import SimpleNamespace
+
+    from syncless.bench import _cc, _cc_hostbound
+
+    ran = []
+    monkeypatch.setattr(_cc, "_enter", lambda setup: ran.append(("enter", setup)))
+    monkeypatch.setattr(_cc_hostbound, "build_step", lambda torch, dev: SimpleNamespace(gpu_us=lambda: 300.0))
+    monkeypatch.setattr(_cc_hostbound, "decode_loop",
+                        lambda torch, dev, step, d2h, steps, warmup, floor: ran.append(("loop", floor)) or 1000.0)
+    monkeypatch.setattr(_cc_hostbound, "readback_step_samples",
+                        lambda torch, dev, d2h, steps, floor: ran.append(("readback", floor)) or [10.0])
+    rounds = 7
+    rates, readback, _ = _cc._host_bound_rows(None, None, None, False, rounds, lambda message: None)
+    setups = _cc.HOST_BOUND_SETUPS
+    entered = [setup for kind, setup in ran if kind == "enter"]
+    expected = [setup for index in range(rounds) for setup in _cc.rotated(setups, index)]
+    assert entered == expected * 2  # the loop's rounds, then the readback's, both rotated
+    assert all(len(rates[setup]) == rounds for setup in setups) and set(readback) == set(setups)
+    floors = [floor for kind, floor in ran if kind == "loop"]
+    assert floors == [setup == _cc.FLOOR_SETUP for setup in expected]  # the floor's wait only in its own rows

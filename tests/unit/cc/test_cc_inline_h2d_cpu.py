@@ -286,6 +286,18 @@ def test_a_memory_op_failing_for_another_reason_leaves_word_writes_on(word_drive
     assert len(word_driver.words) == 2 and len(word_driver.launches) == 1  # the next one is a word write again
 
 
+def test_another_failure_of_a_memory_op_is_logged_once_per_gpu_at_debug(word_driver, caplog, monkeypatch):
+    monkeypatch.setattr(_inline_h2d, "_OTHER_FAILURES_LOGGED", set())
+    word_driver.refuse = 800  # CUDA_ERROR_NOT_PERMITTED: not a refusal of the op itself
+    source = torch.full((1,), 7, dtype=torch.int64)
+    with caplog.at_level("DEBUG", logger="syncless.cc._inline_h2d"):
+        for _ in range(3):
+            _inline_h2d.launch((1, 2, 3), 0xBEEF0000, source.data_ptr(), 8, 77, 0)
+    assert len(word_driver.words) == 3 and len(word_driver.launches) == 3  # each one asked, then the kernel
+    assert sum("CUresult 800" in record.message for record in caplog.records) == 1
+    assert _inline_h2d._WORD_WRITES[0] is True
+
+
 def test_an_invalid_value_refusal_also_stops_word_writes(word_driver):
     word_driver.refuse = 1  # CUDA_ERROR_INVALID_VALUE
     source = torch.full((1,), 7, dtype=torch.int32)

@@ -480,7 +480,7 @@ class _Driver:
 
 
 def _waiting_lane(monkeypatch, drained, *, emulating: bool = True, finishes_at_call: bool = False,
-                  codes: dict | None = None, pushed: bool = False):
+                  codes: dict | None = None, pushed: bool = False, enqueues_only: bool | None = None):
     """``_fast._offload``'s world where the host waits for a readback (CC emulated, or CC): one D2H stream (handle
     0x51) on GPU 0 whose query answers ``drained`` (a bool, or a list of answers in turn), a stand-in driver, and
     a log of the order of events (the result's allocation, the context check, queries, driver calls)."""
@@ -496,7 +496,7 @@ def _waiting_lane(monkeypatch, drained, *, emulating: bool = True, finishes_at_c
 
     def empty_strided(shape, stride, dtype, pin_memory):
         events.append("allocate")
-        assert pin_memory is True and shape == (8,) and stride == (1,)
+        assert pin_memory is True and shape == (8,) and stride == (1,) and dtype == "int64"  # the source's
         return SimpleNamespace(data_ptr=lambda: 0xAB00, pinned=True)
 
     def enter_context(index):
@@ -514,7 +514,8 @@ def _waiting_lane(monkeypatch, drained, *, emulating: bool = True, finishes_at_c
     monkeypatch.setattr(_helper, "ENABLED", [False])
     monkeypatch.setattr(_emulation, "_installed", emulating)
     monkeypatch.setattr(_raw, "COPIES_FINISH_AT_CALL", [finishes_at_call])
-    monkeypatch.setattr(_raw, "COPY_ONLY_ENQUEUES", [emulating])
+    monkeypatch.setattr(_raw, "COPY_ONLY_ENQUEUES", [emulating if enqueues_only is None else enqueues_only])
+    monkeypatch.setattr(_raw, "PARKED", [])
     monkeypatch.setattr(_raw, "enter_context", enter_context)
     monkeypatch.setattr(_raw, "leave_context", lambda: events.append("leave"))
     monkeypatch.setattr(_fast, "_read_back_now", lambda lane, src, device, rec: events.append("torch's") or "torch's")
@@ -535,10 +536,18 @@ def test_where_the_host_waits_the_result_and_the_context_come_before_the_look_an
                           ("blocking", "cuStreamSynchronize", (0x51,), True)]
 
 
-def test_under_cc_the_copy_lets_go_of_the_gil_and_a_query_confirms_it_is_done(monkeypatch):
+def test_under_cc_the_copy_lets_go_of_the_gil_and_is_done_when_it_returns(monkeypatch):
     lane, record, driver = _waiting_lane(monkeypatch, drained=True, emulating=False, finishes_at_call=True)
     assert _fast._offload(lane, _SizedBlock(), "cpu", 1 << 20).pinned
-    assert [call[:2] for call in driver.log] == [("blocking", "cuMemcpyDtoHAsync_v2"), ("quick", "cuStreamQuery")]
+    # one call: under CC the copy returns once done (as torch's own copy at the call is trusted to), no query
+    assert [call[:2] for call in driver.log] == [("blocking", "cuMemcpyDtoHAsync_v2")]
+
+
+def test_emulated_on_a_gpu_with_cc_on_the_copy_may_block_so_it_lets_go_of_the_gil_then_the_wait(monkeypatch):
+    lane, record, driver = _waiting_lane(monkeypatch, drained=True, emulating=True, enqueues_only=False)
+    assert _fast._offload(lane, _SizedBlock(), "cpu", 1 << 20).pinned
+    assert [call[:2] for call in driver.log] == [("blocking", "cuMemcpyDtoHAsync_v2"),
+                                                 ("blocking", "cuStreamSynchronize")]
 
 
 def test_where_the_host_waits_a_stream_that_does_not_drain_is_offloaded_into_the_result_made_for_it(monkeypatch):
@@ -554,6 +563,7 @@ def test_a_copy_the_driver_refuses_is_torchs_own_and_the_pushed_context_is_put_b
     monkeypatch.setattr(libcuda, "raise_for", _raise_for)
     assert _fast._offload(lane, _SizedBlock(), "cpu", 1 << 20) == "torch's"
     assert driver.events[-2:] == ["torch's", "leave"]
+    assert [block.data_ptr() for block in _raw.PARKED] == [0xAB00]  # kept: where the call blocks, it may be enqueued
 
 
 def test_a_failed_wait_after_the_copy_raises_the_drivers_error(monkeypatch):
@@ -564,6 +574,36 @@ def test_a_failed_wait_after_the_copy_raises_the_drivers_error(monkeypatch):
     with pytest.raises(CudaError, match="cuStreamSynchronize"):
         _fast._offload(lane, _SizedBlock(), "cpu", 1 << 20)
     assert driver.events[-1] == "leave" and "torch's" not in driver.events
+    # the copy was enqueued into the result, which torch's host allocator knows nothing of: never given back
+    assert [block.data_ptr() for block in _raw.PARKED] == [0xAB00]
+
+
+def test_an_interrupt_between_the_copy_and_its_wait_keeps_the_result_and_puts_the_context_back(monkeypatch):
+    lane, record, driver = _waiting_lane(monkeypatch, drained=True, pushed=True)
+
+    blocking = driver.handle("blocking")
+
+    class InterruptingSync:
+        def __getattr__(self, name):
+            if name == "cuStreamSynchronize":
+                def interrupted(handle):
+                    raise KeyboardInterrupt
+                return interrupted
+            return getattr(blocking, name)
+
+    libcuda.LOADED[0] = (libcuda.LOADED[0][0], InterruptingSync())
+    with pytest.raises(KeyboardInterrupt):
+        _fast._offload(lane, _SizedBlock(), "cpu", 1 << 20)
+    assert driver.events[-2:] == ["cuMemcpyDtoHAsync_v2", "leave"]
+    assert [block.data_ptr() for block in _raw.PARKED] == [0xAB00]
+
+
+def test_parked_results_are_bounded(monkeypatch):
+    monkeypatch.setattr(_raw, "PARKED", [])
+    monkeypatch.setattr(_raw, "_MAX_PARKED", 3)
+    for block in range(5):
+        _raw.park(block)
+    assert _raw.PARKED == [2, 3, 4]  # the oldest go first
 
 
 def _raise_for(call, code):
