@@ -408,7 +408,8 @@ def run(args: Any, progress) -> BenchOutput:
               "host_bound_vs_plain": hb_vs_plain, "host_bound_vs_floor": hb_vs_floor,
               "host_bound_eager_launches": _cc_hostbound.EAGER_LAUNCHES, "readback_step_us": readback_us,
               "event_record_us": record_us,
-              "gpu_ms_per_step": target_ms, "spin_cycles_per_ms": cycles, "batch": BATCH, "hidden": HIDDEN, "steps": steps, "rounds": rounds,
+              "gpu_ms_per_step": target_ms, "spin_cycles_per_ms": cycles, "batch": BATCH, "hidden": HIDDEN,
+              "steps": steps, "rounds": rounds,
               "host_bound_rounds": host_bound_rounds, "stats": stats},
         tables=[
             (f"Host-bound decode loop: batch 1, a CUDA graph of {graph_us:.0f} us of GPU time and "
