@@ -238,8 +238,8 @@ def _read_back_into(lane: _Lane, dst: Any, src: Any, device: Any, index: int, re
     the call only once the stream has drained (the look), while here the result and the context check come
     first, so the GPU's last kernels finish meanwhile, and after the drain come only the copy's driver calls
     (:func:`._raw.copy_to_host_now`: the copy, and when emulated the wait CC makes). Its bytes are those torch's
-    copy reads on ``record.stream`` at the call: nothing is queued there ahead of it, and nothing can be queued behind it
-    before it finishes (it has when this returns). ``dst`` is pinned, with ``src``'s shape and strides and
+    copy reads on ``record.stream`` at the call: nothing is queued there ahead of it, and nothing can be queued
+    behind it before it finishes (it has when this returns). ``dst`` is pinned, with ``src``'s shape and strides and
     version 0, as torch's result is. A copy call that fails is torch's own instead, which raises torch's own
     error if there is one; after any failure ``dst`` is kept for good (:func:`._raw.park`), since a copy may
     have been enqueued into it. Counted in ``left_alone["idle_stream"]``, as torch's copy there is.
