@@ -109,12 +109,14 @@ def transfer_wait(d2h: Any):
 
 
 def decode_loop(torch: Any, dev: Any, step: HostBoundStep, d2h: Any, steps: int, warmup: int,
-                floor: bool = False) -> float:
+                floor: bool = False, waits: list | None = None) -> float:
     """Run the host-bound loop; return tokens per second over the measured steps (batch 1: a token per step).
 
     ``floor``: plain torch, and after each readback the wait for its transfer (:func:`transfer_wait`): what CC
     costs a loop whose copies are made on its own thread by a shim that costs nothing itself (its upload written
-    by a kernel, which needs no wait), so the most an in-process shim can reach.
+    by a kernel, which needs no wait), so the most a shim reading back at the call can reach. ``waits``: gets the
+    host's time (us) in each measured step's one-step-late synchronize: near 0 where the host sets the pace;
+    where the GPU does, the host's time to spare (a shim that does not wait at the call can spend it).
     """
     current = torch.cuda.current_stream(dev)
     wait = transfer_wait(d2h) if floor else None
@@ -139,7 +141,10 @@ def decode_loop(torch: Any, dev: Any, step: HostBoundStep, d2h: Any, steps: int,
             ready = torch.cuda.Event()
             ready.record(d2h)
         if pending is not None:  # the previous step's token, one step late
+            t0 = time.perf_counter()
             pending[1].synchronize()
+            if waits is not None and index >= warmup:
+                waits.append((time.perf_counter() - t0) * 1e6)
             int(pending[0][0])
         pending = (token_host, ready)
     pending[1].synchronize()

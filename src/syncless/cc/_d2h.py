@@ -85,6 +85,7 @@ import os
 from syncless._core import patching
 from syncless._core.errors import CudaError, NoGPUError
 from syncless.cc import _d2h_job, _helper, _host_writes, _inline_h2d, _raw, _streams, _worker
+from syncless.cc._readback_choice import ReadbackChoice
 from syncless.cc._layers import SHIM_KEY
 from syncless.cc._worker import UNRAISED, OrderedWorker
 
@@ -110,6 +111,9 @@ class _D2HStream:
     # row double that number (a loop whose readback waits behind long GPU work stops paying for the look).
     drain_skips: int = 0
     drain_misses: int = 0
+    # Where the host waits for a copy (CC, or its emulation): whether a small readback takes the look or goes
+    # straight to the offload, chosen by timing the loop both ways now and then (._readback_choice).
+    choice: ReadbackChoice = field(default_factory=ReadbackChoice)
 
 
 # A job of some D2H stream's worker: (worker, number); waiting for it waits for that stream's copies up to it.

@@ -177,18 +177,21 @@ def _offload(lane: _Lane, self: Any, device: Any, max_staged_bytes: int) -> Any:
                 COUNTERS.add("offloaded")
                 COUNTERS.add("to_helper")
                 return dst
-    # Nothing offloaded from this stream is unfinished (no copy pending anywhere, the common case, reads one
-    # integer), and the stream has drained or drains within the look: read back at the call.
+    # A small readback is read back at the call if nothing offloaded from this stream is unfinished (no copy pending
+    # anywhere, the common case, reads one integer) and the stream has drained or drains within the look.
     dst = None
-    if self.nbytes < READ_BACK_NOW_BYTES and (not _d2h._PENDING[0] or record.last_job <= record.worker.completed):
+    if self.nbytes < READ_BACK_NOW_BYTES:
         if _emulation._installed or _raw.COPIES_FINISH_AT_CALL[0]:
-            # The host waits for the copy (CC, or its emulation): the result is made before the look, so only the
-            # copy's two driver calls follow the drain (:func:`_read_back_into`).
-            dst = lane.empty_strided(self.shape, self.stride(), dtype=self.dtype, pin_memory=True)
-            done = _read_back_into(lane, dst, self, device, index, record)
-            if done is not None:
-                return done
-        elif lane.stream_query(record.stream) or _drains_soon(lane, record):
+            # The host waits for the copy (CC, or its emulation): the look, unless timing this loop both ways says
+            # offloading without it is faster (._readback_choice). The result is made before the look, so only
+            # the copy's two driver calls follow the drain (:func:`_read_back_into`).
+            if not record.choice.offload() and (not _d2h._PENDING[0] or record.last_job <= record.worker.completed):
+                dst = lane.empty_strided(self.shape, self.stride(), dtype=self.dtype, pin_memory=True)
+                done = _read_back_into(lane, dst, self, device, index, record)
+                if done is not None:
+                    return done
+        elif ((not _d2h._PENDING[0] or record.last_job <= record.worker.completed)
+              and (lane.stream_query(record.stream) or _drains_soon(lane, record))):
             return _read_back_now(lane, self, device, record)
     if dst is None:
         dst = _d2h.pinned_block(self, self.dtype)

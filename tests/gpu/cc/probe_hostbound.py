@@ -12,11 +12,12 @@ each phase's median host microseconds per step and the step's. Setups: ``plain``
 and nothing else); ``emulated``; ``emulated+shim``; and the shim with one thing changed: ``+copy_`` (the upload as
 ``step.pos.copy_(h, non_blocking=True)``), ``+inplace`` (into a registered target), ``+noinline`` (the upload
 staged), ``+helper`` (the D2H helper process), ``+offload`` (every readback offloaded, its job run by the thread
-that waits for it), ``+eager`` (offloaded and run by the queue's own thread at once), ``+readnow`` (every small
+that waits for it), ``+look`` (every small readback takes the look, as before
+run 64: no timing of both ways), ``+eager`` (offloaded and run by the queue's own thread at once), ``+readnow`` (every small
 readback torch's own, whatever is queued), ``+nowords`` (the 8-byte upload by the inline kernel, not a stream
 memory op), ``+nolook`` (read back now only from a stream found drained at once).
 For the shim it also counts, per thread, how many jobs each ran and how often the queue's thread woke.
-``--profile`` adds a cProfile of the shim's loop (top functions by own time).
+``--profile`` adds a cProfile of the shim's loop (top functions by own time; ``--profile-setup`` names another).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--profile-setup", default="emulated+shim", help="the setup --profile profiles")
     parser.add_argument("--calls", action="store_true",
                         help="per line of the loop and per setup: the Python calls (syncless's own, the rest) and C "
                              "calls one step makes, and the syncless functions they enter (sys.setprofile)")
@@ -47,7 +49,7 @@ def main() -> None:
     parser.add_argument("--setups", default="plain,emulated,emulated+shim,emulated+shim+helper,emulated+shim+copy_",
                         help="comma-separated; also: floor, emulated+shim+nowords, emulated+shim+offload, emulated+shim+eager, "
                              "emulated+shim+readnow, emulated+shim+nolook, emulated+shim+noinline, "
-                             "emulated+shim+inplace")
+                             "emulated+shim+inplace, emulated+shim+look")
     args = parser.parse_args()
 
     import torch
@@ -86,7 +88,7 @@ def main() -> None:
     _worker.OrderedWorker._loop = counting_loop
 
     from syncless._core import libcuda
-    from syncless.cc import _d2h_job, _fast, _shim
+    from syncless.cc import _d2h, _d2h_job, _fast, _shim
 
     from syncless.cc import _inline_h2d
 
@@ -96,8 +98,20 @@ def main() -> None:
     lane = _fast._lane()
     stream_query = lane.stream_query
 
+    from syncless.cc import _readback_choice
+
+    d2h_record = _d2h.lookup(d2h)
+    choices: dict = {}  # setup -> its D2H stream's choice of way, kept from round to round as a loop keeps it
+
     def enter(setup: str) -> None:
         cc.uninstall()
+        if setup not in choices:
+            choices[setup] = _readback_choice.ReadbackChoice()
+            if setup.endswith("+look"):
+                choices[setup].pin(_readback_choice.LOOK)  # the look for every readback (before run 64)
+            elif setup.endswith("+offload"):
+                choices[setup].pin(_readback_choice.OFFLOAD)
+        d2h_record.choice = choices[setup]
         _fast.READ_BACK_NOW_BYTES, _d2h_job.EAGER_BYTES, _fast.DRAIN_LOOK_S = defaults
         if setup.endswith("+nolook"):
             _fast.DRAIN_LOOK_S = 0.0  # read back now only from a stream found drained at once (run 49's rule)
@@ -131,8 +145,10 @@ def main() -> None:
                 rates[setup].append(_cc_hostbound.decode_loop(torch, dev, step, d2h, args.steps, 50,
                                                               floor=setup == "floor"))
                 did = cc.stats()
+                way = d2h_record.choice
                 print(f"round {round_index + 1} {setup:24s} {rates[setup][-1]:7.0f} tokens/s  offloaded "
-                      f"{did.offloaded}, read back now {did.left_alone.get('idle_stream', 0)}, inlined {did.inlined}")
+                      f"{did.offloaded}, read back now {did.left_alone.get('idle_stream', 0)}, inlined {did.inlined}"
+                      f"  way {'offload' if way.way else 'look'} (trials {way.trials}, switches {way.switches})")
         print()
         for setup in setups:
             ratios = [r / p for r, p in zip(rates[setup], rates["plain"])]
@@ -276,10 +292,10 @@ def main() -> None:
             row.append(statistics.median(values))
         print(f"{name:18s}" + "".join(f"{v:24.1f}" for v in row))
     if args.profile:
-        enter("emulated+shim")
+        enter(args.profile_setup)
         profiler = cProfile.Profile()
         profiler.enable()
-        loop("emulated+shim", 200, warmup=10)
+        loop(args.profile_setup, 200, warmup=10)
         profiler.disable()
         buffer = io.StringIO()
         pstats.Stats(profiler, stream=buffer).sort_stats("tottime").print_stats(45)

@@ -29,6 +29,7 @@ HOST_BOUND = {"plain": [100.0, 200.0, 300.0, 400.0, 500.0], _cc.FLOOR_SETUP: [95
               "emulated": [50.0, 60.0, 70.0, 80.0, 90.0], "emulated+shim": [99.0, 150.0, 297.0, 396.0, 100.0],
               _cc.HELPER_SETUP: [96.0, 192.0, 288.0, 384.0, 480.0]}
 READBACK_US = {"plain": 40.0, _cc.FLOOR_SETUP: 44.0, "emulated": 400.0, "emulated+shim": 52.0, _cc.HELPER_SETUP: 44.0}
+LATE_SYNC_US = {"plain": 92.0, _cc.FLOOR_SETUP: 2.0, "emulated": 2.2, "emulated+shim": 4.0, _cc.HELPER_SETUP: 3.0}
 RECORD_US = {"plain": 1.0, "shim, nothing pending": 1.5, "shim, a copy pending": 2.5}
 H2D_US = {"plain": 50.0, "shim": 55.0, "emulated": 20_000.0, "emulated+shim": 100.0, _cc.TRANSFER_ALONE: 80.0,
           _cc.SHIM_IDLE: 96.0}
@@ -69,7 +70,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(_cc, "_record_us", lambda torch, device, cycles, repeats: dict(RECORD_US))
     measured.h2d = h2d_measured
     monkeypatch.setattr(_cc, "_host_bound_rows", lambda torch, dev, d2h, quick, rounds, progress: (
-        dict(HOST_BOUND), dict(READBACK_US), 350.0))
+        dict(HOST_BOUND), dict(READBACK_US), 350.0, dict(LATE_SYNC_US)))
     return measured
 
 
@@ -89,9 +90,12 @@ def test_tables_and_goals_use_medians_against_the_right_setup(fake_gpu):
     (_, _, host_bound), (_, _, readback), (_, _, throughput), (_, _, h2d), (_, _, record) = output.tables
     # setup, median tokens/s, vs plain and vs the floor (medians of per-round ratios), min, max
     assert [row[0] for row in host_bound] == list(_cc.HOST_BOUND_SETUPS)
-    assert host_bound[0] == ["plain", 300.0, 1.0, pytest.approx(1 / 0.95), 100.0, 500.0]
-    assert host_bound[1] == [_cc.FLOOR_SETUP, 285.0, pytest.approx(0.95), 1.0, 95.0, 475.0]
-    assert host_bound[3] == ["emulated+shim", 150.0, pytest.approx(0.99), pytest.approx(0.99 / 0.95), 99.0, 396.0]
+    # ..., the host's median wait at the late synchronize, min, max
+    assert host_bound[0] == ["plain", 300.0, 1.0, pytest.approx(1 / 0.95), 92.0, 100.0, 500.0]
+    assert host_bound[1] == [_cc.FLOOR_SETUP, 285.0, pytest.approx(0.95), 1.0, 2.0, 95.0, 475.0]
+    assert host_bound[3] == ["emulated+shim", 150.0, pytest.approx(0.99), pytest.approx(0.99 / 0.95), 4.0, 99.0,
+                             396.0]
+    assert output.data["host_bound_late_sync_us"] == LATE_SYNC_US
     assert host_bound[4][:4] == [_cc.HELPER_SETUP, 288.0, pytest.approx(0.96), pytest.approx(0.96 / 0.95)]
     assert output.data["host_bound_vs_plain"]["emulated+shim"] == pytest.approx(0.99)
     assert readback == [["plain", 40.0, 1.0, pytest.approx(40 / 44)], [_cc.FLOOR_SETUP, 44.0, pytest.approx(1.1), 1.0],

@@ -36,16 +36,27 @@ def test_the_host_bound_rows_run_their_rounds_in_the_rotated_orders(monkeypatch)
     ran = []
     monkeypatch.setattr(_cc, "_enter", lambda setup: ran.append(("enter", setup)))
     monkeypatch.setattr(_cc_hostbound, "build_step", lambda torch, dev: SimpleNamespace(gpu_us=lambda: 300.0))
-    monkeypatch.setattr(_cc_hostbound, "decode_loop",
-                        lambda torch, dev, step, d2h, steps, warmup, floor: ran.append(("loop", floor)) or 1000.0)
+    import syncless.cc as cc
+
+    def decode_loop(torch, dev, step, d2h, steps, warmup, floor, waits):
+        ran.append(("loop", floor, d2h))
+        waits.append(90.0 if floor else 5.0)  # the host's wait at the late sync, per setup
+        return 1000.0
+
+    monkeypatch.setattr(_cc_hostbound, "decode_loop", decode_loop)
     monkeypatch.setattr(_cc_hostbound, "readback_step_samples",
-                        lambda torch, dev, d2h, steps, floor: ran.append(("readback", floor)) or [10.0])
+                        lambda torch, dev, d2h, steps, floor: ran.append(("readback", floor, d2h)) or [10.0])
+    monkeypatch.setattr(cc, "new_d2h_stream", lambda dev: "the readback's own D2H stream")
     rounds = 7
-    rates, readback, _ = _cc._host_bound_rows(None, None, None, False, rounds, lambda message: None)
+    rates, readback, _, late_sync = _cc._host_bound_rows(None, None, "d2h", False, rounds, lambda message: None)
     setups = _cc.HOST_BOUND_SETUPS
-    entered = [setup for kind, setup in ran if kind == "enter"]
+    entered = [call[1] for call in ran if call[0] == "enter"]
     expected = [setup for index in range(rounds) for setup in _cc.rotated(setups, index)]
     assert entered == expected * 2  # the loop's rounds, then the readback's, both rotated
     assert all(len(rates[setup]) == rounds for setup in setups) and set(readback) == set(setups)
-    floors = [floor for kind, floor in ran if kind == "loop"]
+    floors = [call[1] for call in ran if call[0] == "loop"]
     assert floors == [setup == _cc.FLOOR_SETUP for setup in expected]  # the floor's wait only in its own rows
+    # the loop on the bench's D2H stream, the readback on one of its own (a second loop: its way chosen afresh)
+    assert {call[2] for call in ran if call[0] == "loop"} == {"d2h"}
+    assert {call[2] for call in ran if call[0] == "readback"} == {"the readback's own D2H stream"}
+    assert late_sync == {setup: 90.0 if setup == _cc.FLOOR_SETUP else 5.0 for setup in setups}

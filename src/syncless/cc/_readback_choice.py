@@ -1,0 +1,116 @@
+"""Which way a small readback from one D2H stream goes where the host waits for it: the look, or straight to the
+offload. Chosen by timing the loop that makes the readbacks, both ways, now and then.
+
+Where the host waits for a D2H copy (CC, or its emulation), a small readback can be made two ways
+(:mod:`._fast`):
+
+- **the look**: read back at the call if the D2H stream drains within :data:`._fast.DRAIN_LOOK_S` (else
+  offload). The host waits for the GPU's queue ahead of the copy, then for the transfer; the GPU then idles while
+  the host makes the next step's first calls. Cheapest for the host.
+- **the offload**: a device snapshot and an event now, the copy later, run by whichever thread waits for it. The
+  host does not wait for the GPU here, and pays the offload's own calls instead (some 40-60 us a step on an
+  H200's host, run 63).
+
+Which is faster depends on the loop, not on the copy. A loop whose GPU work takes longer than its host's calls
+(the GPU behind by a step) loses a bubble at each look and has the host time the offload needs to spare: run 63's
+batch-1 loop, 0.929x plain tokens/s when read back at the call (the transfer floor), 0.999x offloaded. A loop
+whose host is the bottleneck finds the stream drained at the call, and every offload's call is on its critical
+path (run 53: 0.880x at the call, 0.804x offloaded). The look alone cannot tell them apart: reading at the call
+keeps the GPU close behind the host, so the next look drains in time again, and a loop can settle in either way
+whichever is faster (runs 61 and 63, the same loop on like hosts: 0.858x at the call, 0.999x offloaded).
+
+So the interval between one readback and the next (a decode loop's step) is measured for :data:`WINDOW`
+readbacks the way in use, then as many the other way; the faster by :data:`MIN_GAIN` (medians, less the first
+:data:`SETTLE` of each window, while the loop settles) is used for the next run of readbacks, unmeasured:
+:data:`FIRST_RUN`, doubled each time the trial keeps the way in use, up to :data:`MAX_RUN`. Readbacks further
+apart than :data:`MAX_INTERVAL_S` are no loop's steps: the trial then ends, and the look is used. A trial's
+cost: :data:`WINDOW` readbacks the slower way in every run (8% of them at first, 2% once settled).
+
+Host only, no CUDA call: one counter decrement per readback between trials, a clock read during them. The
+caller holds the GIL; two threads reading back from one D2H stream at once share its choice (each still gets a
+correct copy either way).
+"""
+
+from __future__ import annotations
+
+import statistics
+from time import perf_counter as _clock
+
+LOOK = False  # read back at the call if the stream drains within the look (else offload)
+OFFLOAD = True  # offload without looking
+
+WINDOW = 24  # readbacks timed each way in a trial
+SETTLE = 4  # of a window's intervals, the first ones not counted (the loop settles into the way)
+FIRST_RUN = 256  # readbacks the chosen way then takes untimed
+MAX_RUN = 1024  # a loop that changes (prefill to decode) is timed again within about a second
+MIN_GAIN = 0.02  # the other way takes over when its median interval is at least this much shorter
+MAX_INTERVAL_S = 0.05  # longer between two readbacks: not a loop's step (the trial ends, the look is used)
+
+_RUN, _TIMING_CURRENT, _TIMING_OTHER = 0, 1, 2
+
+
+class ReadbackChoice:
+    """One D2H stream's way for its small readbacks where the host waits (the look, or the offload); see the
+    module docstring. :meth:`offload` is asked once per such readback, before anything is enqueued."""
+
+    __slots__ = ("way", "phase", "left", "run", "last", "current", "other", "trials", "switches")
+
+    def __init__(self) -> None:
+        self.way = LOOK
+        self.run = FIRST_RUN
+        self.trials = 0  # trials decided (for tests and probes)
+        self.switches = 0  # trials that changed the way
+        self._begin_trial()
+
+    def _begin_trial(self) -> None:
+        self.phase = _TIMING_CURRENT
+        self.left = WINDOW
+        self.last = 0.0
+        self.current: list[float] = []
+        self.other: list[float] = []
+
+    def pin(self, way: bool) -> None:
+        """Use ``way`` for every readback from now on, untimed (probes and tests compare the two ways)."""
+        self.way = way
+        self.phase = _RUN
+        self.left = float("inf")
+
+    def offload(self) -> bool:
+        """Whether this readback goes straight to the offload (True) or takes the look (False)."""
+        if self.phase == _RUN:
+            self.left -= 1
+            if self.left <= 0:
+                self._begin_trial()
+            return self.way
+        return self._timed()
+
+    def _timed(self) -> bool:
+        now = _clock()
+        last, self.last = self.last, now
+        if last:
+            interval = now - last
+            if interval > MAX_INTERVAL_S:
+                self._end_trial(LOOK, kept=False)
+                return self.way
+            samples = self.current if self.phase == _TIMING_CURRENT else self.other
+            if WINDOW - self.left > SETTLE:  # (the first intervals of a window belong partly to the way before)
+                samples.append(interval)
+        self.left -= 1
+        if self.left > 0:
+            return self.way if self.phase == _TIMING_CURRENT else not self.way
+        if self.phase == _TIMING_CURRENT:
+            self.phase = _TIMING_OTHER
+            self.left = WINDOW
+            return not self.way  # this readback is the first one of the other way's window
+        faster = statistics.median(self.other) < statistics.median(self.current) * (1.0 - MIN_GAIN)
+        self._end_trial(not self.way if faster else self.way, kept=not faster)
+        return self.way
+
+    def _end_trial(self, way: bool, kept: bool) -> None:
+        self.trials += 1
+        if way != self.way:
+            self.switches += 1
+        self.way = way
+        self.run = min(self.run * 2, MAX_RUN) if kept else FIRST_RUN
+        self.phase = _RUN
+        self.left = self.run
