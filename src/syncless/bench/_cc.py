@@ -264,6 +264,15 @@ def _record_us(torch, dev, cycles_per_ms: int, repeats: int = 2000) -> dict[str,
 # from round to round (no setup always runs first, right after the GPU idled while the previous round's figures
 # were taken), give a paired median that a few long rounds do not.
 HOST_BOUND_ROUNDS = 15
+# The batch-1 loops each round runs per setup: name -> eager launches per step. The host-bound one is issue 33's row
+# (its goal); in the GPU-paced one the host has time to spare, and a readback that does not wait at the call wins it.
+HOST_BOUND_LOOP = "host-bound"
+GPU_PACED_LOOP = "GPU-paced"
+LOOPS = {HOST_BOUND_LOOP: _cc_hostbound.EAGER_LAUNCHES, GPU_PACED_LOOP: _cc_hostbound.GPU_PACED_LAUNCHES}
+
+
+LOOP_COLUMNS = ["setup", "tokens/s (median)", "vs plain", "vs the transfer floor", "host waits at the late sync (us)",
+                "min", "max"]
 
 
 def rotated(setups: tuple, round_index: int) -> tuple:
@@ -273,22 +282,24 @@ def rotated(setups: tuple, round_index: int) -> tuple:
 
 
 def _host_bound_rows(torch, dev, d2h, quick: bool, rounds: int, progress):
-    """The host-bound loop per setup (rounds interleaved, the order rotated) and one step's readback; return the
-    figures. ``rounds``: the rounds of the host-bound loop (:data:`HOST_BOUND_ROUNDS` unless quick)."""
+    """The batch-1 loops of :data:`LOOPS` per setup (rounds interleaved, the order rotated) and one step's readback;
+    return ``(tokens/s per loop and setup, readback us per setup, the graph's GPU us, the host's median wait at the
+    late sync per loop and setup)``. ``rounds``: :data:`HOST_BOUND_ROUNDS` unless quick."""
     step = _cc_hostbound.build_step(torch, dev)
     graph_us = step.gpu_us()
     progress(f"host-bound loop: batch 1, CUDA graph of {graph_us:.0f} us GPU time, "
              f"{_cc_hostbound.EAGER_LAUNCHES} eager launches per step")
     steps, warmup = (100, 20) if quick else (300, 40)
-    rates: dict[str, list[float]] = {s: [] for s in HOST_BOUND_SETUPS}
-    waits: dict[str, list[float]] = {s: [] for s in HOST_BOUND_SETUPS}
+    rates: dict[str, dict[str, list[float]]] = {loop: {s: [] for s in HOST_BOUND_SETUPS} for loop in LOOPS}
+    waits: dict[str, dict[str, list[float]]] = {loop: {s: [] for s in HOST_BOUND_SETUPS} for loop in LOOPS}
     for round_index in range(rounds):
         for setup in rotated(HOST_BOUND_SETUPS, round_index):
             _enter(setup)
-            rate = _cc_hostbound.decode_loop(torch, dev, step, d2h, steps, warmup, floor=setup == FLOOR_SETUP,
-                                             waits=waits[setup])
-            rates[setup].append(rate)
-            progress(f"host-bound round {round_index + 1}/{rounds} {setup}: {rate:,.0f} tokens/s")
+            for loop, launches in LOOPS.items():  # the host-bound loop, then the GPU-paced one
+                rate = _cc_hostbound.decode_loop(torch, dev, step, d2h, steps, warmup, floor=setup == FLOOR_SETUP,
+                                                 waits=waits[loop][setup], launches=launches)
+                rates[loop][setup].append(rate)
+                progress(f"{loop} round {round_index + 1}/{rounds} {setup}: {rate:,.0f} tokens/s")
     # One step's readback on a D2H stream of its own: another loop, whose way for its readbacks the shim chooses
     # afresh (._readback_choice), as it would for a second loop of a program on a stream of its own.
     import syncless.cc as cc
@@ -304,7 +315,8 @@ def _host_bound_rows(torch, dev, d2h, quick: bool, rounds: int, progress):
     readback = {setup: statistics.median(values) for setup, values in samples.items()}
     for setup, us in readback.items():
         progress(f"one step's readback, {setup}: {us:.1f} us")
-    late_sync_us = {setup: statistics.median(values) for setup, values in waits.items()}
+    late_sync_us = {loop: {setup: statistics.median(values) for setup, values in per_setup.items()}
+                    for loop, per_setup in waits.items()}
     return rates, readback, graph_us, late_sync_us
 
 
@@ -345,7 +357,7 @@ def run(args: Any, progress) -> BenchOutput:
                 stats[setup] = cc.stats().__dict__ | {"left_alone": dict(cc.stats().left_alone)}
                 progress(f"round {round_index + 1}/{rounds} {setup}: {rate:,.0f} tokens/s")
         host_bound_rounds = rounds if quick else HOST_BOUND_ROUNDS
-        host_bound, readback_us, graph_us, late_sync_us = _host_bound_rows(torch, dev, d2h, quick, host_bound_rounds,
+        loop_rates, readback_us, graph_us, late_sync_us = _host_bound_rows(torch, dev, d2h, quick, host_bound_rounds,
                                                                            progress)
         h2d_us = _h2d_table(torch, dev, cycles, H2D_ROUNDS if quick else 6 * H2D_ROUNDS, progress)
         record_us = _record_us(torch, dev, cycles, 200 if quick else 2000)
@@ -360,11 +372,13 @@ def run(args: Any, progress) -> BenchOutput:
     record_rows = [[name, us, us / record_us["plain"]] for name, us in record_us.items()]
     h2d_rows = [[s, h2d_us[s], h2d_us[s] / h2d_us["plain"], h2d_us[s] / h2d_us["emulated"],
                  h2d_us[s] / h2d_us[TRANSFER_ALONE]] for s in h2d_us]
-    hb_median = {s: statistics.median(v) for s, v in host_bound.items()}
-    hb_vs_plain = {s: paired_ratio(host_bound[s], host_bound["plain"]) for s in HOST_BOUND_SETUPS}
-    hb_vs_floor = {s: paired_ratio(host_bound[s], host_bound[FLOOR_SETUP]) for s in HOST_BOUND_SETUPS}
-    hb_rows = [[s, hb_median[s], hb_vs_plain[s], hb_vs_floor[s], late_sync_us[s], min(host_bound[s]),
-                max(host_bound[s])] for s in HOST_BOUND_SETUPS]
+    vs_plain = {loop: {s: paired_ratio(r[s], r["plain"]) for s in HOST_BOUND_SETUPS} for loop, r in loop_rates.items()}
+    vs_floor = {loop: {s: paired_ratio(r[s], r[FLOOR_SETUP]) for s in HOST_BOUND_SETUPS}
+                for loop, r in loop_rates.items()}
+    loop_rows = {loop: [[s, statistics.median(r[s]), vs_plain[loop][s], vs_floor[loop][s], late_sync_us[loop][s],
+                         min(r[s]), max(r[s])] for s in HOST_BOUND_SETUPS] for loop, r in loop_rates.items()}
+    host_bound, hb_vs_plain, hb_vs_floor = (loop_rates[HOST_BOUND_LOOP], vs_plain[HOST_BOUND_LOOP],
+                                            vs_floor[HOST_BOUND_LOOP])
     readback_rows = [[s, us, us / readback_us["plain"], us / readback_us[FLOOR_SETUP]] for s, us in readback_us.items()]
     goals = [
         Goal("host-bound decode loop (batch 1): emulated CC with the shim vs plain tokens/s",
@@ -416,7 +430,10 @@ def run(args: Any, progress) -> BenchOutput:
         data={"tokens_per_s": tokens_per_s, "median_tokens_per_s": median, "h2d_return_us": h2d_us,
               "host_bound_tokens_per_s": host_bound, "host_bound_graph_us": graph_us,
               "host_bound_vs_plain": hb_vs_plain, "host_bound_vs_floor": hb_vs_floor,
-              "host_bound_late_sync_us": late_sync_us,
+              "host_bound_late_sync_us": late_sync_us[HOST_BOUND_LOOP],
+              "gpu_paced_tokens_per_s": loop_rates[GPU_PACED_LOOP], "gpu_paced_vs_plain": vs_plain[GPU_PACED_LOOP],
+              "gpu_paced_vs_floor": vs_floor[GPU_PACED_LOOP], "gpu_paced_late_sync_us": late_sync_us[GPU_PACED_LOOP],
+              "gpu_paced_eager_launches": _cc_hostbound.GPU_PACED_LAUNCHES,
               "host_bound_eager_launches": _cc_hostbound.EAGER_LAUNCHES, "readback_step_us": readback_us,
               "event_record_us": record_us,
               "gpu_ms_per_step": target_ms, "spin_cycles_per_ms": cycles, "batch": BATCH, "hidden": HIDDEN,
@@ -425,8 +442,9 @@ def run(args: Any, progress) -> BenchOutput:
         tables=[
             (f"Host-bound decode loop: batch 1, a CUDA graph of {graph_us:.0f} us of GPU time and "
              f"{_cc_hostbound.EAGER_LAUNCHES} eager launches per step",
-             ["setup", "tokens/s (median)", "vs plain", "vs the transfer floor", "host waits at the late sync (us)",
-              "min", "max"], hb_rows),
+             LOOP_COLUMNS, loop_rows[HOST_BOUND_LOOP]),
+            (f"GPU-paced decode loop: the same graph and {_cc_hostbound.GPU_PACED_LAUNCHES} eager launches per step "
+             "(the host has time to spare)", LOOP_COLUMNS, loop_rows[GPU_PACED_LOOP]),
             ("One step's token readback (8 int64 on a D2H stream, an event, read one step late): median host time",
              ["setup", "us per step", "vs plain", "vs the transfer floor"], readback_rows),
             ("Decode loop throughput", ["setup", "tokens/s (median)", "vs plain", "min", "max"], rows),
@@ -449,7 +467,10 @@ def run(args: Any, progress) -> BenchOutput:
             "at the call: the most a shim that reads back at the call can reach. 'host waits at the late sync' is the "
             "median host time per step in the one-step-late Event.synchronize(): near 0 where the host sets the "
             "loop's pace; where the GPU does, the host's time to spare, and a shim that offloads the readback "
-            "(which the shim does when timing the loop both ways says it is faster) can beat the floor.",
+            "(which the shim does when timing the loop both ways says it is faster) can beat the floor. The "
+            f"GPU-paced loop is the same loop with {_cc_hostbound.GPU_PACED_LAUNCHES} eager launches a step instead "
+            f"of {_cc_hostbound.EAGER_LAUNCHES}, so that the GPU sets the pace on any host, as in a compiled decode "
+            "loop whose step is its GPU time; each round runs both loops per setup.",
             "'+events' rows: the same loop also records a torch.cuda.Event and a torch.Event on the current stream "
             "each step after the readback and synchronizes the previous step's; with the shim each of them covers "
             "the offloaded copies issued before it (the any-event rule).",

@@ -11,7 +11,8 @@ time shows. The loop here:
   a stack of batch-1 matmuls, a sampling head; its output token feeds the
   next step's input on the GPU, as async scheduling does);
 - launches :data:`EAGER_LAUNCHES` small eager kernels (the sampler's and
-  scheduler's own launches), so that the host is the bottleneck;
+  scheduler's own launches), so that the host is the bottleneck (or
+  :data:`GPU_PACED_LAUNCHES`, so that the GPU is: the GPU-paced rows);
 - reads the token back on ``cc.new_d2h_stream()`` and records an event, and
   reads the previous step's token after synchronizing the previous step's
   event (one step late).
@@ -30,6 +31,9 @@ from typing import Any
 
 GRAPH_US = 350.0  # GPU time of the captured step (calibrated by the layer count)
 EAGER_LAUNCHES = 48  # eager kernels per step besides the graph (each a few microseconds of host time)
+# The same loop with this many eager launches: the host's calls then take well under the graph's GPU time on any
+# host, so the GPU sets the pace (as in issue 33's compiled decode loop: about 0.6 ms a step, plain at its GPU time).
+GPU_PACED_LAUNCHES = 8
 HIDDEN = 2048
 VOCAB = 32000
 
@@ -109,7 +113,7 @@ def transfer_wait(d2h: Any):
 
 
 def decode_loop(torch: Any, dev: Any, step: HostBoundStep, d2h: Any, steps: int, warmup: int,
-                floor: bool = False, waits: list | None = None) -> float:
+                floor: bool = False, waits: list | None = None, launches: int = EAGER_LAUNCHES) -> float:
     """Run the host-bound loop; return tokens per second over the measured steps (batch 1: a token per step).
 
     ``floor``: plain torch, and after each readback the wait for its transfer (:func:`transfer_wait`): what CC
@@ -117,6 +121,7 @@ def decode_loop(torch: Any, dev: Any, step: HostBoundStep, d2h: Any, steps: int,
     by a kernel, which needs no wait), so the most a shim reading back at the call can reach. ``waits``: gets the
     host's time (us) in each measured step's one-step-late synchronize: near 0 where the host sets the pace;
     where the GPU does, the host's time to spare (a shim that does not wait at the call can spend it).
+    ``launches``: the eager launches per step (:data:`GPU_PACED_LAUNCHES`: the GPU sets the pace).
     """
     current = torch.cuda.current_stream(dev)
     wait = transfer_wait(d2h) if floor else None
@@ -131,7 +136,7 @@ def decode_loop(torch: Any, dev: Any, step: HostBoundStep, d2h: Any, steps: int,
         pos = pos_host.to(dev, non_blocking=True)
         step.pos.copy_(pos)
         step.graph.replay()
-        for _ in range(EAGER_LAUNCHES):  # the sampler's and scheduler's own small launches
+        for _ in range(launches):  # the sampler's and scheduler's own small launches
             step.scratch.add_(1.0)
         d2h.wait_stream(current)
         with torch.cuda.stream(d2h):

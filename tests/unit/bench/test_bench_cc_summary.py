@@ -29,6 +29,9 @@ HOST_BOUND = {"plain": [100.0, 200.0, 300.0, 400.0, 500.0], _cc.FLOOR_SETUP: [95
               "emulated": [50.0, 60.0, 70.0, 80.0, 90.0], "emulated+shim": [99.0, 150.0, 297.0, 396.0, 100.0],
               _cc.HELPER_SETUP: [96.0, 192.0, 288.0, 384.0, 480.0]}
 READBACK_US = {"plain": 40.0, _cc.FLOOR_SETUP: 44.0, "emulated": 400.0, "emulated+shim": 52.0, _cc.HELPER_SETUP: 44.0}
+GPU_PACED = {setup: [100.0, 200.0, 300.0] for setup in _cc.HOST_BOUND_SETUPS} | {
+    _cc.FLOOR_SETUP: [93.0, 186.0, 279.0], "emulated": [80.0, 160.0, 240.0]}
+GPU_PACED_LATE_SYNC_US = {setup: 90.0 if setup == "plain" else 1.0 for setup in _cc.HOST_BOUND_SETUPS}
 LATE_SYNC_US = {"plain": 92.0, _cc.FLOOR_SETUP: 2.0, "emulated": 2.2, "emulated+shim": 4.0, _cc.HELPER_SETUP: 3.0}
 RECORD_US = {"plain": 1.0, "shim, nothing pending": 1.5, "shim, a copy pending": 2.5}
 H2D_US = {"plain": 50.0, "shim": 55.0, "emulated": 20_000.0, "emulated+shim": 100.0, _cc.TRANSFER_ALONE: 80.0,
@@ -70,7 +73,8 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(_cc, "_record_us", lambda torch, device, cycles, repeats: dict(RECORD_US))
     measured.h2d = h2d_measured
     monkeypatch.setattr(_cc, "_host_bound_rows", lambda torch, dev, d2h, quick, rounds, progress: (
-        dict(HOST_BOUND), dict(READBACK_US), 350.0, dict(LATE_SYNC_US)))
+        {_cc.HOST_BOUND_LOOP: dict(HOST_BOUND), _cc.GPU_PACED_LOOP: dict(GPU_PACED)}, dict(READBACK_US), 350.0,
+        {_cc.HOST_BOUND_LOOP: dict(LATE_SYNC_US), _cc.GPU_PACED_LOOP: dict(GPU_PACED_LATE_SYNC_US)}))
     return measured
 
 
@@ -87,7 +91,12 @@ def test_tables_and_goals_use_medians_against_the_right_setup(fake_gpu):
     median = {setup: statistics.median(values) for setup, values in TOKENS_PER_S.items()}
     assert median == {"plain": 1000.0, "shim": 970.0, "emulated": 405.0, "emulated+shim": 960.0,
                       "plain+events": 995.0, "emulated+shim+events": 940.0}
-    (_, _, host_bound), (_, _, readback), (_, _, throughput), (_, _, h2d), (_, _, record) = output.tables
+    (_, _, host_bound), (_, _, gpu_paced), (_, _, readback), (_, _, throughput), (_, _, h2d), (_, _, record) = (
+        output.tables)
+    # The GPU-paced loop's rows: the same columns, its own rates and waits (the shim 1.0x, beating the floor)
+    assert gpu_paced[3] == ["emulated+shim", 200.0, 1.0, pytest.approx(1 / 0.93), 1.0, 100.0, 300.0]
+    assert gpu_paced[0][4] == 90.0 and output.data["gpu_paced_vs_plain"]["emulated+shim"] == pytest.approx(1.0)
+    assert output.data["gpu_paced_vs_floor"][_cc.FLOOR_SETUP] == 1.0
     # setup, median tokens/s, vs plain and vs the floor (medians of per-round ratios), min, max
     assert [row[0] for row in host_bound] == list(_cc.HOST_BOUND_SETUPS)
     # ..., the host's median wait at the late synchronize, min, max

@@ -38,10 +38,10 @@ def test_the_host_bound_rows_run_their_rounds_in_the_rotated_orders(monkeypatch)
     monkeypatch.setattr(_cc_hostbound, "build_step", lambda torch, dev: SimpleNamespace(gpu_us=lambda: 300.0))
     import syncless.cc as cc
 
-    def decode_loop(torch, dev, step, d2h, steps, warmup, floor, waits):
-        ran.append(("loop", floor, d2h))
-        waits.append(90.0 if floor else 5.0)  # the host's wait at the late sync, per setup
-        return 1000.0
+    def decode_loop(torch, dev, step, d2h, steps, warmup, floor, waits, launches):
+        ran.append(("loop", floor, d2h, launches))
+        waits.append((90.0 if floor else 5.0) + launches)  # the host's wait at the late sync, per setup and loop
+        return 1000.0 + launches
 
     monkeypatch.setattr(_cc_hostbound, "decode_loop", decode_loop)
     monkeypatch.setattr(_cc_hostbound, "readback_step_samples",
@@ -53,10 +53,17 @@ def test_the_host_bound_rows_run_their_rounds_in_the_rotated_orders(monkeypatch)
     entered = [call[1] for call in ran if call[0] == "enter"]
     expected = [setup for index in range(rounds) for setup in _cc.rotated(setups, index)]
     assert entered == expected * 2  # the loop's rounds, then the readback's, both rotated
-    assert all(len(rates[setup]) == rounds for setup in setups) and set(readback) == set(setups)
-    floors = [call[1] for call in ran if call[0] == "loop"]
-    assert floors == [setup == _cc.FLOOR_SETUP for setup in expected]  # the floor's wait only in its own rows
+    assert all(len(rates[loop][setup]) == rounds for loop in _cc.LOOPS for setup in setups)
+    assert set(readback) == set(setups)
+    loops = [call for call in ran if call[0] == "loop"]
+    # each setup runs the host-bound loop, then the GPU-paced one; the floor's wait only in its own rows
+    assert [call[1] for call in loops] == [setup == _cc.FLOOR_SETUP for setup in expected for _ in _cc.LOOPS]
+    assert [call[3] for call in loops] == [_cc_hostbound.EAGER_LAUNCHES, _cc_hostbound.GPU_PACED_LAUNCHES] * len(
+        expected)
+    assert _cc_hostbound.GPU_PACED_LAUNCHES < _cc_hostbound.EAGER_LAUNCHES
     # the loop on the bench's D2H stream, the readback on one of its own (a second loop: its way chosen afresh)
     assert {call[2] for call in ran if call[0] == "loop"} == {"d2h"}
     assert {call[2] for call in ran if call[0] == "readback"} == {"the readback's own D2H stream"}
-    assert late_sync == {setup: 90.0 if setup == _cc.FLOOR_SETUP else 5.0 for setup in setups}
+    assert late_sync == {loop: {setup: (90.0 if setup == _cc.FLOOR_SETUP else 5.0) + launches for setup in setups}
+                         for loop, launches in _cc.LOOPS.items()}
+    assert rates[_cc.GPU_PACED_LOOP]["plain"] == [1000.0 + _cc_hostbound.GPU_PACED_LAUNCHES] * rounds
