@@ -290,20 +290,23 @@ def _host_bound_rows(torch, dev, d2h, quick: bool, rounds: int, progress):
     progress(f"host-bound loop: batch 1, CUDA graph of {graph_us:.0f} us GPU time, "
              f"{_cc_hostbound.EAGER_LAUNCHES} eager launches per step")
     steps, warmup = (100, 20) if quick else (300, 40)
+    import syncless.cc as cc
+
+    # Each loop reads back on a D2H stream of its own, as two loops of a program would: the shim chooses the way of
+    # a stream's readbacks by timing its loop (._readback_choice), and one loop's choice is not the other's.
+    loop_d2h = {HOST_BOUND_LOOP: d2h, GPU_PACED_LOOP: cc.new_d2h_stream(dev)}
     rates: dict[str, dict[str, list[float]]] = {loop: {s: [] for s in HOST_BOUND_SETUPS} for loop in LOOPS}
     waits: dict[str, dict[str, list[float]]] = {loop: {s: [] for s in HOST_BOUND_SETUPS} for loop in LOOPS}
     for round_index in range(rounds):
         for setup in rotated(HOST_BOUND_SETUPS, round_index):
             _enter(setup)
             for loop, launches in LOOPS.items():  # the host-bound loop, then the GPU-paced one
-                rate = _cc_hostbound.decode_loop(torch, dev, step, d2h, steps, warmup, floor=setup == FLOOR_SETUP,
+                rate = _cc_hostbound.decode_loop(torch, dev, step, loop_d2h[loop], steps, warmup,
+                                                 floor=setup == FLOOR_SETUP,
                                                  waits=waits[loop][setup], launches=launches)
                 rates[loop][setup].append(rate)
                 progress(f"{loop} round {round_index + 1}/{rounds} {setup}: {rate:,.0f} tokens/s")
-    # One step's readback on a D2H stream of its own: another loop, whose way for its readbacks the shim chooses
-    # afresh (._readback_choice), as it would for a second loop of a program on a stream of its own.
-    import syncless.cc as cc
-
+    # One step's readback: another loop, on a D2H stream of its own too.
     readback_d2h = cc.new_d2h_stream(dev)
     samples: dict[str, list[float]] = {s: [] for s in HOST_BOUND_SETUPS}
     for round_index in range(rounds):  # interleaved and rotated, as the loop's rounds are

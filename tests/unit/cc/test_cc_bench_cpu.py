@@ -46,7 +46,8 @@ def test_the_host_bound_rows_run_their_rounds_in_the_rotated_orders(monkeypatch)
     monkeypatch.setattr(_cc_hostbound, "decode_loop", decode_loop)
     monkeypatch.setattr(_cc_hostbound, "readback_step_samples",
                         lambda torch, dev, d2h, steps, floor: ran.append(("readback", floor, d2h)) or [10.0])
-    monkeypatch.setattr(cc, "new_d2h_stream", lambda dev: "the readback's own D2H stream")
+    made = iter(["the GPU-paced loop's own D2H stream", "the readback's own D2H stream"])
+    monkeypatch.setattr(cc, "new_d2h_stream", lambda dev: next(made))
     rounds = 7
     rates, readback, _, late_sync = _cc._host_bound_rows(None, None, "d2h", False, rounds, lambda message: None)
     setups = _cc.HOST_BOUND_SETUPS
@@ -61,8 +62,9 @@ def test_the_host_bound_rows_run_their_rounds_in_the_rotated_orders(monkeypatch)
     assert [call[3] for call in loops] == [_cc_hostbound.EAGER_LAUNCHES, _cc_hostbound.GPU_PACED_LAUNCHES] * len(
         expected)
     assert _cc_hostbound.GPU_PACED_LAUNCHES < _cc_hostbound.EAGER_LAUNCHES
-    # the loop on the bench's D2H stream, the readback on one of its own (a second loop: its way chosen afresh)
-    assert {call[2] for call in ran if call[0] == "loop"} == {"d2h"}
+    # the host-bound loop on the bench's D2H stream, the GPU-paced loop and the readback each on one of its own
+    # (its way chosen by timing that loop alone)
+    assert [call[2] for call in loops] == ["d2h", "the GPU-paced loop's own D2H stream"] * len(expected)
     assert {call[2] for call in ran if call[0] == "readback"} == {"the readback's own D2H stream"}
     assert late_sync == {loop: {setup: (90.0 if setup == _cc.FLOOR_SETUP else 5.0) + launches for setup in setups}
                          for loop, launches in _cc.LOOPS.items()}
