@@ -39,6 +39,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--launches", type=int, default=None,
+                        help="eager launches per step (default: the bench's host-bound loop's; 8: its GPU-paced loop)")
     parser.add_argument("--profile-setup", default="emulated+shim", help="the setup --profile profiles")
     parser.add_argument("--calls", action="store_true",
                         help="per line of the loop and per setup: the Python calls (syncless's own, the rest) and C "
@@ -61,7 +63,8 @@ def main() -> None:
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
     step = _cc_hostbound.build_step(torch, dev)
-    print(f"graph: {step.gpu_us():.0f} us of GPU time, {_cc_hostbound.EAGER_LAUNCHES} eager launches per step")
+    launches = _cc_hostbound.EAGER_LAUNCHES if args.launches is None else args.launches
+    print(f"graph: {step.gpu_us():.0f} us of GPU time, {launches} eager launches per step")
     d2h = cc.new_d2h_stream(dev)
     ran_by: collections.Counter = collections.Counter()
     woke: collections.Counter = collections.Counter()
@@ -143,7 +146,7 @@ def main() -> None:
                 enter(setup)
                 cc.reset_stats()
                 rates[setup].append(_cc_hostbound.decode_loop(torch, dev, step, d2h, args.steps, 50,
-                                                              floor=setup == "floor"))
+                                                              floor=setup == "floor", launches=launches))
                 did = cc.stats()
                 way = d2h_record.choice
                 print(f"round {round_index + 1} {setup:24s} {rates[setup][-1]:7.0f} tokens/s  offloaded "
@@ -182,7 +185,7 @@ def main() -> None:
                 t.append(clock())
             step.graph.replay()
             t.append(clock())
-            for _ in range(_cc_hostbound.EAGER_LAUNCHES):
+            for _ in range(launches):
                 step.scratch.add_(1.0)
             t.append(clock())
             d2h.wait_stream(current)
@@ -281,7 +284,8 @@ def main() -> None:
             results[setup].append((phases, total))
             extra = ""
             if "shim" in setup:
-                extra = f"  jobs run by {dict(ran_by)}, queue thread woke {dict(woke)}"
+                extra = (f"  jobs run by {dict(ran_by)}, queue thread woke {dict(woke)}, way "
+                         f"{'offload' if d2h_record.choice.way else 'look'}")
             print(f"round {round_index + 1} {setup:24s} step {total:7.1f} us ({1e6 / total:6.0f} tokens/s){extra}")
     print()
     print(f"{'phase (median us)':18s}" + "".join(f"{s:>24s}" for s in setups))
