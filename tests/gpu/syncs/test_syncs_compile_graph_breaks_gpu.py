@@ -103,12 +103,12 @@ def test_every_form_compiles_fullgraph_and_the_gate_never_recompiles(options, de
     x = torch.randn(1024, device=cuda_device)
     want = (_fullgraph_step(x) * 3).cpu()
     syncs.disable()
-    assert torch.allclose(step(x).cpu(), want)  # compiled before enable()
+    torch.testing.assert_close(step(x).cpu(), want)  # compiled before enable(); inductor may differ in the last bits
     frames = dict(counters["frames"])
     for _ in range(2):
         assert syncs.enable()
         with syncs.checking():
             out = step(x)
         syncs.disable()
-        assert torch.allclose(out.cpu(), want)
+        torch.testing.assert_close(out.cpu(), want)
     assert dict(counters["frames"]) == frames, f"recompiled when the gate flipped: {dict(counters['frames'])}"

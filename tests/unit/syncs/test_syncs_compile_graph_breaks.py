@@ -94,7 +94,9 @@ def _expect_same(step, form, inputs):
     syncs.reset()
     got = _run(step, inputs)
     for index, (a, b) in enumerate(zip(want, got)):
-        assert torch.allclose(a, b), f"call {index}"
+        # Inductor fuses and reorders float ops, so its results may differ in the last bits (near zero,
+        # beyond allclose's atol of 1e-8): compare with torch's float32 tolerances instead.
+        torch.testing.assert_close(b, a, msg=lambda m: f"call {index}: {m}")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -193,7 +195,7 @@ def test_every_form_compiles_and_the_gate_never_recompiles(form, fullgraph, back
     assert dict(counters["frames"]) == compiled_frames, f"recompiled after the gate flipped: {dict(counters['frames'])}"
     assert not counters["graph_break"], dict(counters["graph_break"])
     for x, have in zip(inputs, got):
-        assert torch.allclose(oracle(x), have)
+        torch.testing.assert_close(have, oracle(x))
 
 
 def test_a_checked_function_inlined_into_a_fullgraph_graph_warns_once(restored_globals, fresh_dynamo):
