@@ -301,11 +301,13 @@ def _host_bound_rows(torch, dev, d2h, quick: bool, rounds: int, progress):
         for setup in rotated(HOST_BOUND_SETUPS, round_index):
             _enter(setup)
             for loop, launches in LOOPS.items():  # the host-bound loop, then the GPU-paced one
+                cc.reset_stats()
                 rate = _cc_hostbound.decode_loop(torch, dev, step, loop_d2h[loop], steps, warmup,
                                                  floor=setup == FLOOR_SETUP,
                                                  waits=waits[loop][setup], launches=launches)
                 rates[loop][setup].append(rate)
-                progress(f"{loop} round {round_index + 1}/{rounds} {setup}: {rate:,.0f} tokens/s")
+                progress(f"{loop} round {round_index + 1}/{rounds} {setup}: {rate:,.0f} tokens/s"
+                         f"{_readbacks_done(cc, loop_d2h[loop]) if setup.startswith('emulated+shim') else ''}")
     # One step's readback: another loop, on a D2H stream of its own too.
     readback_d2h = cc.new_d2h_stream(dev)
     samples: dict[str, list[float]] = {s: [] for s in HOST_BOUND_SETUPS}
@@ -321,6 +323,19 @@ def _host_bound_rows(torch, dev, d2h, quick: bool, rounds: int, progress):
     late_sync_us = {loop: {setup: statistics.median(values) for setup, values in per_setup.items()}
                     for loop, per_setup in waits.items()}
     return rates, readback, graph_us, late_sync_us
+
+
+def _readbacks_done(cc, d2h) -> str:
+    """What the shim did with a loop's readbacks since the last ``reset_stats()``, and the way its D2H stream's
+    readbacks take now (:mod:`syncless.cc._readback_choice`), for the progress line."""
+    from syncless.cc import _d2h
+
+    did = cc.stats()
+    record = _d2h.lookup(d2h)
+    choice = getattr(record, "choice", None)
+    way = "" if choice is None else (f", way {'offload' if choice.way else 'look'} (trials {choice.trials}, "
+                                     f"switches {choice.switches})")
+    return f" (offloaded {did.offloaded}, read at the call {did.left_alone.get('idle_stream', 0)}{way})"
 
 
 def _cycles_per_ms(torch) -> int:

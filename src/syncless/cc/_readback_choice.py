@@ -20,11 +20,22 @@ keeps the GPU close behind the host, so the next look drains in time again, and 
 whichever is faster (runs 61 and 63, the same loop on like hosts: 0.858x at the call, 0.999x offloaded).
 
 So the interval between one readback and the next (a decode loop's step) is measured for :data:`WINDOW`
-readbacks the way in use, then as many the other way; the faster by :data:`MIN_GAIN` (medians, less the first
-:data:`SETTLE` of each window, while the loop settles) is used for the next run of readbacks, unmeasured:
-:data:`FIRST_RUN`, doubled each time the trial keeps the way in use, up to :data:`MAX_RUN`. Readbacks further
-apart than :data:`MAX_INTERVAL_S` are no loop's steps: the trial then ends, and the look is used. A trial's
-cost: :data:`WINDOW` readbacks the slower way in every run (8% of them at first, 2% once settled).
+readbacks the way in use, then as many the other way; the faster (the look only if by :data:`MIN_GAIN`; medians,
+less the first :data:`SETTLE` of each window, while the loop settles) is used for the next run of readbacks, unmeasured:
+:data:`FIRST_RUN`, doubled each time the trial keeps the way in use, up to :data:`MAX_RUN`. A trial's cost:
+:data:`WINDOW` readbacks the slower way in every run (8% of them at first, 2% once settled).
+
+Readbacks further apart than :data:`MAX_INTERVAL_S` are no loop's steps. One such gap is a loop that paused (a
+server between requests, a benchmark between its rounds): the trial starts again with that readback, the way
+kept. Two in a row are readbacks made now and then, which the look serves best (the GPU has drained by then):
+the look is used, and the trial starts again too. (Until session 21 the first gap ended the trial with the look,
+for a run of :data:`FIRST_RUN` readbacks, so a loop that paused during a trial went back to the look.)
+
+The look must win by :data:`MIN_GAIN` to be used, whichever way is in use: the two tie where the looks time out
+(the GPU a step behind) and offload anyway, and then the look is the worse of the two, since after a pause its
+first readbacks find the stream drained and the loop can settle into reading at the call, a bubble each step, for
+a whole untimed run. (``syncless bench cc``'s GPU-paced loop, whose rounds pause the loop: 0.861x plain in run
+66; the probe's loop with the offload 0.994x, run 67.)
 
 Host only, no CUDA call: one counter decrement per readback between trials, a clock read during them. The
 caller holds the GIL; two threads reading back from one D2H stream at once share its choice (each still gets a
@@ -53,13 +64,14 @@ class ReadbackChoice:
     """One D2H stream's way for its small readbacks where the host waits (the look, or the offload); see the
     module docstring. :meth:`offload` is asked once per such readback, before anything is enqueued."""
 
-    __slots__ = ("way", "phase", "left", "run", "last", "current", "other", "trials", "switches")
+    __slots__ = ("way", "phase", "left", "run", "last", "current", "other", "trials", "switches", "after_gap")
 
     def __init__(self) -> None:
         self.way = LOOK
         self.run = FIRST_RUN
         self.trials = 0  # trials decided (for tests and probes)
         self.switches = 0  # trials that changed the way
+        self.after_gap = False  # the last timed readback came more than MAX_INTERVAL_S after the one before
         self._begin_trial()
 
     def _begin_trial(self) -> None:
@@ -90,8 +102,8 @@ class ReadbackChoice:
         if last:
             interval = now - last
             if interval > MAX_INTERVAL_S:
-                self._end_trial(LOOK, kept=False)
-                return self.way
+                return self._after_gap(now)
+            self.after_gap = False
             samples = self.current if self.phase == _TIMING_CURRENT else self.other
             if WINDOW - self.left > SETTLE:  # (the first intervals of a window belong partly to the way before)
                 samples.append(interval)
@@ -102,8 +114,24 @@ class ReadbackChoice:
             self.phase = _TIMING_OTHER
             self.left = WINDOW
             return not self.way  # this readback is the first one of the other way's window
-        faster = statistics.median(self.other) < statistics.median(self.current) * (1.0 - MIN_GAIN)
-        self._end_trial(not self.way if faster else self.way, kept=not faster)
+        # The look must win by MIN_GAIN, whichever way is in use: a tie means its looks mostly time out (the GPU a
+        # step behind) and it offloads anyway, and then a pause of the loop can drop it into reading at the call
+        # with a bubble each step for a whole run (untimed). Where the host is the bottleneck it wins by more.
+        look, offload = (self.current, self.other) if self.way == LOOK else (self.other, self.current)
+        way = LOOK if statistics.median(look) < statistics.median(offload) * (1.0 - MIN_GAIN) else OFFLOAD
+        self._end_trial(way, kept=way == self.way)
+        return self.way
+
+    def _after_gap(self, now: float) -> bool:
+        """A readback more than :data:`MAX_INTERVAL_S` after the last: time again from here (this readback opens the
+        window of the way in use), the way kept after one gap, the look after a second gap in a row."""
+        if self.after_gap and self.way != LOOK:
+            self.way = LOOK
+            self.switches += 1
+        self.after_gap = True
+        self._begin_trial()
+        self.last = now
+        self.left -= 1
         return self.way
 
     def _end_trial(self, way: bool, kept: bool) -> None:
