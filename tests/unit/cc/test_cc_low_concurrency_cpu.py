@@ -10,6 +10,7 @@ import pytest
 from syncless._core import libcuda, patching
 from syncless.cc import _d2h, _emulation, _fast, _raw, _sync_patches, _worker
 from syncless.cc._layers import SHIM_KEY
+from support.lane_block import LaneBlock
 
 # -- the readback lane's look ------------------------------------------------------------------------------
 
@@ -75,27 +76,6 @@ def test_a_look_that_times_out_offloads_and_the_next_looks_are_skipped_twice_as_
     assert record.drain_skips <= _fast.MAX_DRAIN_SKIPS
 
 
-class _Block:
-    """A CUDA tensor as the lane reads it: one contiguous 64-byte block on GPU 0."""
-
-    layout = "strided"
-    is_nested = is_quantized = requires_grad = False
-    nbytes = 64
-    dtype = "int64"
-
-    def get_device(self):
-        return 0
-
-    def is_contiguous(self):
-        return True
-
-    def is_conj(self):
-        return False
-
-    def is_neg(self):
-        return False
-
-
 def _readback_lane(monkeypatch, drained: bool):
     """``_fast._offload``'s world: one D2H stream current on GPU 0 whose query answers ``drained``; what the lane
     then did is logged (``read_now``: torch's own copy at the call; ``offloaded``)."""
@@ -122,14 +102,14 @@ def _readback_lane(monkeypatch, drained: bool):
 def test_a_skipped_look_still_reads_back_now_from_a_stream_that_has_drained(monkeypatch):
     lane, record, log, queries = _readback_lane(monkeypatch, drained=True)
     record.drain_skips = 10
-    assert _fast._offload(lane, _Block(), "cpu", 1 << 20) == "now"
+    assert _fast._offload(lane, LaneBlock(), "cpu", 1 << 20) == "now"
     assert log == ["read_now"] and queries == [record.stream] and record.drain_skips == 10
 
 
 def test_a_busy_stream_with_looks_to_skip_is_offloaded_after_one_query(monkeypatch):
     lane, record, log, queries = _readback_lane(monkeypatch, drained=False)
     record.drain_skips = 3
-    assert _fast._offload(lane, _Block(), "cpu", 1 << 20) == "pinned"
+    assert _fast._offload(lane, LaneBlock(), "cpu", 1 << 20) == "pinned"
     assert log == ["offloaded"] and queries == [record.stream] and record.drain_skips == 2
 
 
@@ -137,14 +117,14 @@ def test_a_readback_behind_an_unfinished_offload_of_its_stream_is_offloaded_with
     lane, record, log, queries = _readback_lane(monkeypatch, drained=True)
     monkeypatch.setattr(_d2h, "_PENDING", [1])
     record.last_job = 5  # its worker has finished none of them (completed 0)
-    assert _fast._offload(lane, _Block(), "cpu", 1 << 20) == "pinned"
+    assert _fast._offload(lane, LaneBlock(), "cpu", 1 << 20) == "pinned"
     assert log == ["offloaded"] and queries == []
 
 
 def test_a_readback_while_only_other_streams_have_copies_pending_is_still_read_back_now(monkeypatch):
     lane, record, log, queries = _readback_lane(monkeypatch, drained=True)
     monkeypatch.setattr(_d2h, "_PENDING", [2])  # another D2H stream's copies; this one's last job has finished
-    assert _fast._offload(lane, _Block(), "cpu", 1 << 20) == "now"
+    assert _fast._offload(lane, LaneBlock(), "cpu", 1 << 20) == "now"
     assert log == ["read_now"]
 
 
@@ -445,13 +425,8 @@ def test_the_readback_read_at_the_call_enters_eight_syncless_functions(monkeypat
                                                  ("blocking", "cuStreamSynchronize")]
 
 
-class _SizedBlock(_Block):
-    """:class:`_Block` with the shape, strides and address the read at the call uses."""
-
-    shape = (8,)
-
-    def stride(self):
-        return (1,)
+class _SizedBlock(LaneBlock):
+    """:class:`LaneBlock` with the address the read at the call uses."""
 
     def data_ptr(self):
         return 0xD000
@@ -627,7 +602,7 @@ def test_torchs_own_read_at_the_call_enters_six_syncless_functions_under_emulati
     lane.torch_to = lambda src, device, non_blocking: "copied"
     monkeypatch.setattr(_emulation, "_installed", True)
     waits = _emulated_driver(monkeypatch)
-    names = _syncless_calls(lambda: _READ_BACK_NOW(lane, _Block(), "cpu", record))
+    names = _syncless_calls(lambda: _READ_BACK_NOW(lane, LaneBlock(), "cpu", record))
     assert names == ["_fast:_read_back_now", "_stats:left_alone", "_emulation:is_emulating",
                      "_streams:wait_stream_raw", "_stats:add"], names
     assert waits == [(0x51, True)]
@@ -636,7 +611,7 @@ def test_torchs_own_read_at_the_call_enters_six_syncless_functions_under_emulati
 _READ_BACK_NOW = _fast._read_back_now  # the real one (the lane fixture replaces it with a logger)
 
 
-class _HostBlock(_Block):
+class _HostBlock(LaneBlock):
     """A pinned host tensor as the upload lane reads it: 8 bytes at a real address."""
 
     nbytes = 8

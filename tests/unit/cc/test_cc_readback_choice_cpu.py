@@ -10,6 +10,7 @@ import pytest
 
 from syncless.cc import _d2h, _emulation, _fast, _readback_choice
 from syncless.cc._readback_choice import FIRST_RUN, LOOK, MAX_RUN, OFFLOAD, SETTLE, WINDOW, ReadbackChoice
+from support.lane_block import LaneBlock
 
 
 class _ModelClock:
@@ -149,29 +150,6 @@ def test_a_pinned_way_is_kept_untimed(clock):
 # -- the lane asks it where the host waits ------------------------------------------------------------------------
 
 
-class _Block:
-    layout = "strided"
-    is_nested = is_quantized = requires_grad = False
-    nbytes = 64
-    dtype = "int64"
-    shape = (8,)
-
-    def get_device(self):
-        return 0
-
-    def stride(self):
-        return (1,)
-
-    def is_contiguous(self):
-        return True
-
-    def is_conj(self):
-        return False
-
-    def is_neg(self):
-        return False
-
-
 def _emulated_lane(monkeypatch, way):
     from syncless.cc import _helper
 
@@ -194,13 +172,13 @@ def _emulated_lane(monkeypatch, way):
 
 def test_where_the_host_waits_the_look_reads_back_at_the_call(monkeypatch):
     lane, record, log = _emulated_lane(monkeypatch, LOOK)
-    assert _fast._offload(lane, _Block(), "cpu", 1 << 20) == "result"
+    assert _fast._offload(lane, LaneBlock(), "cpu", 1 << 20) == "result"
     assert log == [("at the call", "result")]
 
 
 def test_where_the_host_waits_the_offload_way_offloads_without_looking(monkeypatch):
     lane, record, log = _emulated_lane(monkeypatch, OFFLOAD)
-    assert _fast._offload(lane, _Block(), "cpu", 1 << 20) == "pinned"
+    assert _fast._offload(lane, LaneBlock(), "cpu", 1 << 20) == "pinned"
     assert log == [("offloaded", "pinned")]  # no query, no read at the call
 
 
@@ -210,13 +188,13 @@ def test_every_small_readback_where_the_host_waits_is_asked_about_even_behind_a_
     record.choice = SimpleNamespace(offload=lambda: asked.append(1) or False)
     monkeypatch.setattr(_d2h, "_PENDING", [1])
     record.last_job = 3  # unfinished: offloaded whatever the way
-    assert _fast._offload(lane, _Block(), "cpu", 1 << 20) == "pinned"
+    assert _fast._offload(lane, LaneBlock(), "cpu", 1 << 20) == "pinned"
     assert asked == [1] and log == [("offloaded", "pinned")]
 
 
 def test_a_large_readback_is_not_timed(monkeypatch):
     lane, record, log = _emulated_lane(monkeypatch, LOOK)
     record.choice = SimpleNamespace(offload=lambda: pytest.fail("asked about a large readback"))
-    block = _Block()
+    block = LaneBlock()
     block.nbytes = _fast.READ_BACK_NOW_BYTES
     assert _fast._offload(lane, block, "cpu", 1 << 20) == "pinned"
