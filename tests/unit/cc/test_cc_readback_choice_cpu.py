@@ -43,17 +43,15 @@ def _loop(choice: ReadbackChoice, clock: _ModelClock, steps: int, step_s, jitter
     return ways
 
 
-def test_it_starts_with_the_look_times_both_ways_and_a_tie_goes_to_the_offload(clock):
+def test_it_starts_with_the_look_and_times_both_ways_before_it_settles(clock):
     choice = ReadbackChoice()
     ways = _loop(choice, clock, 2 * WINDOW - 1, lambda way: 420e-6)
     # the way in use for a window (less the readback that opens the other's), then the other way's window
     assert ways == [LOOK] * (WINDOW - 1) + [OFFLOAD] * WINDOW
     assert choice.trials == 0
-    # The trial ends: the look did not win by MIN_GAIN (where its looks time out it offloads anyway, and a pause
-    # can drop it into reading at the call with a bubble a step), so the offload takes the next run.
-    assert choice.offload() is OFFLOAD
-    assert choice.trials == 1 and choice.switches == 1 and choice.run == FIRST_RUN
-    assert choice.offload() is OFFLOAD and choice.left == FIRST_RUN - 1
+    assert choice.offload() is LOOK  # the trial ends: equal steps keep the way in use
+    assert choice.trials == 1 and choice.switches == 0 and choice.run == 2 * FIRST_RUN
+    assert choice.offload() is LOOK and choice.left == 2 * FIRST_RUN - 1
 
 
 def test_a_loop_that_runs_faster_offloaded_is_offloaded_and_rechecked_soon(clock):
@@ -65,18 +63,20 @@ def test_a_loop_that_runs_faster_offloaded_is_offloaded_and_rechecked_soon(clock
     assert set(ways) == {OFFLOAD} and clock.reads == reads  # the run between trials reads no clock
 
 
-def test_a_look_faster_by_less_than_the_threshold_does_not_take_over_and_the_runs_double_up_to_the_bound(clock):
+@pytest.mark.parametrize("way", [LOOK, OFFLOAD])
+def test_a_gain_under_the_threshold_keeps_the_way_and_the_runs_double_up_to_the_bound(clock, way):
     choice = ReadbackChoice()
+    choice.way = way
     slower = 1.0 / (1.0 - _readback_choice.MIN_GAIN / 2)
     runs = []
-    while choice.trials < 7:
+    while choice.trials < 6:
         trials = choice.trials
-        _loop(choice, clock, 1, lambda way: 420e-6 if way is LOOK else 420e-6 * slower)
+        _loop(choice, clock, 1, lambda w: 420e-6 if w is not way else 420e-6 * slower)
         if choice.trials > trials:
             runs.append(choice.run)
-    assert choice.way is OFFLOAD and choice.switches == 1  # the first trial's, from the look it starts with
-    expected = [FIRST_RUN] + [min(FIRST_RUN << n, MAX_RUN) for n in range(1, 7)]
-    assert runs == expected and expected[-1] == MAX_RUN and expected[1] < MAX_RUN
+    assert choice.way is way and choice.switches == 0
+    expected = [min(FIRST_RUN << n, MAX_RUN) for n in range(1, 7)]
+    assert runs == expected and expected[-1] == MAX_RUN and expected[0] < MAX_RUN
 
 
 def test_a_look_faster_by_the_threshold_takes_over_from_the_offload(clock):
