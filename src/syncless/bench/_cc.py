@@ -272,7 +272,7 @@ LOOPS = {HOST_BOUND_LOOP: _cc_hostbound.EAGER_LAUNCHES, GPU_PACED_LOOP: _cc_host
 
 
 LOOP_COLUMNS = ["setup", "tokens/s (median)", "vs plain", "vs the transfer floor", "host waits at the late sync (us)",
-                "min", "max"]
+                "host in d2h.wait_stream (us)", "min", "max"]
 
 
 def rotated(setups: tuple, round_index: int) -> tuple:
@@ -284,7 +284,7 @@ def rotated(setups: tuple, round_index: int) -> tuple:
 def _host_bound_rows(torch, dev, d2h, quick: bool, rounds: int, progress):
     """The batch-1 loops of :data:`LOOPS` per setup (rounds interleaved, the order rotated) and one step's readback;
     return ``(tokens/s per loop and setup, readback us per setup, the graph's GPU us, the host's median wait at the
-    late sync per loop and setup)``. ``rounds``: :data:`HOST_BOUND_ROUNDS` unless quick."""
+    late sync per loop and setup, its median time in d2h.wait_stream per loop and setup)``. ``rounds``: :data:`HOST_BOUND_ROUNDS` unless quick."""
     step = _cc_hostbound.build_step(torch, dev)
     graph_us = step.gpu_us()
     progress(f"host-bound loop: batch 1, CUDA graph of {graph_us:.0f} us GPU time, "
@@ -297,6 +297,7 @@ def _host_bound_rows(torch, dev, d2h, quick: bool, rounds: int, progress):
     loop_d2h = {HOST_BOUND_LOOP: d2h, GPU_PACED_LOOP: cc.new_d2h_stream(dev)}
     rates: dict[str, dict[str, list[float]]] = {loop: {s: [] for s in HOST_BOUND_SETUPS} for loop in LOOPS}
     waits: dict[str, dict[str, list[float]]] = {loop: {s: [] for s in HOST_BOUND_SETUPS} for loop in LOOPS}
+    stream_waits: dict[str, dict[str, list[float]]] = {loop: {s: [] for s in HOST_BOUND_SETUPS} for loop in LOOPS}
     for round_index in range(rounds):
         for setup in rotated(HOST_BOUND_SETUPS, round_index):
             _enter(setup)
@@ -304,7 +305,8 @@ def _host_bound_rows(torch, dev, d2h, quick: bool, rounds: int, progress):
                 cc.reset_stats()
                 rate = _cc_hostbound.decode_loop(torch, dev, step, loop_d2h[loop], steps, warmup,
                                                  floor=setup == FLOOR_SETUP,
-                                                 waits=waits[loop][setup], launches=launches)
+                                                 waits=waits[loop][setup], launches=launches,
+                                                 stream_waits=stream_waits[loop][setup])
                 rates[loop][setup].append(rate)
                 progress(f"{loop} round {round_index + 1}/{rounds} {setup}: {rate:,.0f} tokens/s"
                          f"{_readbacks_done(cc, loop_d2h[loop]) if setup.startswith('emulated+shim') else ''}")
@@ -322,7 +324,9 @@ def _host_bound_rows(torch, dev, d2h, quick: bool, rounds: int, progress):
         progress(f"one step's readback, {setup}: {us:.1f} us")
     late_sync_us = {loop: {setup: statistics.median(values) for setup, values in per_setup.items()}
                     for loop, per_setup in waits.items()}
-    return rates, readback, graph_us, late_sync_us
+    wait_stream_us = {loop: {setup: statistics.median(values) for setup, values in per_setup.items()}
+                      for loop, per_setup in stream_waits.items()}
+    return rates, readback, graph_us, late_sync_us, wait_stream_us
 
 
 def _readbacks_done(cc, d2h) -> str:
@@ -375,8 +379,8 @@ def run(args: Any, progress) -> BenchOutput:
                 stats[setup] = cc.stats().__dict__ | {"left_alone": dict(cc.stats().left_alone)}
                 progress(f"round {round_index + 1}/{rounds} {setup}: {rate:,.0f} tokens/s")
         host_bound_rounds = rounds if quick else HOST_BOUND_ROUNDS
-        loop_rates, readback_us, graph_us, late_sync_us = _host_bound_rows(torch, dev, d2h, quick, host_bound_rounds,
-                                                                           progress)
+        loop_rates, readback_us, graph_us, late_sync_us, wait_stream_us = _host_bound_rows(
+            torch, dev, d2h, quick, host_bound_rounds, progress)
         h2d_us = _h2d_table(torch, dev, cycles, H2D_ROUNDS if quick else 6 * H2D_ROUNDS, progress)
         record_us = _record_us(torch, dev, cycles, 200 if quick else 2000)
         for name, us in record_us.items():
@@ -394,7 +398,8 @@ def run(args: Any, progress) -> BenchOutput:
     vs_floor = {loop: {s: paired_ratio(r[s], r[FLOOR_SETUP]) for s in HOST_BOUND_SETUPS}
                 for loop, r in loop_rates.items()}
     loop_rows = {loop: [[s, statistics.median(r[s]), vs_plain[loop][s], vs_floor[loop][s], late_sync_us[loop][s],
-                         min(r[s]), max(r[s])] for s in HOST_BOUND_SETUPS] for loop, r in loop_rates.items()}
+                         wait_stream_us[loop][s], min(r[s]), max(r[s])] for s in HOST_BOUND_SETUPS]
+                 for loop, r in loop_rates.items()}
     host_bound, hb_vs_plain, hb_vs_floor = (loop_rates[HOST_BOUND_LOOP], vs_plain[HOST_BOUND_LOOP],
                                             vs_floor[HOST_BOUND_LOOP])
     readback_rows = [[s, us, us / readback_us["plain"], us / readback_us[FLOOR_SETUP]] for s, us in readback_us.items()]
@@ -449,6 +454,8 @@ def run(args: Any, progress) -> BenchOutput:
               "host_bound_tokens_per_s": host_bound, "host_bound_graph_us": graph_us,
               "host_bound_vs_plain": hb_vs_plain, "host_bound_vs_floor": hb_vs_floor,
               "host_bound_late_sync_us": late_sync_us[HOST_BOUND_LOOP],
+              "host_bound_wait_stream_us": wait_stream_us[HOST_BOUND_LOOP],
+              "gpu_paced_wait_stream_us": wait_stream_us[GPU_PACED_LOOP],
               "gpu_paced_tokens_per_s": loop_rates[GPU_PACED_LOOP], "gpu_paced_vs_plain": vs_plain[GPU_PACED_LOOP],
               "gpu_paced_vs_floor": vs_floor[GPU_PACED_LOOP], "gpu_paced_late_sync_us": late_sync_us[GPU_PACED_LOOP],
               "gpu_paced_eager_launches": _cc_hostbound.GPU_PACED_LAUNCHES,
@@ -485,7 +492,9 @@ def run(args: Any, progress) -> BenchOutput:
             "at the call: the most a shim that reads back at the call can reach. 'host waits at the late sync' is the "
             "median host time per step in the one-step-late Event.synchronize(): near 0 where the host sets the "
             "loop's pace; where the GPU does, the host's time to spare, and a shim that offloads the readback "
-            "(which the shim does when timing the loop both ways says it is faster) can beat the floor. The "
+            "(which the shim does when timing the loop both ways says it is faster) can beat the floor. With the "
+            "readback offloaded the shim's wait moves to 'host in d2h.wait_stream': its patch of wait_stream runs "
+            "the previous step's copy first (the event it records covers that copy), an enqueue for torch. The "
             f"GPU-paced loop is the same loop with {_cc_hostbound.GPU_PACED_LAUNCHES} eager launches a step instead "
             f"of {_cc_hostbound.EAGER_LAUNCHES}, so that the GPU sets the pace on any host, as in a compiled decode "
             "loop whose step is its GPU time; each round runs both loops per setup.",

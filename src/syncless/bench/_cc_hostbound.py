@@ -113,7 +113,8 @@ def transfer_wait(d2h: Any):
 
 
 def decode_loop(torch: Any, dev: Any, step: HostBoundStep, d2h: Any, steps: int, warmup: int,
-                floor: bool = False, waits: list | None = None, launches: int = EAGER_LAUNCHES) -> float:
+                floor: bool = False, waits: list | None = None, launches: int = EAGER_LAUNCHES,
+                stream_waits: list | None = None) -> float:
     """Run the host-bound loop; return tokens per second over the measured steps (batch 1: a token per step).
 
     ``floor``: plain torch, and after each readback the wait for its transfer (:func:`transfer_wait`): what CC
@@ -122,6 +123,9 @@ def decode_loop(torch: Any, dev: Any, step: HostBoundStep, d2h: Any, steps: int,
     host's time (us) in each measured step's one-step-late synchronize: near 0 where the host sets the pace;
     where the GPU does, the host's time to spare (a shim that does not wait at the call can spend it).
     ``launches``: the eager launches per step (:data:`GPU_PACED_LAUNCHES`: the GPU sets the pace).
+    ``stream_waits``: gets the host's time (us) in each measured step's ``d2h.wait_stream(current)``: an enqueue for
+    torch; with the shim and a readback offloaded, also the previous step's copy (the event its patch records covers
+    that copy, so it runs the job first), which moves the host's wait from the late synchronize to here.
     """
     current = torch.cuda.current_stream(dev)
     wait = transfer_wait(d2h) if floor else None
@@ -138,7 +142,10 @@ def decode_loop(torch: Any, dev: Any, step: HostBoundStep, d2h: Any, steps: int,
         step.graph.replay()
         for _ in range(launches):  # the sampler's and scheduler's own small launches
             step.scratch.add_(1.0)
+        t_stream = time.perf_counter()
         d2h.wait_stream(current)
+        if stream_waits is not None and index >= warmup:
+            stream_waits.append((time.perf_counter() - t_stream) * 1e6)
         with torch.cuda.stream(d2h):
             token_host = step.token.to("cpu", non_blocking=True)
             if wait is not None:

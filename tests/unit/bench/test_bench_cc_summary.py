@@ -33,6 +33,9 @@ GPU_PACED = {setup: [100.0, 200.0, 300.0] for setup in _cc.HOST_BOUND_SETUPS} | 
     _cc.FLOOR_SETUP: [93.0, 186.0, 279.0], "emulated": [80.0, 160.0, 240.0]}
 GPU_PACED_LATE_SYNC_US = {setup: 90.0 if setup == "plain" else 1.0 for setup in _cc.HOST_BOUND_SETUPS}
 LATE_SYNC_US = {"plain": 92.0, _cc.FLOOR_SETUP: 2.0, "emulated": 2.2, "emulated+shim": 4.0, _cc.HELPER_SETUP: 3.0}
+# The host's time in d2h.wait_stream: an enqueue, but for the shim offloading in the GPU-paced loop (the job runs there)
+WAIT_STREAM_US = {setup: 6.0 for setup in _cc.HOST_BOUND_SETUPS}
+GPU_PACED_WAIT_STREAM_US = {setup: 80.0 if setup == "emulated+shim" else 6.5 for setup in _cc.HOST_BOUND_SETUPS}
 RECORD_US = {"plain": 1.0, "shim, nothing pending": 1.5, "shim, a copy pending": 2.5}
 H2D_US = {"plain": 50.0, "shim": 55.0, "emulated": 20_000.0, "emulated+shim": 100.0, _cc.TRANSFER_ALONE: 80.0,
           _cc.SHIM_IDLE: 96.0}
@@ -74,7 +77,8 @@ def fake_gpu(monkeypatch):
     measured.h2d = h2d_measured
     monkeypatch.setattr(_cc, "_host_bound_rows", lambda torch, dev, d2h, quick, rounds, progress: (
         {_cc.HOST_BOUND_LOOP: dict(HOST_BOUND), _cc.GPU_PACED_LOOP: dict(GPU_PACED)}, dict(READBACK_US), 350.0,
-        {_cc.HOST_BOUND_LOOP: dict(LATE_SYNC_US), _cc.GPU_PACED_LOOP: dict(GPU_PACED_LATE_SYNC_US)}))
+        {_cc.HOST_BOUND_LOOP: dict(LATE_SYNC_US), _cc.GPU_PACED_LOOP: dict(GPU_PACED_LATE_SYNC_US)},
+        {_cc.HOST_BOUND_LOOP: dict(WAIT_STREAM_US), _cc.GPU_PACED_LOOP: dict(GPU_PACED_WAIT_STREAM_US)}))
     return measured
 
 
@@ -94,17 +98,19 @@ def test_tables_and_goals_use_medians_against_the_right_setup(fake_gpu):
     (_, _, host_bound), (_, _, gpu_paced), (_, _, readback), (_, _, throughput), (_, _, h2d), (_, _, record) = (
         output.tables)
     # The GPU-paced loop's rows: the same columns, its own rates and waits (the shim 1.0x, beating the floor)
-    assert gpu_paced[3] == ["emulated+shim", 200.0, 1.0, pytest.approx(1 / 0.93), 1.0, 100.0, 300.0]
+    assert gpu_paced[3] == ["emulated+shim", 200.0, 1.0, pytest.approx(1 / 0.93), 1.0, 80.0, 100.0, 300.0]
     assert gpu_paced[0][4] == 90.0 and output.data["gpu_paced_vs_plain"]["emulated+shim"] == pytest.approx(1.0)
     assert output.data["gpu_paced_vs_floor"][_cc.FLOOR_SETUP] == 1.0
     # setup, median tokens/s, vs plain and vs the floor (medians of per-round ratios), min, max
     assert [row[0] for row in host_bound] == list(_cc.HOST_BOUND_SETUPS)
-    # ..., the host's median wait at the late synchronize, min, max
-    assert host_bound[0] == ["plain", 300.0, 1.0, pytest.approx(1 / 0.95), 92.0, 100.0, 500.0]
-    assert host_bound[1] == [_cc.FLOOR_SETUP, 285.0, pytest.approx(0.95), 1.0, 2.0, 95.0, 475.0]
-    assert host_bound[3] == ["emulated+shim", 150.0, pytest.approx(0.99), pytest.approx(0.99 / 0.95), 4.0, 99.0,
+    # ..., the host's median wait at the late synchronize, its median time in d2h.wait_stream, min, max
+    assert host_bound[0] == ["plain", 300.0, 1.0, pytest.approx(1 / 0.95), 92.0, 6.0, 100.0, 500.0]
+    assert host_bound[1] == [_cc.FLOOR_SETUP, 285.0, pytest.approx(0.95), 1.0, 2.0, 6.0, 95.0, 475.0]
+    assert host_bound[3] == ["emulated+shim", 150.0, pytest.approx(0.99), pytest.approx(0.99 / 0.95), 4.0, 6.0, 99.0,
                              396.0]
     assert output.data["host_bound_late_sync_us"] == LATE_SYNC_US
+    assert output.data["host_bound_wait_stream_us"] == WAIT_STREAM_US
+    assert output.data["gpu_paced_wait_stream_us"] == GPU_PACED_WAIT_STREAM_US
     assert host_bound[4][:4] == [_cc.HELPER_SETUP, 288.0, pytest.approx(0.96), pytest.approx(0.96 / 0.95)]
     assert output.data["host_bound_vs_plain"]["emulated+shim"] == pytest.approx(0.99)
     assert readback == [["plain", 40.0, 1.0, pytest.approx(40 / 44)], [_cc.FLOOR_SETUP, 44.0, pytest.approx(1.1), 1.0],

@@ -38,9 +38,10 @@ def test_the_host_bound_rows_run_their_rounds_in_the_rotated_orders(monkeypatch)
     monkeypatch.setattr(_cc_hostbound, "build_step", lambda torch, dev: SimpleNamespace(gpu_us=lambda: 300.0))
     import syncless.cc as cc
 
-    def decode_loop(torch, dev, step, d2h, steps, warmup, floor, waits, launches):
+    def decode_loop(torch, dev, step, d2h, steps, warmup, floor, waits, launches, stream_waits):
         ran.append(("loop", floor, d2h, launches))
         waits.append((90.0 if floor else 5.0) + launches)  # the host's wait at the late sync, per setup and loop
+        stream_waits.append(2.0 * launches + (1.0 if floor else 0.0))  # and its time in wait_stream
         return 1000.0 + launches
 
     monkeypatch.setattr(_cc_hostbound, "decode_loop", decode_loop)
@@ -49,7 +50,8 @@ def test_the_host_bound_rows_run_their_rounds_in_the_rotated_orders(monkeypatch)
     made = iter(["the GPU-paced loop's own D2H stream", "the readback's own D2H stream"])
     monkeypatch.setattr(cc, "new_d2h_stream", lambda dev: next(made))
     rounds = 7
-    rates, readback, _, late_sync = _cc._host_bound_rows(None, None, "d2h", False, rounds, lambda message: None)
+    rates, readback, _, late_sync, in_wait_stream = _cc._host_bound_rows(None, None, "d2h", False, rounds,
+                                                                         lambda message: None)
     setups = _cc.HOST_BOUND_SETUPS
     entered = [call[1] for call in ran if call[0] == "enter"]
     expected = [setup for index in range(rounds) for setup in _cc.rotated(setups, index)]
@@ -68,4 +70,6 @@ def test_the_host_bound_rows_run_their_rounds_in_the_rotated_orders(monkeypatch)
     assert {call[2] for call in ran if call[0] == "readback"} == {"the readback's own D2H stream"}
     assert late_sync == {loop: {setup: (90.0 if setup == _cc.FLOOR_SETUP else 5.0) + launches for setup in setups}
                          for loop, launches in _cc.LOOPS.items()}
+    assert in_wait_stream == {loop: {setup: 2.0 * launches + (setup == _cc.FLOOR_SETUP) for setup in setups}
+                              for loop, launches in _cc.LOOPS.items()}
     assert rates[_cc.GPU_PACED_LOOP]["plain"] == [1000.0 + _cc_hostbound.GPU_PACED_LAUNCHES] * rounds
