@@ -281,10 +281,11 @@ def rotated(setups: tuple, round_index: int) -> tuple:
     return setups[shift:] + setups[:shift]
 
 
-def _host_bound_rows(torch, dev, d2h, quick: bool, rounds: int, progress):
+def _host_bound_rows(torch, dev, quick: bool, rounds: int, progress):
     """The batch-1 loops of :data:`LOOPS` per setup (rounds interleaved, the order rotated) and one step's readback;
     return ``(tokens/s per loop and setup, readback us per setup, the graph's GPU us, the host's median wait at the
-    late sync per loop and setup, its median time in d2h.wait_stream per loop and setup)``. ``rounds``: :data:`HOST_BOUND_ROUNDS` unless quick."""
+    late sync per loop and setup, its median time in d2h.wait_stream per loop and setup)``. ``rounds``:
+    :data:`HOST_BOUND_ROUNDS` unless quick."""
     step = _cc_hostbound.build_step(torch, dev)
     graph_us = step.gpu_us()
     progress(f"host-bound loop: batch 1, CUDA graph of {graph_us:.0f} us GPU time, "
@@ -293,8 +294,10 @@ def _host_bound_rows(torch, dev, d2h, quick: bool, rounds: int, progress):
     import syncless.cc as cc
 
     # Each loop reads back on a D2H stream of its own, as two loops of a program would: the shim chooses the way of
-    # a stream's readbacks by timing its loop (._readback_choice), and one loop's choice is not the other's.
-    loop_d2h = {HOST_BOUND_LOOP: d2h, GPU_PACED_LOOP: cc.new_d2h_stream(dev)}
+    # a stream's readbacks by timing its loop (._readback_choice), and one loop's choice is not the other's. (Until
+    # session 21 the host-bound loop read back on the 3 ms loop's stream, and began with the way that loop's trials
+    # had chosen: run 68's first two host-bound rounds were offloaded so.)
+    loop_d2h = {loop: cc.new_d2h_stream(dev) for loop in LOOPS}
     rates: dict[str, dict[str, list[float]]] = {loop: {s: [] for s in HOST_BOUND_SETUPS} for loop in LOOPS}
     waits: dict[str, dict[str, list[float]]] = {loop: {s: [] for s in HOST_BOUND_SETUPS} for loop in LOOPS}
     stream_waits: dict[str, dict[str, list[float]]] = {loop: {s: [] for s in HOST_BOUND_SETUPS} for loop in LOOPS}
@@ -308,8 +311,9 @@ def _host_bound_rows(torch, dev, d2h, quick: bool, rounds: int, progress):
                                                  waits=waits[loop][setup], launches=launches,
                                                  stream_waits=stream_waits[loop][setup])
                 rates[loop][setup].append(rate)
-                progress(f"{loop} round {round_index + 1}/{rounds} {setup}: {rate:,.0f} tokens/s"
-                         f"{_readbacks_done(cc, loop_d2h[loop]) if setup.startswith('emulated+shim') else ''}")
+                done = (_readbacks_done(cc, loop_d2h[loop], with_way=setup != HELPER_SETUP)
+                        if setup.startswith("emulated+shim") else "")  # (the helper's copies take no way)
+                progress(f"{loop} round {round_index + 1}/{rounds} {setup}: {rate:,.0f} tokens/s{done}")
     # One step's readback: another loop, on a D2H stream of its own too.
     readback_d2h = cc.new_d2h_stream(dev)
     samples: dict[str, list[float]] = {s: [] for s in HOST_BOUND_SETUPS}
@@ -329,14 +333,14 @@ def _host_bound_rows(torch, dev, d2h, quick: bool, rounds: int, progress):
     return rates, readback, graph_us, late_sync_us, wait_stream_us
 
 
-def _readbacks_done(cc, d2h) -> str:
-    """What the shim did with a loop's readbacks since the last ``reset_stats()``, and the way its D2H stream's
-    readbacks take now (:mod:`syncless.cc._readback_choice`), for the progress line."""
+def _readbacks_done(cc, d2h, with_way: bool = True) -> str:
+    """What the shim did with a loop's readbacks since the last ``reset_stats()``, and (``with_way``) the way its D2H
+    stream's readbacks take now (:mod:`syncless.cc._readback_choice`), for the progress line."""
     from syncless.cc import _d2h
 
     did = cc.stats()
     record = _d2h.lookup(d2h)
-    choice = getattr(record, "choice", None)
+    choice = getattr(record, "choice", None) if with_way else None
     way = "" if choice is None else (f", way {'offload' if choice.way else 'look'} (trials {choice.trials}, "
                                      f"switches {choice.switches})")
     return f" (offloaded {did.offloaded}, read at the call {did.left_alone.get('idle_stream', 0)}{way})"
@@ -380,7 +384,7 @@ def run(args: Any, progress) -> BenchOutput:
                 progress(f"round {round_index + 1}/{rounds} {setup}: {rate:,.0f} tokens/s")
         host_bound_rounds = rounds if quick else HOST_BOUND_ROUNDS
         loop_rates, readback_us, graph_us, late_sync_us, wait_stream_us = _host_bound_rows(
-            torch, dev, d2h, quick, host_bound_rounds, progress)
+            torch, dev, quick, host_bound_rounds, progress)
         h2d_us = _h2d_table(torch, dev, cycles, H2D_ROUNDS if quick else 6 * H2D_ROUNDS, progress)
         record_us = _record_us(torch, dev, cycles, 200 if quick else 2000)
         for name, us in record_us.items():

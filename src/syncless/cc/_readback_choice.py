@@ -49,7 +49,7 @@ SETTLE = 4  # of a window's intervals, the first ones not counted (the loop sett
 FIRST_RUN = 256  # readbacks the chosen way then takes untimed
 MAX_RUN = 1024  # a loop that changes (prefill to decode) is timed again within about a second
 MIN_GAIN = 0.02  # the other way takes over when its median interval is at least this much shorter
-MAX_INTERVAL_S = 0.05  # longer between two readbacks: not a loop's step (the trial ends, the look is used)
+MAX_INTERVAL_S = 0.05  # longer between two readbacks: not a loop's step (the trial starts again; twice: the look)
 
 _RUN, _TIMING_CURRENT, _TIMING_OTHER = 0, 1, 2
 
@@ -108,20 +108,23 @@ class ReadbackChoice:
             self.phase = _TIMING_OTHER
             self.left = WINDOW
             return not self.way  # this readback is the first one of the other way's window
-        # The way in use is kept unless the other wins by MIN_GAIN. (Run 68 tried sending a tie to the offload, on
+        # The way in use is kept unless the other wins by MIN_GAIN. (Run 68 sent a tie to the offload instead, on
         # the reasoning that where looks time out the two tie and the look can fall into reading at the call after
-        # a pause: on a noisy host the host-bound loop's first trial then tied and offloaded for two rounds, and
-        # the GPU-paced loop gained nothing; the offload wins that loop's trials by more than MIN_GAIN anyway.)
+        # a pause. It showed no gain: its GPU-paced loop was offloaded from its first trial, as the offload wins
+        # such trials by more than MIN_GAIN anyway; and a loop whose trials tie because both ways wait for long GPU
+        # work carried the offload into the host-bound loop that followed on its stream, for two rounds.)
         faster = statistics.median(self.other) < statistics.median(self.current) * (1.0 - MIN_GAIN)
         self._end_trial(not self.way if faster else self.way, kept=not faster)
         return self.way
 
     def _after_gap(self, now: float) -> bool:
         """A readback more than :data:`MAX_INTERVAL_S` after the last: time again from here (this readback opens the
-        window of the way in use), the way kept after one gap, the look after a second gap in a row."""
+        window of the way in use), the way kept after one gap, the look after a second gap in a row (its runs then
+        grow from :data:`FIRST_RUN` again, as after any change of way)."""
         if self.after_gap and self.way != LOOK:
             self.way = LOOK
             self.switches += 1
+            self.run = FIRST_RUN
         self.after_gap = True
         self._begin_trial()
         self.last = now

@@ -75,7 +75,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(_cc, "_h2d_return_us", h2d_return_us)
     monkeypatch.setattr(_cc, "_record_us", lambda torch, device, cycles, repeats: dict(RECORD_US))
     measured.h2d = h2d_measured
-    monkeypatch.setattr(_cc, "_host_bound_rows", lambda torch, dev, d2h, quick, rounds, progress: (
+    monkeypatch.setattr(_cc, "_host_bound_rows", lambda torch, dev, quick, rounds, progress: (
         {_cc.HOST_BOUND_LOOP: dict(HOST_BOUND), _cc.GPU_PACED_LOOP: dict(GPU_PACED)}, dict(READBACK_US), 350.0,
         {_cc.HOST_BOUND_LOOP: dict(LATE_SYNC_US), _cc.GPU_PACED_LOOP: dict(GPU_PACED_LATE_SYNC_US)},
         {_cc.HOST_BOUND_LOOP: dict(WAIT_STREAM_US), _cc.GPU_PACED_LOOP: dict(GPU_PACED_WAIT_STREAM_US)}))

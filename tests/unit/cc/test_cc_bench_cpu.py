@@ -47,10 +47,11 @@ def test_the_host_bound_rows_run_their_rounds_in_the_rotated_orders(monkeypatch)
     monkeypatch.setattr(_cc_hostbound, "decode_loop", decode_loop)
     monkeypatch.setattr(_cc_hostbound, "readback_step_samples",
                         lambda torch, dev, d2h, steps, floor: ran.append(("readback", floor, d2h)) or [10.0])
-    made = iter(["the GPU-paced loop's own D2H stream", "the readback's own D2H stream"])
+    made = iter(["the host-bound loop's own D2H stream", "the GPU-paced loop's own D2H stream",
+                 "the readback's own D2H stream"])
     monkeypatch.setattr(cc, "new_d2h_stream", lambda dev: next(made))
     rounds = 7
-    rates, readback, _, late_sync, in_wait_stream = _cc._host_bound_rows(None, None, "d2h", False, rounds,
+    rates, readback, _, late_sync, in_wait_stream = _cc._host_bound_rows(None, None, False, rounds,
                                                                          lambda message: None)
     setups = _cc.HOST_BOUND_SETUPS
     entered = [call[1] for call in ran if call[0] == "enter"]
@@ -64,12 +65,30 @@ def test_the_host_bound_rows_run_their_rounds_in_the_rotated_orders(monkeypatch)
     assert [call[3] for call in loops] == [_cc_hostbound.EAGER_LAUNCHES, _cc_hostbound.GPU_PACED_LAUNCHES] * len(
         expected)
     assert _cc_hostbound.GPU_PACED_LAUNCHES < _cc_hostbound.EAGER_LAUNCHES
-    # the host-bound loop on the bench's D2H stream, the GPU-paced loop and the readback each on one of its own
-    # (its way chosen by timing that loop alone)
-    assert [call[2] for call in loops] == ["d2h", "the GPU-paced loop's own D2H stream"] * len(expected)
+    # each loop and the readback on a D2H stream of its own (its way chosen by timing that loop alone; not the 3 ms
+    # loop's stream, whose trials would hand their way on)
+    assert [call[2] for call in loops] == ["the host-bound loop's own D2H stream",
+                                           "the GPU-paced loop's own D2H stream"] * len(expected)
     assert {call[2] for call in ran if call[0] == "readback"} == {"the readback's own D2H stream"}
     assert late_sync == {loop: {setup: (90.0 if setup == _cc.FLOOR_SETUP else 5.0) + launches for setup in setups}
                          for loop, launches in _cc.LOOPS.items()}
     assert in_wait_stream == {loop: {setup: 2.0 * launches + (setup == _cc.FLOOR_SETUP) for setup in setups}
                               for loop, launches in _cc.LOOPS.items()}
     assert rates[_cc.GPU_PACED_LOOP]["plain"] == [1000.0 + _cc_hostbound.GPU_PACED_LAUNCHES] * rounds
+
+
+def test_each_shim_rounds_progress_line_says_what_the_shim_did_with_its_readbacks(monkeypatch):
+    from types import SimpleNamespace
+
+    from syncless.bench import _cc
+    from syncless.cc import _d2h
+    from syncless.cc._readback_choice import OFFLOAD, ReadbackChoice
+
+    choice = ReadbackChoice()
+    choice.way, choice.trials, choice.switches = OFFLOAD, 3, 1
+    monkeypatch.setattr(_d2h, "lookup", lambda stream: SimpleNamespace(choice=choice) if stream == "d2h" else None)
+    cc = SimpleNamespace(stats=lambda: SimpleNamespace(offloaded=338, left_alone={"idle_stream": 2}))
+    assert _cc._readbacks_done(cc, "d2h") == " (offloaded 338, read at the call 2, way offload (trials 3, switches 1))"
+    # the D2H helper's copies take no way; a stream the shim does not know has none
+    assert _cc._readbacks_done(cc, "d2h", with_way=False) == " (offloaded 338, read at the call 2)"
+    assert _cc._readbacks_done(cc, "other") == " (offloaded 338, read at the call 2)"

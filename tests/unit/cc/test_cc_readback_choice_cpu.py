@@ -117,16 +117,28 @@ def test_a_pause_of_the_loop_keeps_the_way_and_times_both_ways_again_from_the_ne
     assert ways[-1] is OFFLOAD and choice.trials == 0 and choice.switches == 0
     assert choice.current == [] and choice.other == []  # nothing timed before the pause counts
     ways = _loop(choice, clock, 2 * WINDOW, lambda way: 400e-6 if way is OFFLOAD else 460e-6)
-    assert ways == [OFFLOAD] * (WINDOW - 2) + [LOOK] * WINDOW + [OFFLOAD] * 2  # the readback after the pause opened a window
+    # the readback after the pause opened a window
+    assert ways == [OFFLOAD] * (WINDOW - 2) + [LOOK] * WINDOW + [OFFLOAD] * 2
     assert choice.trials == 1 and choice.way is OFFLOAD and choice.run == 2 * FIRST_RUN
 
 
 def test_readbacks_made_now_and_then_take_the_look(clock):
     choice = ReadbackChoice()
     choice.way = OFFLOAD
+    choice.run = MAX_RUN  # a loop that had kept the offload for long
     ways = _pause_after(choice, clock, 3, gaps=2)
     assert ways[-2:] == [OFFLOAD, LOOK] and choice.way is LOOK and choice.switches == 1
+    assert choice.run == FIRST_RUN  # a change of way: its runs grow from the first one again
     assert _pause_after(choice, clock, 0, gaps=3) == [LOOK] * 3 and choice.switches == 1
+
+
+def test_pauses_with_a_loop_between_them_each_keep_the_way(clock):
+    choice = ReadbackChoice()
+    choice.way = OFFLOAD
+    for _ in range(5):  # a server: a few steps per request, a pause between requests
+        ways = _pause_after(choice, clock, 3, gaps=1)
+        assert ways[-1] is OFFLOAD
+    assert choice.way is OFFLOAD and choice.switches == 0
 
 
 @pytest.mark.parametrize("faster", [LOOK, OFFLOAD])
