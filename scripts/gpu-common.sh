@@ -16,3 +16,13 @@ cc_suites() {
     --deselect tests/gpu/cc/test_cc_fuzz.py::test_differential_fuzz >> "$1" 2>&1
   tail -2 "$1"
 }
+# syncless bench cc into $1 (its log) and $1's folder bench-cc/, within a slot of $2 seconds; prints the goals and the
+# batch-1 loops' tables.
+bench_cc() {
+  local log=$1 dir; dir=$(dirname "$1")/bench-cc
+  echo "== bench cc (t=${SECONDS}s)" > "$log"
+  timeout -k 5 $(slot "$2") python3 -m syncless bench cc --out "$dir" >> "$log" 2>&1
+  rm -f "$dir/report.md" "$dir/cc.png"
+  grep -E "goal|readback|1 MiB" "$log" | head -30
+  sed -n '/Host-bound decode/,/One step/p' "$dir/cc.md"
+}

@@ -8,11 +8,7 @@ LIMIT=${LIMIT:-330}
 source "$(dirname "$0")/gpu-common.sh"
 diag_header $OUT/diag.log
 cc_suites $OUT/gpu-cc.log 110
-echo "== bench cc (t=${SECONDS}s)" > $OUT/bench-cc.log
-timeout -k 5 $(slot 110) python3 -m syncless bench cc --out $OUT/bench-cc >> $OUT/bench-cc.log 2>&1
-rm -f $OUT/bench-cc/report.md $OUT/bench-cc/cc.png
-grep -E "goal|readback|1 MiB" $OUT/bench-cc.log | head -30
-sed -n '/Host-bound decode/,/One step/p' $OUT/bench-cc/cc.md
+bench_cc $OUT/bench-cc.log 110
 timeout -k 5 $(slot 80) python3 tests/gpu/cc/probe_hostbound.py --launches 8 --steps 300 --rounds 8 \
   --setups plain,floor,emulated,emulated+shim,emulated+shim+offload > $OUT/phases.log 2>&1
 grep "round" $OUT/phases.log; sed -n '/phase (median/,/^step/p' $OUT/phases.log
