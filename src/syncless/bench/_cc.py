@@ -326,11 +326,13 @@ def _host_bound_rows(torch, dev, quick: bool, rounds: int, progress):
     readback = {setup: statistics.median(values) for setup, values in samples.items()}
     for setup, us in readback.items():
         progress(f"one step's readback, {setup}: {us:.1f} us")
-    late_sync_us = {loop: {setup: statistics.median(values) for setup, values in per_setup.items()}
-                    for loop, per_setup in waits.items()}
-    wait_stream_us = {loop: {setup: statistics.median(values) for setup, values in per_setup.items()}
-                      for loop, per_setup in stream_waits.items()}
-    return rates, readback, graph_us, late_sync_us, wait_stream_us
+    return rates, readback, graph_us, _medians(waits), _medians(stream_waits)
+
+
+def _medians(per_loop: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, float]]:
+    """The median of each loop's and setup's samples."""
+    return {loop: {setup: statistics.median(values) for setup, values in per_setup.items()}
+            for loop, per_setup in per_loop.items()}
 
 
 def _readbacks_done(cc, d2h, with_way: bool = True) -> str:

@@ -142,10 +142,12 @@ def decode_loop(torch: Any, dev: Any, step: HostBoundStep, d2h: Any, steps: int,
         step.graph.replay()
         for _ in range(launches):  # the sampler's and scheduler's own small launches
             step.scratch.add_(1.0)
-        t_stream = time.perf_counter()
-        d2h.wait_stream(current)
         if stream_waits is not None and index >= warmup:
+            t_stream = time.perf_counter()
+            d2h.wait_stream(current)
             stream_waits.append((time.perf_counter() - t_stream) * 1e6)
+        else:
+            d2h.wait_stream(current)
         with torch.cuda.stream(d2h):
             token_host = step.token.to("cpu", non_blocking=True)
             if wait is not None:

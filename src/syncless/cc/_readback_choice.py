@@ -108,11 +108,8 @@ class ReadbackChoice:
             self.phase = _TIMING_OTHER
             self.left = WINDOW
             return not self.way  # this readback is the first one of the other way's window
-        # The way in use is kept unless the other wins by MIN_GAIN. (Run 68 sent a tie to the offload instead, on
-        # the reasoning that where looks time out the two tie and the look can fall into reading at the call after
-        # a pause. It showed no gain: its GPU-paced loop was offloaded from its first trial, as the offload wins
-        # such trials by more than MIN_GAIN anyway; and a loop whose trials tie because both ways wait for long GPU
-        # work carried the offload into the host-bound loop that followed on its stream, for two rounds.)
+        # The way in use is kept unless the other wins by MIN_GAIN (run 68 tried sending a tie to the offload: no
+        # gain, and a cost; docs/cc.md, "The GPU-paced loop, session 21").
         faster = statistics.median(self.other) < statistics.median(self.current) * (1.0 - MIN_GAIN)
         self._end_trial(not self.way if faster else self.way, kept=not faster)
         return self.way

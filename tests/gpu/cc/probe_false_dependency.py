@@ -17,6 +17,7 @@ ready event fired, while the next step's kernels are queued on the compute strea
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 
@@ -63,7 +64,7 @@ def main() -> None:
     candidates = {"private": [_streams.create_private_stream(0) for _ in range(args.streams)],
                   "torch pool, high priority": [torch.cuda.Stream(dev, priority=-1) for _ in range(4)]}
     print(f"sleep {args.sleep_ms} ms ({cycles} cycles); CUDA_DEVICE_MAX_CONNECTIONS="
-          f"{__import__('os').environ.get('CUDA_DEVICE_MAX_CONNECTIONS', '(unset: 8)')}")
+          f"{os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS', '(unset: 8)')}")
     for name, compute in computes.items():
         for kind, streams in candidates.items():
             times = [_time_to_done(torch, quick, compute, stream, device_word, host_word, cycles)
