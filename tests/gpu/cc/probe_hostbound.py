@@ -17,6 +17,9 @@ run 64: no timing of both ways), ``+eager`` (offloaded and run by the queue's ow
 readback torch's own, whatever is queued), ``+nowords`` (the 8-byte upload by the inline kernel, not a stream
 memory op), ``+nolook`` (read back now only from a stream found drained at once).
 For the shim it also counts, per thread, how many jobs each ran and how often the queue's thread woke.
+``+nogc`` after any setup runs its loop with Python's cyclic garbage collector off (``gc.disable()``). Each
+round's line gives the step's median and mean (the mean is what tokens/s sees), its 99th percentile and maximum, and
+the collections Python's collector made during the loop with their total time.
 ``--profile`` adds a cProfile of the shim's loop (top functions by own time; ``--profile-setup`` names another).
 """
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
+import gc
 import io
 import pstats
 import statistics
@@ -107,6 +111,7 @@ def main() -> None:
     choices: dict = {}  # setup -> its D2H stream's choice of way, kept from round to round as a loop keeps it
 
     def enter(setup: str) -> None:
+        setup = setup.removesuffix("+nogc")
         cc.uninstall()
         if setup not in choices:
             choices[setup] = _readback_choice.ReadbackChoice()
@@ -145,8 +150,14 @@ def main() -> None:
             for setup in bench_cc.rotated(tuple(setups), round_index):  # the order rotated, as the bench's rounds
                 enter(setup)
                 cc.reset_stats()
-                rates[setup].append(_cc_hostbound.decode_loop(torch, dev, step, d2h, args.steps, 50,
-                                                              floor=setup == "floor", launches=launches))
+                if setup.endswith("+nogc"):
+                    gc.disable()
+                try:
+                    rates[setup].append(_cc_hostbound.decode_loop(torch, dev, step, d2h, args.steps, 50,
+                                                                  floor=setup.removesuffix("+nogc") == "floor",
+                                                                  launches=launches))
+                finally:
+                    gc.enable()
                 did = cc.stats()
                 way = d2h_record.choice
                 print(f"round {round_index + 1} {setup:24s} {rates[setup][-1]:7.0f} tokens/s  offloaded "
@@ -159,6 +170,8 @@ def main() -> None:
                   f"{statistics.median(ratios):.3f}x, per round {' '.join(f'{x:.3f}' for x in ratios)}")
 
     def loop(setup: str, steps: int, warmup: int = 50):
+        nogc = setup.endswith("+nogc")
+        setup = setup.removesuffix("+nogc")
         current = torch.cuda.current_stream(dev)
         inplace = setup.endswith("+inplace") or setup.endswith("+copy_")
         floor = setup == "floor"
@@ -170,7 +183,20 @@ def main() -> None:
         totals = []
         pending = None
         clock = time.perf_counter
+        collected = [0, 0.0, 0.0]  # collections during the measured steps, their seconds, the start of the current one
+
+        def on_gc(phase, info):
+            if phase == "start":
+                collected[2] = clock()
+            else:
+                collected[0] += 1
+                collected[1] += clock() - collected[2]
+
+        if nogc:
+            gc.disable()
         for index in range(warmup + steps):
+            if index == warmup:
+                gc.callbacks.append(on_gc)
             t = [clock()]
             pos_host = ring[index % 4]
             pos_host[0] = index
@@ -213,6 +239,10 @@ def main() -> None:
                 totals.append((t[-1] - t[0]) * 1e6)
         pending[1].synchronize()
         torch.cuda.synchronize(dev)
+        gc.callbacks.remove(on_gc)
+        if nogc:
+            gc.enable()
+        loop.last = totals, collected[0], collected[1]
         return {p: statistics.median(v) for p, v in spent.items()}, statistics.median(totals)
 
     def calls_per_line(setup: str, steps: int = 20) -> None:
@@ -286,7 +316,11 @@ def main() -> None:
             if "shim" in setup:
                 extra = (f"  jobs run by {dict(ran_by)}, queue thread woke {dict(woke)}, way "
                          f"{'offload' if d2h_record.choice.way else 'look'}")
-            print(f"round {round_index + 1} {setup:24s} step {total:7.1f} us ({1e6 / total:6.0f} tokens/s){extra}")
+            totals, collections_made, gc_s = loop.last
+            ordered = sorted(totals)
+            tail = (f" mean {statistics.fmean(totals):6.1f} p99 {ordered[int(0.99 * (len(ordered) - 1))]:6.1f} "
+                    f"max {ordered[-1]:7.1f}; gc {collections_made} x, {gc_s * 1e6:.0f} us")
+            print(f"round {round_index + 1} {setup:24s} step {total:7.1f} us ({1e6 / total:6.0f} tokens/s){tail}{extra}")
     print()
     print(f"{'phase (median us)':18s}" + "".join(f"{s:>24s}" for s in setups))
     for name in PHASES + ("step",):
