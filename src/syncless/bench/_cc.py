@@ -344,8 +344,15 @@ def _readbacks_done(cc, d2h, with_way: bool = True) -> str:
     record = _d2h.lookup(d2h)
     choice = getattr(record, "choice", None) if with_way else None
     way = "" if choice is None else (f", way {'offload' if choice.way else 'look'} (trials {choice.trials}, "
-                                     f"switches {choice.switches})")
+                                     f"switches {choice.switches}{_last_trial(choice)})")
     return f" (offloaded {did.offloaded}, read at the call {did.left_alone.get('idle_stream', 0)}{way})"
+
+
+def _last_trial(choice) -> str:
+    """The last trial's step per way, median / mean in microseconds, for the progress line ("" before the first)."""
+    parts = [f"{'offload' if way else 'look'} {median * 1e6:.0f}/{mean * 1e6:.0f}"
+             for way, (median, mean) in sorted(choice.last_trial.items())]
+    return f"; last trial us median/mean: {', '.join(parts)}" if parts else ""
 
 
 def _cycles_per_ms(torch) -> int:

@@ -162,7 +162,8 @@ def main() -> None:
                 way = d2h_record.choice
                 print(f"round {round_index + 1} {setup:24s} {rates[setup][-1]:7.0f} tokens/s  offloaded "
                       f"{did.offloaded}, read back now {did.left_alone.get('idle_stream', 0)}, inlined {did.inlined}"
-                      f"  way {'offload' if way.way else 'look'} (trials {way.trials}, switches {way.switches})")
+                      f"  way {'offload' if way.way else 'look'} (trials {way.trials}, switches {way.switches}"
+                      f"{bench_cc._last_trial(way)})")
         print()
         for setup in setups:
             ratios = [r / p for r, p in zip(rates[setup], rates["plain"])]

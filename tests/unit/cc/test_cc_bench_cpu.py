@@ -92,3 +92,7 @@ def test_each_shim_rounds_progress_line_says_what_the_shim_did_with_its_readback
     # the D2H helper's copies take no way; a stream the shim does not know has none
     assert _cc._readbacks_done(cc, "d2h", with_way=False) == " (offloaded 338, read at the call 2)"
     assert _cc._readbacks_done(cc, "other") == " (offloaded 338, read at the call 2)"
+    # after a trial, its step per way (median / mean, us)
+    choice.last_trial = {OFFLOAD: (420e-6, 431.4e-6), not OFFLOAD: (401.2e-6, 409.6e-6)}
+    assert _cc._readbacks_done(cc, "d2h") == (" (offloaded 338, read at the call 2, way offload (trials 3, switches 1; "
+                                              "last trial us median/mean: look 401/410, offload 420/431))")

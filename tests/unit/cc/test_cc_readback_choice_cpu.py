@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from syncless.cc import _d2h, _emulation, _fast, _readback_choice
-from syncless.cc._readback_choice import FIRST_RUN, LOOK, MAX_RUN, OFFLOAD, SETTLE, WINDOW, ReadbackChoice
+from syncless.cc._readback_choice import (FIRST_RUN, HALF, LOOK, MAX_RUN, OFFLOAD, SETTLE, WARMUP, WINDOW,
+                                          ReadbackChoice)
 from support.lane_block import LaneBlock
 
 
@@ -32,6 +33,11 @@ def clock(monkeypatch):
     return model
 
 
+# A new stream's first trial, its deciding readback included: the warm-up (its last readback opens the trial), the
+# way in use for HALF readbacks, the other way for WINDOW, the way in use for HALF again.
+FIRST_TRIAL = WARMUP - 1 + 2 * WINDOW + 1
+
+
 def _loop(choice: ReadbackChoice, clock: _ModelClock, steps: int, step_s, jitter: float = 0.0, seed: int = 0):
     """Run ``steps`` readbacks; ``step_s(way)`` is the step after a readback made that way. Returns the ways."""
     rng = random.Random(seed)
@@ -43,21 +49,24 @@ def _loop(choice: ReadbackChoice, clock: _ModelClock, steps: int, step_s, jitter
     return ways
 
 
-def test_it_starts_with_the_look_and_times_both_ways_before_it_settles(clock):
+def test_it_starts_with_the_look_warms_up_and_times_the_look_on_both_sides_of_the_offload(clock):
     choice = ReadbackChoice()
-    ways = _loop(choice, clock, 2 * WINDOW - 1, lambda way: 420e-6)
-    # the way in use for a window (less the readback that opens the other's), then the other way's window
-    assert ways == [LOOK] * (WINDOW - 1) + [OFFLOAD] * WINDOW
+    ways = _loop(choice, clock, FIRST_TRIAL - 1, lambda way: 420e-6)
+    assert ways == [LOOK] * (WARMUP - 1 + HALF) + [OFFLOAD] * WINDOW + [LOOK] * HALF
     assert choice.trials == 0
     assert choice.offload() is LOOK  # the trial ends: equal steps keep the way in use
+    # the first SETTLE + 1 intervals of each phase not counted (the first belongs to the way before)
+    assert len(choice.current) == 2 * (HALF - SETTLE - 1) and len(choice.other) == WINDOW - SETTLE - 1
     assert choice.trials == 1 and choice.switches == 0 and choice.run == 2 * FIRST_RUN
     assert choice.offload() is LOOK and choice.left == 2 * FIRST_RUN - 1
+    assert choice.last_trial == {LOOK: pytest.approx((420e-6, 420e-6)), OFFLOAD: pytest.approx((420e-6, 420e-6))}
 
 
 def test_a_loop_that_runs_faster_offloaded_is_offloaded_and_rechecked_soon(clock):
     choice = ReadbackChoice()
-    _loop(choice, clock, 2 * WINDOW + 1, lambda way: 420e-6 if way is OFFLOAD else 461e-6)
+    _loop(choice, clock, FIRST_TRIAL, lambda way: 420e-6 if way is OFFLOAD else 461e-6)
     assert choice.way is OFFLOAD and choice.switches == 1 and choice.run == FIRST_RUN
+    assert choice.last_trial == {LOOK: pytest.approx((461e-6, 461e-6)), OFFLOAD: pytest.approx((420e-6, 420e-6))}
     reads = clock.reads
     ways = _loop(choice, clock, FIRST_RUN - 1, lambda way: 420e-6)
     assert set(ways) == {OFFLOAD} and clock.reads == reads  # the run between trials reads no clock
@@ -82,7 +91,7 @@ def test_a_gain_under_the_threshold_keeps_the_way_and_the_runs_double_up_to_the_
 def test_a_look_faster_by_the_threshold_takes_over_from_the_offload(clock):
     choice = ReadbackChoice()
     choice.way = OFFLOAD
-    _loop(choice, clock, 2 * WINDOW + 1, lambda way: 400e-6 if way is LOOK else 440e-6)
+    _loop(choice, clock, FIRST_TRIAL, lambda way: 400e-6 if way is LOOK else 440e-6)
     assert choice.way is LOOK and choice.switches == 1 and choice.run == FIRST_RUN
 
 
@@ -97,8 +106,41 @@ def test_the_first_intervals_of_a_window_do_not_count(clock):
             return 5e-3 if count["other"] <= SETTLE else 400e-6
         return 461e-6
 
-    _loop(choice, clock, 2 * WINDOW + 1, step_s)
+    _loop(choice, clock, FIRST_TRIAL, step_s)
     assert choice.way is OFFLOAD
+
+
+def test_a_host_that_speeds_up_through_a_trial_favours_neither_way(clock):
+    # Every step 0.25% shorter than the one before, whatever the way: the second of two windows timed one after the
+    # other would be some 6% faster (over MIN_GAIN), and the way after the first window would take over.
+    for way in (LOOK, OFFLOAD):
+        choice = ReadbackChoice()
+        choice.way = way
+        step = {"s": 500e-6}
+
+        def step_s(_way):
+            step["s"] *= 0.9975
+            return step["s"]
+
+        _loop(choice, clock, FIRST_TRIAL, step_s)
+        assert choice.trials == 1 and choice.way is way and choice.switches == 0
+
+
+SLOW_FIRST_STEPS = 20  # the warm-up and the first phase's unsettled intervals (16 + 4)
+
+
+def test_a_new_streams_slow_first_steps_are_not_counted_against_the_way_in_use(clock):
+    assert SLOW_FIRST_STEPS <= WARMUP + SETTLE
+    # A loop's first steps (its allocator's pools filling, its first launches) are slow whichever the way.
+    choice = ReadbackChoice()
+    count = {"steps": 0}
+
+    def step_s(way):
+        count["steps"] += 1
+        return 3e-3 if count["steps"] <= SLOW_FIRST_STEPS else (420e-6 if way is LOOK else 430e-6)
+
+    _loop(choice, clock, FIRST_TRIAL, step_s)
+    assert choice.trials == 1 and choice.way is LOOK and choice.switches == 0
 
 
 def _pause_after(choice: ReadbackChoice, clock: _ModelClock, readbacks: int, gaps: int) -> list:
@@ -113,12 +155,12 @@ def _pause_after(choice: ReadbackChoice, clock: _ModelClock, readbacks: int, gap
 def test_a_pause_of_the_loop_keeps_the_way_and_times_both_ways_again_from_the_next_readback(clock):
     choice = ReadbackChoice()
     choice.way = OFFLOAD
-    ways = _pause_after(choice, clock, WINDOW + 3, gaps=1)  # a pause in the other way's window
+    ways = _pause_after(choice, clock, WARMUP - 1 + HALF + 3, gaps=1)  # a pause in the other way's window
     assert ways[-1] is OFFLOAD and choice.trials == 0 and choice.switches == 0
     assert choice.current == [] and choice.other == []  # nothing timed before the pause counts
-    ways = _loop(choice, clock, 2 * WINDOW, lambda way: 400e-6 if way is OFFLOAD else 460e-6)
-    # the readback after the pause opened a window
-    assert ways == [OFFLOAD] * (WINDOW - 2) + [LOOK] * WINDOW + [OFFLOAD] * 2
+    ways = _loop(choice, clock, WARMUP - 2 + 2 * WINDOW + 2, lambda way: 400e-6 if way is OFFLOAD else 460e-6)
+    # the readback after the pause opened the warm-up; the trial's deciding readback keeps the offload
+    assert ways == [OFFLOAD] * (WARMUP - 2 + HALF) + [LOOK] * WINDOW + [OFFLOAD] * (HALF + 2)
     assert choice.trials == 1 and choice.way is OFFLOAD and choice.run == 2 * FIRST_RUN
 
 
