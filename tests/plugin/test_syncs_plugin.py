@@ -297,8 +297,13 @@ def test_a_bad_env_value_never_fails_a_test_that_does_not_use_syncless(pytester,
     pytester.makepyfile(test_trivial="def test_trivial():\n    assert 1 + 1 == 2\n")
     result = pytester.runpytest_subprocess("-p", "no:syncless", "-p", "syncless.syncs._pytest_plugin", "-p",
                                            "no:cacheprovider")
-    assert result.ret == pytest.ExitCode.OK, result.stdout.str() + result.stderr.str()
-    result.assert_outcomes(passed=1, warnings=1)
+    output = result.stdout.str() + result.stderr.str()
+    assert result.ret == pytest.ExitCode.OK, output
+    result.assert_outcomes(passed=1)
+    # The one warning from the import. Whether pytest counts it in its summary depends on its version
+    # (9.2 captures warnings issued while `-p` plugins are imported, 9.1 leaves them on stderr), so the
+    # output is what is checked, not the summary's count.
+    assert output.count(bad_env.text) == 1, output
 
 
 def test_a_bad_env_value_fails_a_run_with_sync_check_as_a_usage_error(pytester, bad_env):
