@@ -26,3 +26,14 @@ bench_cc() {
   grep -E "goal|readback|1 MiB" "$log" | head -30
   sed -n '/Host-bound decode/,/One step/p' "$dir/cc.md"
 }
+# One pytest run as suite $1 within a slot of $2 seconds (the rest of the arguments go to pytest), its log $OUT/$1.log
+# and one line in $OUT/summary.log. A script sets SUITE_FLAGS for its verbosity and timeouts.
+SUITE_FLAGS=${SUITE_FLAGS:--q -rfEs --timeout 120}
+run_suite() {
+  local name=$1 want=$2; shift 2
+  echo "== $name (t=${SECONDS}s)" | tee -a $OUT/summary.log
+  # shellcheck disable=SC2086  # SUITE_FLAGS is a list of words
+  timeout -k 5 $(slot "$want") python3 -m pytest $SUITE_FLAGS -p no:cacheprovider -m "not multi_gpu" "$@" \
+    > $OUT/$name.log 2>&1
+  echo "exit $?: $(tail -1 $OUT/$name.log)" | tee -a $OUT/summary.log
+}

@@ -3,15 +3,9 @@
 # code, one pytest per folder so that a hang costs one slot, skips listed with their reasons.
 set -u
 LIMIT=${LIMIT:-560}
+SUITE_FLAGS="-q -rfEs --timeout 120"
 source "$(dirname "$0")/gpu-common.sh"
 diag_header $OUT/diag.log
-run_suite() {  # name, slot seconds, pytest arguments...
-  local name=$1 want=$2; shift 2
-  echo "== $name (t=${SECONDS}s)" | tee -a $OUT/summary.log
-  timeout -k 5 $(slot "$want") python3 -m pytest -q -rfEs -p no:cacheprovider --timeout 120 -m "not multi_gpu" "$@" \
-    > $OUT/$name.log 2>&1
-  echo "exit $?: $(tail -1 $OUT/$name.log)" | tee -a $OUT/summary.log
-}
 run_suite gpu-cc 90 tests/gpu/cc --deselect tests/gpu/cc/test_cc_fuzz.py::test_differential_fuzz
 run_suite gpu-pp 60 tests/gpu/pp
 run_suite gpu-rest 120 tests/gpu/bench tests/gpu/compat tests/gpu/test_demo_gpu.py tests/gpu/test_doctor_gpu.py \

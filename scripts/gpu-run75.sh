@@ -3,15 +3,9 @@
 # without the fuzzer (run 72 ran it at this cc code), the bench/compat/demo/doctor/example/trace tests, tests/gpu/syncs.
 set -u
 LIMIT=${LIMIT:-560}
+SUITE_FLAGS="-q -rfEs --durations=5 --timeout 120"
 source "$(dirname "$0")/gpu-common.sh"
 diag_header $OUT/diag.log
-run_suite() {  # name, slot seconds, pytest arguments...
-  local name=$1 want=$2; shift 2
-  echo "== $name (t=${SECONDS}s)" | tee -a $OUT/summary.log
-  timeout -k 5 $(slot "$want") python3 -m pytest -q -rfEs --durations=5 -p no:cacheprovider --timeout 120 \
-    -m "not multi_gpu" "$@" > $OUT/$name.log 2>&1
-  echo "exit $?: $(tail -1 $OUT/$name.log)" | tee -a $OUT/summary.log
-}
 run_suite gpu-cc 100 tests/gpu/cc --deselect tests/gpu/cc/test_cc_fuzz.py::test_differential_fuzz
 run_suite gpu-rest 140 tests/gpu/bench tests/gpu/compat tests/gpu/test_demo_gpu.py tests/gpu/test_doctor_gpu.py \
   tests/gpu/test_example_transformers.py tests/gpu/test_trace_gpu.py
