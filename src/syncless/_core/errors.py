@@ -31,8 +31,11 @@ class NoGPUError(MissingDependencyError, RuntimeError):
     """
 
 
-class CudaError(SynclessError):
+class CudaError(SynclessError, RuntimeError):
     """A CUDA driver call failed.
+
+    A ``RuntimeError`` too, as torch's own CUDA errors are (``torch.AcceleratorError``): where the ``cc`` shim's
+    driver call is the first to fail, code that catches torch's error with ``except RuntimeError`` catches it.
 
     Attributes:
         call: the driver function that failed, e.g. ``"cuIpcOpenMemHandle"``.

@@ -183,14 +183,40 @@ def all_tickets() -> list[Ticket]:
 def wait_for_tickets(tickets: list[Ticket], *, raise_errors: bool, timeout_s: float | None = None,
                      any_thread: bool = False) -> None:
     """Block the host until each ticket's copies have finished (at most ``timeout_s`` in all); with
-    ``raise_errors``, raise the first failure among them that this thread has not had yet (``any_thread``: any)."""
+    ``raise_errors``, then raise the failures among them that this thread has not had yet (``any_thread``: any),
+    in one ``D2HCopyError``.
+
+    A failure on one stream does not cut the wait for the others short: the caller may handle the error and read
+    another stream's result, which torch's synchronize would have waited for. Each stream's failures are marked
+    had as they are found, so all of them are raised here, together.
+    """
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    failed: list[_worker.D2HCopyError] = []
     for worker, seq in tickets:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         if raise_errors:
-            worker.wait_and_raise(seq, timeout_s=left, any_thread=any_thread)
+            try:
+                worker.wait_and_raise(seq, timeout_s=left, any_thread=any_thread)
+            except _worker.D2HCopyError as err:
+                failed.append(err)
         elif worker.is_pending(seq):
             worker.wait_for(seq, timeout_s=left)
+    if failed:
+        raise _together(failed)
+
+
+def _together(errors: list[_worker.D2HCopyError]) -> _worker.D2HCopyError:
+    """One error for the failures of several D2H streams that one call covered: the first in full, the others'
+    headlines after it (each stream's error already counts those it covered)."""
+    if len(errors) == 1:
+        return errors[0]
+    first = errors[0]
+    heads = [str(err).split(_worker.TRACEBACK_MARK, 1)[0] for err in errors]
+    joined = _worker.D2HCopyError(f"{heads[0]}; also covered by this call, on other D2H streams: "
+                                  + "; ".join(heads[1:]), first.worker_traceback)
+    joined.__cause__ = first.__cause__
+    joined.__suppress_context__ = True
+    return joined
 
 
 def ticket_pending(ticket: Ticket | None) -> bool:
@@ -494,17 +520,40 @@ def _queue(record: _D2HStream, dst: Any, snap: Any, src: Any, verb: str, into_ex
 def _submit_locked(record: _D2HStream, job: Any, eager: bool) -> int:
     """Count ``job`` pending, queue it on ``record``'s worker and make it the stream's last job and part of the
     cover, before the offloading call returns (any event recorded after it covers this job); its number. The
-    caller holds ``_offload_lock`` and has enqueued the job's ready event on the D2H stream."""
-    with _pending_lock:
-        _PENDING[0] += 1
+    caller holds ``_offload_lock`` and has enqueued the job's ready event on the D2H stream.
+
+    An interrupt (a ``KeyboardInterrupt``), wherever it comes, leaves the job either queued, counted and covered,
+    or none of the three, and is raised on.
+    """
+    worker = record.worker
+    # The job's number, known before it is queued: every job of a D2H stream's worker is submitted here, under
+    # _offload_lock, so none comes in between. Whether it was queued is read from the worker's count afterwards,
+    # not from submit() returning: an interrupt raised as submit() returns (where Python runs a pending signal
+    # handler), or one in the Thread.start() of its first job, leaves the job queued without the return value, and
+    # counting it as never submitted made _PENDING end at -1 once it ran (the blocking reads then skipped a copy).
+    # (``_submitted``, not the ``submitted`` property: a property is a call, which an interrupt can come out of.)
+    seq = worker._submitted + 1
+    previous = _last_jobs.get(worker)
+    counted = False
     try:
-        seq = record.worker.submit(job, eager=eager)
-    except BaseException:
+        _last_jobs[worker] = seq
+        cover = tuple(_last_jobs.items())  # built before the job is queued: once it is, only plain stores are left
         with _pending_lock:
-            _PENDING[0] -= 1
-        raise
-    record.last_job = _last_jobs[record.worker] = seq
-    _rebuild_cover()
+            _PENDING[0] += 1
+            counted = True
+        worker.submit(job, eager=eager)
+    finally:
+        if worker._submitted >= seq:  # queued (submit() counts and queues a job in one step)
+            record.last_job = seq
+            _COVER[0] = cover
+        else:
+            if previous is None:
+                _last_jobs.pop(worker, None)
+            else:
+                _last_jobs[worker] = previous
+            if counted:
+                with _pending_lock:
+                    _PENDING[0] -= 1
     return seq
 
 

@@ -35,8 +35,9 @@ def snapshot(src: Any, dst: Any, stream: Any) -> Any:
     own D2H would read ``src``; the broadcast and any dtype conversion happen
     here too. Enqueues one device-to-device copy (asynchronous, CC or not: a
     raw driver copy when ``src`` already is that block, torch's ``copy_``
-    otherwise); the host does not block. Raises torch's ``OutOfMemoryError``
-    when there is no room for it.
+    otherwise, a ZeroTensor ``src`` included, whose data pointer is 0: torch
+    zero-fills the snapshot); the host does not block. Raises torch's
+    ``OutOfMemoryError`` when there is no room for it.
     """
     import torch
 
@@ -44,7 +45,8 @@ def snapshot(src: Any, dst: Any, stream: Any) -> Any:
     conj, neg = dst.is_conj(), dst.is_neg()
     if (not conj and not neg and src.dtype == dst.dtype and src.shape == dst.shape and src.stride() == dst.stride()
             and not src.is_conj() and not src.is_neg() and (src.is_contiguous()
-                                                             or is_dense_layout(src.shape, src.stride()))):
+                                                             or is_dense_layout(src.shape, src.stride()))
+            and not src._is_zerotensor()):  # (the shim routes a ZeroTensor to torch's own copy before this)
         if snap.nbytes:  # an empty tensor has no memory to copy (its data pointer may be null)
             _raw.copy_device_block(src.device.index, snap.data_ptr(), src.data_ptr(), snap.nbytes, stream)
         return snap
@@ -60,7 +62,8 @@ def snapshot(src: Any, dst: Any, stream: Any) -> Any:
 
 def snapshot_block(src: Any, stream: Any, index: int) -> Any:
     """:func:`snapshot` of a contiguous ``src`` that its destination stores as it lies (same dtype, shape, strides,
-    no conjugate or negative bit): a new device tensor and one raw device copy on ``stream``. Does not block."""
+    no conjugate or negative bit), with memory of its own (not a ZeroTensor: the lane checked): a new device tensor
+    and one raw device copy on ``stream``. Does not block."""
     import torch
 
     snap = torch.empty_like(src)

@@ -11,7 +11,10 @@ with the checks inline, as direct calls of torch's C layer, and gives up
 path then reads: a subclass or a mode, a GPU other than the current one, a
 graph capture, a strided layout that is not contiguous, a conjugate or
 negative view, autograd, a copy past ``max_staged_bytes``, a host tensor
-that is not on the CPU, a D2H stream current while an H2D is issued.
+that is not on the CPU, a D2H stream current while an H2D is issued, a
+ZeroTensor on either side (``torch._efficientzerotensor``: plain and
+contiguous, but its data pointer is 0; torch's copy reads no bytes of it, or
+refuses to write it, and the general path leaves it to torch).
 
 - A readback is offloaded as :func:`._routing.route_copy` would route it.
 - An upload of at most ``SYNCLESS_CC_INLINE_MAX_BYTES`` (4080 by default:
@@ -137,21 +140,28 @@ def to(self: Any, where: Any, max_staged_bytes: int, inline_max_bytes: int) -> A
             device = _device(lane, where)
     if device is None or _streams.CAPTURES[0]:
         return None
+    # A ZeroTensor has no memory (its data pointer is 0), and _offload and _stage move bytes by pointer: torch's
+    # own copy (the general path routes it so). One C call on each path, asked once the call's checks have let it
+    # through, at the lane's one entry into either.
     if self.is_cuda:
-        return _offload(lane, self, device, max_staged_bytes) if device.type == "cpu" else None
-    if device.type == "cuda" and self.is_cpu:
+        if device.type != "cpu" or self._is_zerotensor():
+            return None
+        return _offload(lane, self, device, max_staged_bytes)
+    if device.type == "cuda" and self.is_cpu and not self._is_zerotensor():
         return _stage(lane, self, device, max_staged_bytes, inline_max_bytes)
     return None
 
 
 def _plain_block(lane: _Lane, t: Any, max_staged_bytes: int) -> bool:
-    """Whether ``t`` is one dense block the lane may move as it lies (what the general path routes the same way)."""
+    """Whether ``t`` is one dense block the lane may move as it lies (what the general path routes the same way),
+    with memory of its own: a ZeroTensor's data pointer is 0 (asked last, after the checks that refuse cheaper)."""
     return (t.layout is lane.strided and not t.is_nested and not t.is_quantized and t.is_contiguous()
-            and not t.is_conj() and not t.is_neg() and t.nbytes <= max_staged_bytes)
+            and not t.is_conj() and not t.is_neg() and t.nbytes <= max_staged_bytes and not t._is_zerotensor())
 
 
 def _offload(lane: _Lane, self: Any, device: Any, max_staged_bytes: int) -> Any:
-    """``self.to("cpu", non_blocking=True)`` offloaded, if the current stream of ``self``'s GPU is a D2H stream.
+    """``self.to("cpu", non_blocking=True)`` offloaded, if the current stream of ``self``'s GPU is a D2H stream
+    (``self`` is not a ZeroTensor: :func:`to` checked).
 
     Enqueues on that D2H stream a device copy of ``self`` (the snapshot) and its ready event; returns the new
     pinned tensor at once (the host does not block). None when the general path must decide.
@@ -163,7 +173,7 @@ def _offload(lane: _Lane, self: Any, device: Any, max_staged_bytes: int) -> Any:
     if index != lane.current_device() or lane.capturing():
         return None
     record = streams.get((index, lane.raw_stream(index)))
-    # _plain_block, inline (this is the readback of every decode step)
+    # _plain_block, inline (this is the readback of every decode step); to() has refused a ZeroTensor
     if (record is None or self.layout is not lane.strided or self.is_nested or self.is_quantized
             or not self.is_contiguous() or self.is_conj() or self.is_neg() or self.nbytes > max_staged_bytes):
         return None
@@ -293,8 +303,8 @@ def _read_back_now(lane: _Lane, self: Any, device: Any, record: Any) -> Any:
 
 
 def _stage(lane: _Lane, self: Any, device: Any, max_staged_bytes: int, inline_max_bytes: int) -> Any:
-    """``self.to(device, non_blocking=True)`` for a host tensor: inlined (at most ``inline_max_bytes``), torch's own
-    on an idle current stream, else staged; or None."""
+    """``self.to(device, non_blocking=True)`` for a host tensor (not a ZeroTensor: :func:`to` checked): inlined (at
+    most ``inline_max_bytes``), torch's own on an idle current stream, else staged; or None."""
     index = device.index
     current_device = lane.current_device()
     if index is None:
@@ -359,8 +369,9 @@ def _inline(lane: _Lane, dst: Any, src: Any, index: int, nbytes: int, entries: t
 
 def copy_into(dst: Any, src: Any, inline_max_bytes: int, max_staged_bytes: int) -> bool:
     """``dst.copy_(src, non_blocking=True)`` of host ``src`` into CUDA ``dst`` as one inline kernel, if it is a small
-    plain upload (same dtype and shape, both contiguous, nothing for autograd to record); return whether it was
-    done (False: nothing was, the caller routes the copy).
+    plain upload (same dtype and shape, both contiguous, neither a ZeroTensor, nothing for autograd to record);
+    return whether it was done (False: nothing was, the caller routes the copy, and torch zero-fills ``dst`` from
+    a ZeroTensor, or refuses to write one).
 
     The caller (the shim's ``copy_``) has checked the call's form, overrides, modes and compiling, and settled
     the D2H stream. Enqueues on ``dst``'s current stream, where torch's copy goes; bumps ``dst``'s version

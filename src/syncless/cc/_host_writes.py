@@ -228,7 +228,8 @@ def order_after_pending_writes(staging: Any, src: Any) -> None:
 
 def _unfinished_writes(start: int, end: int) -> list[tuple]:
     """The entries over ``[start, end)`` still writing; drop the finished ones, and raise the first failed job's
-    error (dropping it: raised once)."""
+    error if this thread has not had it yet (it then has: its covering waits and ``uninstall()`` do not raise it
+    again). A failed entry is dropped once found, had or not; a second failed one stays for the next upload."""
     failed = None
     pending = []
     with _lock:
@@ -239,7 +240,10 @@ def _unfinished_writes(start: int, end: int) -> list[tuple]:
                 if item[0] <= start:  # this entry of the bucket misses the bytes asked about
                     kept.append(item)
                 elif entry[0] == "job" and not entry[1][0].is_pending(entry[1][1]) and not _is_done(entry):
-                    failed = failed or entry[1][0].failure_of(entry[1][1])  # raised once: dropped
+                    if failed is not None:
+                        kept.append(item)  # raised by the next upload of these bytes, not lost behind this one
+                    else:
+                        failed = entry[1][0].claim_failure(entry[1][1])  # None: this thread had it
                 elif _is_done(entry):
                     if entry[0] == "event":
                         _spare_events.append(entry[1])

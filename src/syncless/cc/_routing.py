@@ -37,7 +37,8 @@ class CopyFacts:
         compiling: torch.compile is tracing.
         capturing: the stream the copy would use is capturing a CUDA graph.
         on_d2h_stream: the current stream of the source's device was made by ``new_d2h_stream``.
-        strided: both tensors have the ordinary strided layout.
+        strided: both tensors have the ordinary strided layout, and memory of their own (a ZeroTensor has
+            none: its data pointer is 0, and only torch's copy knows it holds zeros).
         autograd: the source needs autograd tracking (requires grad, grad mode on).
         pageable_target: a D2H into an existing host tensor that is not pinned.
         noncontiguous_target: a D2H into an existing host tensor that is not contiguous.

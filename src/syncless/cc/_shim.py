@@ -50,8 +50,11 @@ def _strided(*tensors: Any) -> bool:
 
     strided = torch.strided
     for t in tensors:  # a loop, not all(<generator>): this runs on every routed copy
-        # Quantized tensors are strided but have no pinned empty_strided (issue 27 item 6): torch's own copy.
-        if t.layout != strided or t.is_nested or t.is_quantized:
+        # Quantized tensors are strided but have no pinned empty_strided (issue 27 item 6): torch's own copy. So
+        # is a ZeroTensor, strided and contiguous but without memory (data pointer 0): torch's copy reads none of
+        # it (or refuses to write it), while a staged or offloaded one would read its storage (asked last: a C call
+        # every routed copy makes, after the cheap refusals).
+        if t.layout != strided or t.is_nested or t.is_quantized or t._is_zerotensor():
             return False
     return True
 

@@ -56,7 +56,7 @@ def register_inplace_h2d_target(t: Any) -> None:
 
     Raises:
         TypeError: ``t`` is not a tensor.
-        ValueError: ``t`` is not a strided CUDA tensor.
+        ValueError: ``t`` is not a strided CUDA tensor, or is a ZeroTensor.
     """
     import torch
 
@@ -65,6 +65,9 @@ def register_inplace_h2d_target(t: Any) -> None:
     if t.device.type != "cuda" or t.layout != torch.strided:
         raise ValueError(f"register_inplace_h2d_target expects a strided CUDA tensor, got device={t.device}, "
                          f"layout={t.layout}")
+    if t._is_zerotensor():
+        raise ValueError("register_inplace_h2d_target expects a tensor with memory of its own, got a ZeroTensor "
+                         "(immutable: nothing can be uploaded into it)")
     if _remember_target(t):
         index = t.device.index
         # staging : [wait E] uploads into t ...
@@ -77,11 +80,15 @@ def is_registered_target(t: Any) -> bool:
 
     The registered tensor must still own the storage it was registered with: one whose storage moved
     (``resize_`` growing it, ``set_``, ``.data =``) no longer vouches for its old address, which the
-    caching allocator may hand to an unrelated tensor (found in review); its entry is dropped.
+    caching allocator may hand to an unrelated tensor (found in review); its entry is dropped. A tensor without
+    memory of its own (a ZeroTensor: torch raises at the read of its storage's address) shares none: False.
     """
     if not _TARGETS:
         return False
-    key = _storage_key(t)
+    try:
+        key = _storage_key(t)
+    except RuntimeError:
+        return False  # no storage address to share (the copy then goes on as torch's, which raises its own error)
     target = _TARGETS.get(key)
     if target is None:
         return False

@@ -78,10 +78,22 @@ def _marked_pending(event: Any) -> bool:
     tickets = getattr(event, _MARK, None)
     if not tickets:
         return False
-    if any(_d2h.ticket_pending(t) for t in tickets):
+    if _kicked_if_pending(tickets):
         return True
     _d2h.wait_for_tickets(list(tickets), raise_errors=True)  # all finished: waits for nothing
     return False
+
+
+def _kicked_if_pending(tickets: Any) -> bool:
+    """Whether a copy among ``tickets`` is unfinished; the queue of each unfinished one is kicked (its thread runs
+    what is queued now, not after the grace period: a program that polls ``query()`` sees its copy land about when
+    torch's would, once the GPU work it reads is done). Does not block."""
+    pending = False
+    for ticket in tickets:
+        if _d2h.ticket_pending(ticket):
+            ticket[0].kick()
+            pending = True
+    return pending
 
 
 def _cover_all() -> list:
@@ -208,7 +220,7 @@ def _wrap_stream_query(next_query):
         stream = _only_self(args, kwargs, stream_class)
         if stream is not None and (_d2h.pending() or _worker.UNRAISED[0]):
             tickets = _stream_jobs(stream)
-            if any(_d2h.ticket_pending(t) for t in tickets):
+            if _kicked_if_pending(tickets):
                 return False
             _d2h.wait_for_tickets(tickets, raise_errors=True)  # all finished: raises this thread's failure, if any
         return next_query(*args, **kwargs)

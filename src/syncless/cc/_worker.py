@@ -53,6 +53,9 @@ GRACE_S = 0.02
 MAX_KEPT_FAILURES = 1024
 
 
+TRACEBACK_MARK = "\n--- worker traceback ---\n"  # between a D2HCopyError's message and the failed job's traceback
+
+
 class D2HCopyError(SynclessError):
     """A device-to-host copy that syncless offloaded failed.
 
@@ -64,7 +67,7 @@ class D2HCopyError(SynclessError):
     """
 
     def __init__(self, message: str, worker_traceback: str):
-        super().__init__(f"{message}\n--- worker traceback ---\n{worker_traceback}")
+        super().__init__(f"{message}{TRACEBACK_MARK}{worker_traceback}")
         self.worker_traceback = worker_traceback
 
 
@@ -164,7 +167,11 @@ class OrderedWorker:
         # A job's end wakes only who needs it: waking the queue's thread at every end (one Condition for both)
         # made it take the GIL twice per job, each time the decode loop was running Python (issue 33: ~2 takes
         # per step, and every phase of the step slowed down).
-        self._lock = threading.Lock()
+        # An RLock, taken once at a time, so that _run_head can tell after an interrupt whether this thread holds
+        # it (``_is_owned``). Every block takes it with ``with self._lock:``, whose take is the lock's own C method:
+        # a Condition's ``__enter__`` is Python code, and an interrupt raised as its take returned left the lock
+        # held with no ``__exit__`` to come.
+        self._lock = threading.RLock()
         self._cv = threading.Condition(self._lock)
         self._thread_cv = threading.Condition(self._lock)
 
@@ -212,12 +219,17 @@ class OrderedWorker:
         Raises:
             RuntimeError: the worker has been shut down.
         """
-        with self._cv:
+        with self._lock:
             if self._stopping:
                 raise RuntimeError(f"{self._name} worker has been shut down; no new copies are accepted")
             seq = self._submitted + 1
+            entry = _Job(seq, job, what, threading.current_thread(), time.monotonic() + GRACE_S, eager)
+            # Counted and queued with no call between (an interrupt comes out of a call as it returns): whatever
+            # interrupts this method, ``_submitted`` says whether the job is queued (_d2h._submit_locked reads it;
+            # the first submit's Thread.start() below waits, and a KeyboardInterrupt there left the job queued while
+            # the offload took it for never submitted: its pending count ended at -1).
             self._submitted = seq
-            self._jobs.append(_Job(seq, job, what, threading.current_thread(), time.monotonic() + GRACE_S, eager))
+            self._jobs.append(entry)
             if not self._thread_runs:  # (a flag, not Thread.is_alive(): two Python calls fewer per copy)
                 self._start_thread()
             elif eager or self._idle:
@@ -226,7 +238,7 @@ class OrderedWorker:
 
     def kick(self) -> None:
         """Have the queue's thread run every queued job now (a poller found one pending). Does not block."""
-        with self._cv:
+        with self._lock:
             if self._jobs and not self._wake:
                 self._wake = True
                 self._wake_thread()
@@ -252,7 +264,7 @@ class OrderedWorker:
 
     def _loop(self) -> None:
         submitted_at_last_sleep = -1
-        with self._cv:
+        with self._lock:
             while True:
                 if self._jobs and not self._running and self._may_take(time.monotonic()):
                     self._run_head()
@@ -279,45 +291,75 @@ class OrderedWorker:
         A ``KeyboardInterrupt`` (or other non-``Exception``) reaching a thread that runs a job it was waiting for
         puts the job back at the head and is raised on: every job is safe to run again from its start (it waits,
         copies and waits again), and the user's interrupt must not become a copy failure. On the queue's own
-        thread every exception is the job's failure.
+        thread every exception is the job's failure. An interrupt that comes once the job has ended (returned or
+        failed), as its end is recorded, leaves it recorded as ended, its failure kept: a job lets go of what it
+        holds as it fails, so run again it would pass as a success.
         """
-        job = self._jobs.popleft()
-        self._running = True
-        self._runner = threading.current_thread()
-        self._cv.release()
-        failure = None
+        job = self._jobs[0]  # (popped below: an interrupt as popleft() returned would lose it)
+        ended = False  # set as the job returns or fails, and never cleared
+        error = failure = None
+        settled = None
+        settling = False  # set before settled() is called: a count left one too high only slows the hot paths
         try:
+            self._jobs.popleft()
+            self._running = True
+            self._runner = threading.current_thread()
+            self._cv.release()
             try:
                 job.run()
             except Exception as err:  # noqa: BLE001 - every failure is kept and raised at a covering call
+                ended, error = True, err
                 failure = self._failure_of(job, err)
             except BaseException as err:
                 if not self.is_worker_thread():
                     raise
+                ended, error = True, err
                 failure = self._failure_of(job, err)
-        except BaseException:
+            ended = True
+            settled = getattr(job.run, "settled", None)  # called once the job's end is on record (see _d2h)
+            job.run = None  # the job (and what it holds) goes now, not at the next one
             self._cv.acquire()
+            if failure is not None:
+                self._keep(failure)
+            self._completed = job.seq
             self._running = False
             self._runner = None
-            self._jobs.appendleft(job)
+            if settled is not None:
+                settling = True
+                settled()
+            if self._waiters:
+                self._cv.notify_all()
+            if self._thread_awaits_end:
+                self._wake_thread()
+        except BaseException:
+            if not self._lock._is_owned():
+                self._cv.acquire()
+            self._running = False
+            self._runner = None
+            if not ended:
+                if not (self._jobs and self._jobs[0] is job):
+                    self._jobs.appendleft(job)
+            elif self._completed < job.seq:
+                if error is not None:
+                    if failure is None:  # the interrupt came as the failure was written
+                        failure = _Failure(job.seq, error, "(no traceback: an interrupt came as it was written)",
+                                           "offloaded copy", job.submitter)
+                    if not any(kept is failure for kept in self._failures):  # (kept, then interrupted)
+                        self._keep(failure)
+                self._completed = job.seq
+                if settled is None and job.run is not None:
+                    settled = getattr(job.run, "settled", None)
+                job.run = None
+                if settled is not None and not settling:
+                    settling = True
+                    settled()
+            elif settled is not None and not settling:
+                settling = True
+                settled()
             self._wake = True
             self._cv.notify_all()
             self._wake_thread()
             raise
-        settled = getattr(job.run, "settled", None)  # called once the job's end is on record (see _d2h)
-        job.run = None  # the job (and what it holds) goes now, not at the next one
-        self._cv.acquire()
-        if failure is not None:
-            self._keep(failure)
-        self._completed = job.seq
-        self._running = False
-        self._runner = None
-        if settled is not None:
-            settled()
-        if self._waiters:
-            self._cv.notify_all()
-        if self._thread_awaits_end:
-            self._wake_thread()
 
     def _failure_of(self, job: _Job, err: BaseException) -> _Failure:
         text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
@@ -360,7 +402,7 @@ class OrderedWorker:
             return
         helping = timeout_s is None
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        with self._cv:
+        with self._lock:
             while self._completed < seq:
                 if helping and not self._running and self._jobs and self._jobs[0].seq <= seq:
                     self._run_head()
@@ -403,7 +445,7 @@ class OrderedWorker:
         else:
             me = threading.current_thread()
             seen = self._seen_upto()
-            with self._cv:
+            with self._lock:
                 covered = [f for f in self._failures if seen < f.seq <= upto]
                 for failure in covered:
                     if failure.thread is me:
@@ -417,15 +459,33 @@ class OrderedWorker:
 
     def failure_of(self, seq: int) -> D2HCopyError | None:
         """The error of job ``seq`` if it failed (kept), else None; marks nothing as raised."""
-        with self._cv:
+        with self._lock:
             for failure in self._failures:
                 if failure.seq == seq:
                     return self.error_for([failure])
         return None
 
+    def claim_failure(self, seq: int) -> D2HCopyError | None:
+        """The error to raise for failed job ``seq`` on this thread, if this thread has not had it yet (with the
+        failures numbered before it that it has not had either); it then has them, as after :meth:`raise_errors`
+        (a staged upload of the memory the job was to write raises it: docs/cc.md). None: the job did not fail,
+        its failure is forgotten, or this thread had it."""
+        me = threading.current_thread()
+        seen = self._seen_upto()
+        with self._lock:
+            failure = next((f for f in self._failures if f.seq == seq), None)
+            if failure is None or seq <= seen:
+                return None
+            covered = [f for f in self._failures if seen < f.seq <= seq]
+            for each in covered:
+                if each.thread is me:
+                    each.issuer_had_it = True
+            self._seen.upto = max(seen, min(seq, self._completed))
+        return self.error_for(covered)
+
     def take_unreported(self, upto: int | None = None) -> list[_Failure]:
         """Forget every kept failure (up to ``upto``); return those whose issuing thread never had them."""
-        with self._cv:
+        with self._lock:
             taken = [f for f in self._failures if upto is None or f.seq <= upto]
             if not taken:
                 return []
@@ -457,7 +517,7 @@ class OrderedWorker:
 
     def failures_pending(self) -> int:
         """How many kept failures the thread that issued them has not had yet (what ``uninstall()`` would raise)."""
-        with self._cv:
+        with self._lock:
             return sum(1 for f in self._failures if not f.issuer_had_it)
 
     def shutdown(self, timeout_s: float = 10.0) -> bool:
@@ -465,7 +525,7 @@ class OrderedWorker:
 
         Later :meth:`submit` calls raise. Safe to call more than once.
         """
-        with self._cv:
+        with self._lock:
             self._stopping = True
             self._cv.notify_all()
             self._wake_thread()
@@ -481,7 +541,7 @@ class OrderedWorker:
 
     def restart(self) -> None:
         """Accept jobs again after :meth:`shutdown` (for tests and re-install)."""
-        with self._cv:
+        with self._lock:
             self._stopping = False
 
     def forget_after_fork(self, keep: list) -> None:
