@@ -191,16 +191,19 @@ def wait_for_tickets(tickets: list[Ticket], *, raise_errors: bool, timeout_s: fl
     had as they are found, so all of them are raised here, together.
     """
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    for worker, seq in tickets:
+        if worker.is_pending(seq):
+            worker.wait_for(seq, timeout_s=None if deadline is None else max(0.0, deadline - time.monotonic()))
+    if not raise_errors:
+        return
+    # Raised only once every wait is over: a failure is marked had as it is taken, so one taken before a wait
+    # that an interrupt then ends would be lost (had, never raised).
     failed: list[_worker.D2HCopyError] = []
     for worker, seq in tickets:
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        if raise_errors:
-            try:
-                worker.wait_and_raise(seq, timeout_s=left, any_thread=any_thread)
-            except _worker.D2HCopyError as err:
-                failed.append(err)
-        elif worker.is_pending(seq):
-            worker.wait_for(seq, timeout_s=left)
+        try:
+            worker.wait_and_raise(seq, any_thread=any_thread)  # finished: waits for nothing
+        except _worker.D2HCopyError as err:
+            failed.append(err)
     if failed:
         raise _together(failed)
 

@@ -229,7 +229,7 @@ def order_after_pending_writes(staging: Any, src: Any) -> None:
 def _unfinished_writes(start: int, end: int) -> list[tuple]:
     """The entries over ``[start, end)`` still writing; drop the finished ones, and raise the first failed job's
     error if this thread has not had it yet (it then has: its covering waits and ``uninstall()`` do not raise it
-    again). A failed entry is dropped once found, had or not; a second failed one stays for the next upload."""
+    again). A failed job's entry stays while its failure is kept, for the threads that have not had it."""
     failed = None
     pending = []
     with _lock:
@@ -240,9 +240,10 @@ def _unfinished_writes(start: int, end: int) -> list[tuple]:
                 if item[0] <= start:  # this entry of the bucket misses the bytes asked about
                     kept.append(item)
                 elif entry[0] == "job" and not entry[1][0].is_pending(entry[1][1]) and not _is_done(entry):
-                    if failed is not None:
-                        kept.append(item)  # raised by the next upload of these bytes, not lost behind this one
-                    else:
+                    # Kept while its failure is (until close_d2h_stream or uninstall): each thread that uploads
+                    # these bytes without having had it gets it, once; a second failed entry waits for the next.
+                    kept.append(item)
+                    if failed is None:
                         failed = entry[1][0].claim_failure(entry[1][1])  # None: this thread had it
                 elif _is_done(entry):
                     if entry[0] == "event":

@@ -106,6 +106,7 @@ def test_an_upload_by_another_thread_that_never_had_the_failure_raises_it(worker
     seq = _failed_copy_into(worker, host)
     with pytest.raises(D2HCopyError):
         worker.wait_and_raise(seq)  # the issuing thread had it
+    _host_writes.order_after_pending_writes(None, host)  # and uploads the memory as it is
     seen = []
 
     def consumer():
@@ -135,3 +136,21 @@ def test_a_query_that_finds_a_copy_pending_has_its_queue_run_it_now(workers, mon
     assert ran.wait(10)  # ... and the queue's thread runs the copy at once
     worker.wait_for(seq, timeout_s=10)
     assert not _sync_patches._marked_pending(event)
+
+
+def test_an_interrupt_in_the_wait_for_one_stream_loses_no_failure_of_another(workers, monkeypatch):
+    failing, slow = workers("D1"), workers("D2")
+    failed = failing.submit(_fail("copy A failed"), "copy A", eager=False)
+    failing.wait_for(failed)
+    in_flight = slow.submit(lambda: None, "copy B", eager=False)
+    real_wait = slow.wait_for
+
+    def interrupted(seq, **kwargs):
+        raise KeyboardInterrupt  # a Ctrl-C while this thread waits for the second stream
+
+    monkeypatch.setattr(slow, "wait_for", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _d2h.wait_for_tickets([(failing, failed), (slow, in_flight)], raise_errors=True)
+    monkeypatch.setattr(slow, "wait_for", real_wait)
+    with pytest.raises(D2HCopyError, match="copy A"):  # not marked had by the wait that was cut short
+        _d2h.wait_for_tickets([(failing, failed), (slow, in_flight)], raise_errors=True)
