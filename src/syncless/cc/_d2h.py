@@ -187,8 +187,7 @@ def wait_for_tickets(tickets: list[Ticket], *, raise_errors: bool, timeout_s: fl
     in one ``D2HCopyError``.
 
     A failure on one stream does not cut the wait for the others short: the caller may handle the error and read
-    another stream's result, which torch's synchronize would have waited for. Each stream's failures are marked
-    had as they are found, so all of them are raised here, together.
+    another stream's result, which torch's synchronize would have waited for.
     """
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     for worker, seq in tickets:
@@ -214,9 +213,9 @@ def _together(errors: list[_worker.D2HCopyError]) -> _worker.D2HCopyError:
     if len(errors) == 1:
         return errors[0]
     first = errors[0]
-    heads = [str(err).split(_worker.TRACEBACK_MARK, 1)[0] for err in errors]
-    joined = _worker.D2HCopyError(f"{heads[0]}; also covered by this call, on other D2H streams: "
-                                  + "; ".join(heads[1:]), first.worker_traceback)
+    others = "; ".join(err.message for err in errors[1:])
+    joined = _worker.D2HCopyError(f"{first.message}; also covered by this call, on other D2H streams: {others}",
+                                  first.worker_traceback)
     joined.__cause__ = first.__cause__
     joined.__suppress_context__ = True
     return joined

@@ -53,21 +53,20 @@ GRACE_S = 0.02
 MAX_KEPT_FAILURES = 1024
 
 
-TRACEBACK_MARK = "\n--- worker traceback ---\n"  # between a D2HCopyError's message and the failed job's traceback
-
-
 class D2HCopyError(SynclessError):
     """A device-to-host copy that syncless offloaded failed.
 
     Raised once on every host thread whose covering call covers the copy (a
     synchronize, query or wait of an event, stream or the device; docs/cc.md,
     "Errors"), and by ``uninstall()`` and ``close_d2h_stream()`` if the thread
-    that issued it never had it. ``worker_traceback`` holds the traceback text
-    of the failed job; the original exception is chained as ``__cause__``.
+    that issued it never had it. ``message`` is its headline, ``worker_traceback``
+    the traceback text of the failed job; the original exception is chained as
+    ``__cause__``.
     """
 
     def __init__(self, message: str, worker_traceback: str):
-        super().__init__(f"{message}{TRACEBACK_MARK}{worker_traceback}")
+        super().__init__(f"{message}\n--- worker traceback ---\n{worker_traceback}")
+        self.message = message
         self.worker_traceback = worker_traceback
 
 
