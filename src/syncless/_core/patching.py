@@ -164,10 +164,29 @@ def _prime_compiler_tables() -> None:
         build = getattr(rules, name, None)
         if callable(build):
             build()
+    build = _dynamo_handlers()
+    if build is not None:
+        build()
+
+
+def _dynamo_handlers() -> Any:
+    """dynamo's cached table of the torch callables it handles specially (``torch.cuda.synchronize`` among them),
+    keyed by the callable; None where this torch has none or dynamo is not loaded.
+
+    Built while an entry is installed it is keyed by the entry, and torch's own callable, which our wrappers pass
+    a call to while compiling, then lost its handling, for the process (found in review: a
+    ``torch.cuda.synchronize`` in a ``fullgraph=True`` region failed to trace, after ``uninstall()`` too).
+    """
+    variables = sys.modules.get("torch._dynamo.variables.torch")
+    handlers = getattr(getattr(variables, "TorchInGraphFunctionVariable", None), "_get_handlers", None)
+    return handlers if callable(handlers) and callable(getattr(handlers, "cache_clear", None)) else None
 
 
 def _forget_compiler_tables() -> None:
     """Drop dynamo's cached tables (they may have been built while our entries were installed)."""
+    handlers = _dynamo_handlers()
+    if handlers is not None:
+        handlers.cache_clear()
     rules = sys.modules.get("torch._dynamo.trace_rules")
     clear = getattr(rules, "clear_lru_cache", None)
     if callable(clear):

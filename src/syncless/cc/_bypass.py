@@ -1,7 +1,8 @@
 """Host<->device copies that do not go through ``Tensor.to/cuda/copy_``, ordered after a D2H stream's offloads.
 
 torch runs ``h[:] = x`` (``Tensor.__setitem__``), ``x.new_tensor(h)``,
-``torch.as_tensor(h, device=...)`` and ``UntypedStorage.copy_`` through its
+``torch.as_tensor(h, device=...)``, ``torch.asarray(h, device=...)``,
+``x.type(torch.cuda.FloatTensor)`` and ``UntypedStorage.copy_`` through its
 C++ copy, on the current stream, without calling the patched ``Tensor.copy_``.
 Issued while a D2H stream ``D`` is current, torch orders such a copy after
 the copies queued on ``D`` before it; an offloaded copy is not on ``D``::
@@ -35,11 +36,13 @@ def settle_current_d2h_streams() -> None:
     Blocks the host only while such copies are pending. Raises the first failure among them that this thread
     has not had yet (``D2HCopyError``).
     """
-    if not _d2h.pending():
+    if not _d2h.busy():
         return
     for index in {key[0] for key in list(_d2h._streams_by_key)}:
         record = _d2h.lookup(_streams.current_stream(index))
-        if record is not None and record.worker.is_pending(record.last_job):
+        # A failure kept is raised whether or not its copy has finished (found in review: once a failed copy had
+        # ended, these calls returned without it, and the program read the buffer it never wrote).
+        if record is not None and (record.worker.is_pending(record.last_job) or _d2h.UNRAISED[0]):
             COUNTERS.add("bypass_waits")
             _d2h.wait_for_stream(record)
 
@@ -55,10 +58,11 @@ def _crosses(a: Any, b: Any) -> bool:
 
 def _wrap_setitem(next_setitem):
     def __setitem__(*args, **kwargs):
-        # The hot path: one integer read while no offloaded copy is pending (inline: no call of _d2h.pending()),
+        # The hot path: two integer reads while no offloaded copy is pending and no failure is kept (inline),
         # after is_compiling(), which dynamo folds to a constant: read first, the count was a guard, and each change
         # of it recompiled the frame until it fell back to eager (issue 33 item 1).
-        if not is_compiling() and _d2h._PENDING[0] and len(args) == 3 and _crosses(args[0], args[2]):
+        if (not is_compiling() and (_d2h._PENDING[0] or _d2h.UNRAISED[0]) and len(args) == 3
+                and _crosses(args[0], args[2])):
             settle_current_d2h_streams()
         return next_setitem(*args, **kwargs)
 
@@ -66,10 +70,11 @@ def _wrap_setitem(next_setitem):
 
 
 def _wrap_settling(next_fn):
-    """``new_tensor``, ``as_tensor``, ``UntypedStorage.copy_``: rare enough to settle whenever a copy is pending."""
+    """``new_tensor``, ``as_tensor``, ``asarray``, ``Tensor.type``, ``UntypedStorage.copy_``: rare enough to settle
+    whenever a copy is pending or a failure is kept."""
 
     def settling(*args, **kwargs):
-        if not is_compiling() and _d2h._PENDING[0]:  # is_compiling() first: see _wrap_setitem
+        if not is_compiling() and (_d2h._PENDING[0] or _d2h.UNRAISED[0]):  # is_compiling() first: see _wrap_setitem
             settle_current_d2h_streams()
         return next_fn(*args, **kwargs)
 
@@ -84,5 +89,7 @@ def patch_targets() -> list[tuple[Any, str, Any]]:
         (torch.Tensor, "__setitem__", _wrap_setitem),
         (torch.Tensor, "new_tensor", _wrap_settling),
         (torch, "as_tensor", _wrap_settling),
+        (torch, "asarray", _wrap_settling),  # copies in C++ as as_tensor does (found in review)
+        (torch.Tensor, "type", _wrap_settling),  # x.type(torch.cuda.FloatTensor): a copy in C++ as well
         (torch.UntypedStorage, "copy_", _wrap_settling),
     ]

@@ -40,12 +40,12 @@ every D2H stream (:func:`cover_now`, the seed's any-event rule), and waiting
 on it (also ``P.wait_stream(S)``, which records one), synchronizing or querying it, or
 synchronizing ``D`` or the device first waits for those jobs; a copy between
 host and GPU issued while ``D`` is current (not offloaded), and the blocking
-reads ``cpu()``/``item()``/``tolist()``, wait for them too; a staged H2D of
-host memory that a pending job writes waits for that job. These host waits
-happen only where torch itself would have made the GPU wait for the copy,
-and never while the worker still needs the caller's next call (a job
-depends only on work enqueued before it), so one thread cannot deadlock on
-them. Each D2H stream has a worker of its own (:class:`_D2HStream`), so a
+reads ``cpu()``/``item()``/``tolist()``, wait for them too; an H2D of host
+memory that a pending job writes waits for that job (staged or left to
+torch). These host waits happen only where torch itself would have made the
+GPU wait for the copy, and never while the worker still needs the caller's
+next call (a job depends only on work enqueued before it), so one thread of
+one process cannot deadlock on them (several can: docs/cc.md, "Limits"). Each D2H stream has a worker of its own (:class:`_D2HStream`), so a
 wait for one stream's jobs never waits for another stream's; synchronizing
 an ordinary stream or the device waits for every stream's (docs/cc.md,
 "Limits"). What syncless cannot see stays unordered after the copy's write of

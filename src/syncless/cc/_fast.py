@@ -313,8 +313,9 @@ def _stage(lane: _Lane, self: Any, device: Any, max_staged_bytes: int, inline_ma
             or self.is_quantized or not self.is_contiguous() or self.is_conj() or self.is_neg()
             or self.nbytes > max_staged_bytes):  # _plain_block, inline (the upload of every decode step)
         return None
-    if _d2h._PENDING[0] and _d2h._streams_by_key and (index, lane.raw_stream(index)) in _d2h._streams_by_key:
-        return None  # a D2H stream is current: the general path waits for its offloaded copies first
+    if ((_d2h._PENDING[0] or _d2h.UNRAISED[0]) and _d2h._streams_by_key
+            and (index, lane.raw_stream(index)) in _d2h._streams_by_key):
+        return None  # a D2H stream is current: the general path waits for its offloaded copies (raises a failure)
     if self.requires_grad and lane.grad_enabled():
         return None  # torch records the copy for autograd: the general path stages torch's own copy
     nbytes = self.nbytes

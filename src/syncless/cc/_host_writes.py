@@ -36,7 +36,7 @@ from syncless.cc import _raw, _streams
 
 _lock = threading.Lock()
 # Byte ranges of host storages a noted D2H may still be writing, indexed by the range's start: start -> a list of
-# [end, entry], where entry is ("event", ev) or ("job", ticket); _starts holds the starts in order, and _longest the
+# [end, entry], where entry is ("event", ev, the event's GPU) or ("job", ticket); _starts holds the starts in order, and _longest the
 # longest range noted, so a staged H2D asks only the entries that can overlap its source (a bisect), not every
 # one. Entries go when they are found done: at a lookup of their bytes, at the next note at the same start (the
 # pinned allocator hands the same blocks out again), and in a trim of everything once the count doubles. The
@@ -53,8 +53,15 @@ _trim_at = [_TRIM_FLOOR]
 # call returns, so a readback the fast lane leaves to torch needs no note (._fast._read_back_now); the offloaded
 # job needs no synchronize after its copy (._raw.run_copy_job, which reads the same list).
 COPIES_FINISH_AT_CALL = _raw.COPIES_FINISH_AT_CALL
-# Events of finished plain-D2H notes, for the next note (an event per copy cost a creation each).
-_spare_events: list[Any] = []
+# Events of finished plain-D2H notes, for the next note on the same GPU (an event per copy cost a creation each), by
+# GPU: a CUDA event is bound to the device it was first recorded on, and torch refuses to record it on another's
+# stream (one pool for every GPU made a D2H on GPU 1 raise after its copy was enqueued; found in review).
+_spare_events: dict[int, list[Any]] = {}
+
+
+def _recycle(entry: tuple) -> None:
+    """Keep the event of finished plain note ``entry`` for the next note on its GPU."""
+    _spare_events.setdefault(entry[2], []).append(entry[1])
 
 
 def _range(t: Any) -> tuple[int, int]:
@@ -85,7 +92,7 @@ def _unfinished(items: list) -> list:
         if not _is_done(entry):
             kept.append(item)
         elif entry[0] == "event":
-            _spare_events.append(entry[1])
+            _recycle(entry)
     return kept
 
 
@@ -139,12 +146,13 @@ def note_plain_d2h(dst: Any, stream: Any) -> None:
         return
     import torch
 
+    index = stream.device_index
     try:
-        event = _spare_events.pop()
-    except IndexError:
+        event = _spare_events[index].pop()  # (another thread may take the last one between a look and a pop)
+    except (KeyError, IndexError):
         event = torch.cuda.Event()
     _streams.record_event_raw(event, stream)
-    _remember(dst, ("event", event))
+    _remember(dst, ("event", event, index))
 
 
 def note_offloaded_d2h(dst: Any, ticket: Any) -> None:
@@ -192,6 +200,29 @@ def settle_for_host_read(src: Any) -> bool:
         _d2h.wait_for_tickets([entry[1] for entry in pending], raise_errors=False)
         _unfinished_writes(start, end)  # drops them now that they are done, or raises a failure among them
     return True
+
+
+def wait_for_offloaded_writes(src: Any) -> None:
+    """Before torch's own copy reads host ``src`` (an upload the shim leaves to torch): the host waits for the
+    offloaded copies still writing it, as before a staged copy; a failure among them is raised.
+
+    A plain D2H still writing ``src`` is not waited for: torch's copy is ordered after it only by what the program
+    ordered (a stream wait, a synchronize), which holds for torch's own copy as it is; under CC it has finished at
+    its call. Blocks the host only while such an offloaded copy is unfinished.
+
+    Raises:
+        D2HCopyError: an offloaded copy into ``src``'s memory failed (once per thread, as for a staged upload).
+    """
+    found = _range_if_noted_nearby(src)
+    if found is None:
+        return
+    start, end = found
+    jobs = [entry[1] for entry in _unfinished_writes(start, end) if entry[0] == "job"]
+    if jobs:
+        from syncless.cc import _d2h
+
+        _d2h.wait_for_tickets(jobs, raise_errors=False)
+        _unfinished_writes(start, end)  # drops them now that they are done, or raises a failure among them
 
 
 def order_after_pending_writes(staging: Any, src: Any) -> None:
@@ -247,7 +278,7 @@ def _unfinished_writes(start: int, end: int) -> list[tuple]:
                         failed = entry[1][0].claim_failure(entry[1][1])  # None: this thread had it
                 elif _is_done(entry):
                     if entry[0] == "event":
-                        _spare_events.append(entry[1])
+                        _recycle(entry)
                 else:
                     pending.append(entry)
                     kept.append(item)
@@ -270,7 +301,7 @@ def clear(keep: list | None = None) -> None:
     global _lock
     if keep is not None:
         _lock = threading.Lock()  # a parent's thread may have held it at the fork
-        keep.append((dict(_by_start), list(_spare_events)))
+        keep.append((dict(_by_start), {index: list(events) for index, events in _spare_events.items()}))
     with _lock:
         _by_start.clear()
         _starts.clear()

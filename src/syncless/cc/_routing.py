@@ -40,6 +40,8 @@ class CopyFacts:
         strided: both tensors have the ordinary strided layout, and memory of their own (a ZeroTensor has
             none: its data pointer is 0, and only torch's copy knows it holds zeros).
         autograd: the source needs autograd tracking (requires grad, grad mode on).
+        dual_level: a forward-mode AD level is open (a tensor may carry a tangent, which torch's copy carries over
+            and allocates where it runs: on the staging stream, unmarked for the current stream's use).
         pageable_target: a D2H into an existing host tensor that is not pinned.
         noncontiguous_target: a D2H into an existing host tensor that is not contiguous.
         inference_target: a D2H into an inference tensor while inference mode is off (torch refuses it).
@@ -59,6 +61,7 @@ class CopyFacts:
     on_d2h_stream: bool = False
     strided: bool = True
     autograd: bool = False
+    dual_level: bool = False
     pageable_target: bool = False
     noncontiguous_target: bool = False
     inference_target: bool = False
@@ -88,6 +91,10 @@ def route_copy(facts: CopyFacts, max_staged_bytes: int) -> tuple[str, str]:
     if not facts.strided:
         return ORIGINAL, "layout"
     if dst_cuda:  # host -> device
+        if facts.dual_level:
+            # A tangent the staged copy made would live on the staging stream's memory, which only the result's own
+            # storage is marked as used by the current stream for (found in review): torch's own copy.
+            return ORIGINAL, "autograd"
         if facts.into_existing and facts.registered_target and not facts.dtype_changes:
             # The caller vouched that nothing reads the target: no staging memory, no size bound.
             return IN_PLACE, ""

@@ -22,7 +22,8 @@ from typing import Any
 from syncless._core import config, patching
 from syncless._core.compiling import is_compiling
 from syncless._core.layouts import broadcasts_to
-from syncless._core.tensor_calls import maybe_non_blocking_to, parse_to, read_copy, read_cuda, reads_as_cuda_device
+from syncless._core.tensor_calls import (has_override, maybe_non_blocking_to, parse_to, read_copy, read_cuda,
+                                         reads_as_cuda_device)
 from syncless.cc import _d2h, _emulation, _fast, _helper, _host_writes, _routing, _staging, _streams, _sync_patches
 from syncless.cc._layers import SHIM_KEY, SYNCING_ATTRS, TENSOR_ATTRS, call_for_routing
 from syncless.cc._stats import COUNTERS
@@ -109,6 +110,7 @@ def _decide(src: Any, dst_type: str, index: int | None, *, into_existing: bool, 
         on_d2h_stream=record is not None,
         strided=_strided(src) if dst is None else _strided(src, dst),
         autograd=autograd,
+        dual_level=dst_type == "cuda" and _fast.in_dual_level(),
         pageable_target=record is not None and dst is not None and not dst.is_pinned(),
         noncontiguous_target=record is not None and dst is not None and not dst.is_contiguous(),
         inference_target=record is not None and dst is not None and _refuses_inplace(dst),
@@ -189,10 +191,12 @@ def _wrap_to(next_to):
                 return result
         rest = args[1:]
         if not maybe_non_blocking_to(rest, kwargs):  # the hot path: reads no tensor
-            if _d2h.pending() and call_for_routing(args, kwargs) is not None:
+            if _d2h.busy() and _may_settle(args, kwargs):
                 _settle_for_to(args[0], rest, kwargs)
             return next_to(*args, **kwargs)
         if call_for_routing(args, kwargs) is None:
+            if _d2h.busy() and _may_settle(args, kwargs):
+                _settle_for_to(args[0], rest, kwargs)  # a dispatch mode's copy: after D's offloaded ones
             return next_to(*args, **kwargs)  # torch refuses the call, or an override takes it
         self = args[0]
         try:
@@ -218,6 +222,8 @@ def _wrap_to(next_to):
                                    dst_dtype=dtype, src_type=src_type)
         if route != _routing.OFFLOAD and _touches_host(src_type, dst_type):
             _settle_d2h_stream(index)
+        if route == _routing.ORIGINAL and dst_type == "cuda":
+            _wait_for_writes_into(self)  # torch's own upload reads the host memory
         if route == _routing.STAGE_FRESH:
             COUNTERS.add("staged")
             return _staging.land_converted(self, index, dtype, memory_format)
@@ -252,11 +258,14 @@ def _wrap_cuda(next_cuda):
         if non_blocking is not True or "async" in kwargs or is_compiling():
             # is_compiling() is asked before the pending count is read: dynamo guards on what traced code reads,
             # and a count that changes per call recompiled the frame until it fell back to eager (issue 33 item 1)
-            if (not is_compiling() and _d2h.pending()
-                    and call_for_routing(args, kwargs) is not None and args[0].device.type != "cuda"):
+            if (not is_compiling() and _d2h.busy()
+                    and _may_settle(args, kwargs) and args[0].device.type != "cuda"):
                 _settle_for_cuda(device)
+                _wait_for_writes_into(args[0])
             return next_cuda(*args, **kwargs)
         if call_for_routing(args, kwargs) is None:
+            if _d2h.busy() and _may_settle(args, kwargs) and args[0].device.type != "cuda":
+                _settle_for_cuda(device)  # a dispatch mode's copy: after D's offloaded ones
             return next_cuda(*args, **kwargs)  # torch refuses the call, or an override takes it
         self = args[0]
         if self.device.type == "cuda":
@@ -273,6 +282,7 @@ def _wrap_cuda(next_cuda):
                               autograd=False)
         if route != _routing.STAGE_FRESH:
             _settle_d2h_stream(index)
+            _wait_for_writes_into(self)  # torch's own upload reads the host memory
             return next_cuda(*args, **kwargs)
         COUNTERS.add("staged")
         if memory_format is not None and memory_format is not torch.preserve_format:
@@ -287,9 +297,11 @@ def _settle_d2h_stream(index: int | None) -> None:
 
     torch would run such a copy on the D2H stream after the copies issued there before it (a read of the
     host memory they write, an overwrite of their source); the offloaded ones are not on the stream yet, so
-    the host waits for them (:mod:`._d2h`). Costs one integer compare while no offloaded copy is pending.
+    the host waits for them (:mod:`._d2h`), and a failure among them that this thread has not had is raised,
+    whether or not they have finished (a failed copy that had finished was not raised here, found in review).
+    Costs two integer compares while no offloaded copy is pending and no failure is kept.
     """
-    if index is None or not _d2h.pending() or not _d2h.has_streams():
+    if index is None or not _d2h.busy() or not _d2h.has_streams():
         return
     record = _d2h.lookup(_streams.current_stream(index))
     if record is not None:
@@ -308,13 +320,39 @@ def _touches_host(a_type: str, b_type: str) -> bool:
 
 def _settle_for_cuda(device: Any) -> None:
     """:func:`_settle_d2h_stream` for a host tensor's ``.cuda(device)`` that is not staged."""
-    if not _d2h.pending() or not reads_as_cuda_device(device):
+    if not _d2h.busy() or not reads_as_cuda_device(device):
         return
     try:
         index = _streams.device_index(device)
     except (TypeError, RuntimeError, ValueError):
         return  # torch refuses the call
     _settle_d2h_stream(index)
+
+
+def _wait_for_writes_into(host: Any) -> None:
+    """Before torch's own copy reads or writes host tensor ``host``: the host waits for the offloaded copies still
+    writing its memory (and raises a failure among them), as a staged upload does
+    (:func:`._host_writes.wait_for_offloaded_writes`). Found in review: an upload the shim left to torch (a
+    blocking one, one too large to stage) read the memory before the offloaded copy had written it; a copy into
+    it would be overwritten by the offloaded one, issued before it. Two integer reads while no offloaded copy is
+    pending and no failure is kept: one that finished without a failure leaves nothing to wait for."""
+    if _d2h.busy() and _host_writes.NOTED_STARTS:
+        _host_writes.wait_for_offloaded_writes(host)
+
+
+def _may_settle(args: tuple, kwargs: dict) -> bool:
+    """Whether a call the shim does not route may first wait for the offloaded copies of a D2H stream: its first
+    argument is a tensor and no ``__torch_function__`` override takes the call.
+
+    An override's call back into torch comes through the wrapper again, and waits then. A call under a
+    ``TorchDispatchMode``, or of a ``__torch_dispatch__`` tensor, which :func:`._layers.call_for_routing` leaves
+    unread, never comes back through a wrapper, so it waits at its first: the wait reads the tensor's device and
+    no data, and runs no op a mode would see (found in review: under a mode, a blocking read or copy on a D2H
+    stream skipped the wait and read a buffer its offloaded copy had not written).
+    """
+    import torch
+
+    return bool(args) and isinstance(args[0], torch.Tensor) and not has_override(args, kwargs)
 
 
 def _plain_same_side(a: Any, b: Any) -> bool:
@@ -337,12 +375,13 @@ def _cuda_index(*tensors: Any) -> int | None:
 
 
 def _settle_for_to(self: Any, args: tuple, kwargs: dict) -> None:
-    """:func:`_settle_d2h_stream` for a ``Tensor.to`` that is not offloaded and moves bytes to or from the host.
+    """:func:`_settle_d2h_stream` for a ``Tensor.to`` that is not offloaded and moves bytes to or from the host;
+    before an upload, also the offloaded copies still writing its host memory (:func:`_wait_for_writes_into`).
 
     A ``.to`` that stays on the GPU (a cast, another GPU) waits for nothing: an offloaded copy reads only its
     own snapshot and writes only host memory, so GPU work queued after it cannot disturb it (:mod:`._d2h`).
     """
-    if not _d2h.pending():
+    if not _d2h.busy():
         return
     try:
         device = parse_to(args, kwargs)[0]
@@ -355,6 +394,7 @@ def _settle_for_to(self: Any, args: tuple, kwargs: dict) -> None:
             _settle_d2h_stream(self.device.index)
     elif device.type == "cuda":
         _settle_d2h_stream(_streams.device_index(device))
+        _wait_for_writes_into(self)  # torch's own upload reads the host memory
 
 
 def _wrap_copy(next_copy):
@@ -365,8 +405,8 @@ def _wrap_copy(next_copy):
     def copy_(*args, **kwargs):
         # Takes and passes on exactly what the caller gave (see ._layers); reads only torch's own forms
         # (the deprecated ``async=`` too, which is never routed).
-        if len(args) == 2 and not kwargs and (compiling() or not _d2h._PENDING[0]):
-            return next_copy(*args)  # dst.copy_(src): blocking, and no offloaded copy to settle (a decode step's D2D)
+        if len(args) == 2 and not kwargs and (compiling() or not (_d2h._PENDING[0] or _d2h.UNRAISED[0])):
+            return next_copy(*args)  # dst.copy_(src): blocking, no offloaded copy to settle (a decode step's D2D)
         read = read_copy(args[1:], kwargs, deprecated_async=True) if args else None
         if read is None:
             return next_copy(*args, **kwargs)  # torch refuses the call
@@ -374,13 +414,19 @@ def _wrap_copy(next_copy):
         if non_blocking is not True or "async" in kwargs:
             # The hot path: a blocking copy goes straight beneath, unless D2H copies are still queued (asked
             # after is_compiling(), which dynamo folds: see _wrap_cuda).
-            if (not is_compiling() and _d2h.pending() and not _plain_same_side(args[0], other)
-                    and call_for_routing(args, kwargs) is not None
+            if (not is_compiling() and _d2h.busy()
+                    and not _plain_same_side(args[0], other) and _may_settle(args, kwargs)
                     and isinstance(other, torch.Tensor) and _touches_host(args[0].device.type, other.device.type)):
                 _settle_d2h_stream(_cuda_index(args[0], other))
+                _wait_for_writes_into(other if args[0].device.type == "cuda" else args[0])  # the host side
             return next_copy(*args, **kwargs)
-        if is_compiling() or not isinstance(other, torch.Tensor) or call_for_routing(args, kwargs) is None:
-            return next_copy(*args, **kwargs)  # compiling, or torch refuses the call, or an override takes it
+        if is_compiling() or not isinstance(other, torch.Tensor):
+            return next_copy(*args, **kwargs)  # compiling, or torch refuses the call
+        if call_for_routing(args, kwargs) is None:
+            if (_d2h.busy() and _may_settle(args, kwargs)
+                    and _touches_host(args[0].device.type, other.device.type)):
+                _settle_d2h_stream(_cuda_index(args[0], other))  # a dispatch mode's copy: after D's offloaded ones
+            return next_copy(*args, **kwargs)  # an override takes it, or a dispatch mode sees it
         self, src = args[0], other
         if self.device.type == "cuda" and src.device.type != "cuda":
             _settle_d2h_stream(self.device.index)  # an H2D reads host memory an offloaded copy may still write
@@ -396,6 +442,7 @@ def _wrap_copy(next_copy):
             if route == _routing.STAGE_INTO:
                 COUNTERS.add("staged")
                 return _staging.stage_into(self, src, next_copy)
+            _wait_for_writes_into(src)  # torch's own upload reads the host memory
             return next_copy(*args, **kwargs)
         # (a forward-mode tangent is carried only by torch's own copy)
         autograd = ((self.requires_grad or src.requires_grad) and torch.is_grad_enabled()) or _fast.in_dual_level()
@@ -410,6 +457,8 @@ def _wrap_copy(next_copy):
             # No room for the snapshot: torch's own copy (below), after the queued ones.
         if _touches_host(self.device.type, src.device.type):
             _settle_d2h_stream(_cuda_index(src))
+            if self.device.type == "cpu":
+                _wait_for_writes_into(self)  # torch's own copy writes it: after the offloaded one issued before
         result = next_copy(*args, **kwargs)
         if self.device.type == "cpu" and src.device.type == "cuda":
             _note_plain_d2h(self, src)
@@ -426,14 +475,10 @@ def _wrap_syncing(next_fn):
     memory. The offloaded copies are not on the stream, so the host waits for them (:mod:`._d2h`). Costs one
     integer compare while no offloaded copy is pending; otherwise passes the call on untouched.
     """
-    import torch
-
     def syncing(*args, **kwargs):
-        if not is_compiling() and _d2h.pending():  # is_compiling() first: see _wrap_cuda
-            tensor = args[0] if args else None
-            if isinstance(tensor, torch.Tensor) and call_for_routing(args, kwargs) is not None \
-                    and tensor.device.type == "cuda":
-                _settle_d2h_stream(tensor.device.index)
+        if not is_compiling() and _d2h.busy():  # is_compiling() first: see _wrap_cuda
+            if _may_settle(args, kwargs) and args[0].device.type == "cuda":
+                _settle_d2h_stream(args[0].device.index)
         return next_fn(*args, **kwargs)
 
     return syncing

@@ -22,9 +22,10 @@ from syncless._core import patching
 from syncless._core.layouts import broadcasts_to, same_dense_layout
 from syncless.cc import _emulation, _host_writes, _streams
 
-# Registered targets by (device index, storage address). The values are weak: an entry lapses when its
-# tensor dies, and the old tensor's death never removes the entry of a newer tensor at the same address
-# (the dictionary drops a key only while its reference is dead).
+# Registered targets by (device index, storage address, first byte, end byte): several tensors over one storage (the
+# rows of one pool tensor) are registered apart. The values are weak: an entry lapses when its tensor dies, and the
+# old tensor's death never removes the entry of a newer tensor with the same key (the dictionary drops a key only
+# while its reference is dead).
 _TARGETS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _target_lock = threading.Lock()
 
@@ -33,9 +34,18 @@ def _storage_key(t: Any) -> tuple[int | None, int]:
     return (t.device.index, t.untyped_storage().data_ptr())
 
 
+def _span(t: Any) -> tuple[int, int]:
+    """The bytes ``t``'s elements lie within: its first element's address to one past its last (empty without any)."""
+    start = t.data_ptr()
+    if t.numel() == 0:
+        return start, start
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return start, start + (last + 1) * t.element_size()
+
+
 def _remember_target(t: Any) -> bool:
-    """Record ``t`` as the registered target of its storage (plain bookkeeping); return whether it is new."""
-    key = _storage_key(t)
+    """Record ``t`` as a registered target (plain bookkeeping); return whether it is new."""
+    key = _storage_key(t) + _span(t)
     with _target_lock:
         if _TARGETS.get(key) is t:
             return False
@@ -47,7 +57,10 @@ def register_inplace_h2d_target(t: Any) -> None:
     """Let ``non_blocking`` H2D copies into ``t`` (or its views) land directly on the staging stream.
 
     The caller promises that no GPU reader of ``t`` is in flight when it is
-    rewritten (e.g. a round-robin pool of input buffers). The registration
+    rewritten (e.g. a round-robin pool of input buffers). A copy lands in
+    place if its destination lies within ``t``'s bytes (its first element to
+    its last): a view of ``t``, not another tensor on the same storage
+    outside them (a sibling row of one pool tensor). The registration
     lapses when ``t`` is garbage collected, so a later tensor at the same
     address is not matched. The first registration of ``t`` makes the
     staging stream wait (GPU-side) for the work queued so far on the current
@@ -76,28 +89,37 @@ def register_inplace_h2d_target(t: Any) -> None:
 
 
 def is_registered_target(t: Any) -> bool:
-    """Return whether ``t`` shares its storage with a live registered in-place target.
+    """Return whether ``t`` lies within a live registered in-place target: on its storage, within its bytes.
 
-    The registered tensor must still own the storage it was registered with: one whose storage moved
-    (``resize_`` growing it, ``set_``, ``.data =``) no longer vouches for its old address, which the
+    Within the bytes, not merely on the storage: registering one row of a pool tensor vouched for every row
+    (found in review: an upload into a sibling row that a kernel was still reading landed in place, ahead of
+    that kernel). The registered tensor must still own the storage it was registered with: one whose storage
+    moved (``resize_`` growing it, ``set_``, ``.data =``) no longer vouches for its old address, which the
     caching allocator may hand to an unrelated tensor (found in review); its entry is dropped. A tensor without
     memory of its own (a ZeroTensor: torch raises at the read of its storage's address) shares none: False.
+    Costs a look at each registered target while any is live.
     """
     if not _TARGETS:
         return False
     try:
-        key = _storage_key(t)
+        storage = _storage_key(t)
     except RuntimeError:
         return False  # no storage address to share (the copy then goes on as torch's, which raises its own error)
-    target = _TARGETS.get(key)
-    if target is None:
-        return False
-    if _storage_key(target) != key:
-        with _target_lock:
-            if _TARGETS.get(key) is target:
-                del _TARGETS[key]
-        return False
-    return True
+    span = None
+    for key, target in list(_TARGETS.items()):
+        if key[:2] != storage:
+            continue
+        if _storage_key(target) != storage:
+            with _target_lock:
+                if _TARGETS.get(key) is target:
+                    del _TARGETS[key]
+            continue
+        if span is None:
+            span = _span(t)
+        first, end = _span(target)  # as it is now (a registered tensor resized within its storage vouches for that)
+        if first <= span[0] and span[1] <= end:
+            return True
+    return False
 
 
 def _torch_own(name: str):
@@ -192,7 +214,7 @@ def land_converted(src: Any, index: int, dtype: Any, memory_format: Any) -> Any:
                                                                                src.shape, src.stride())):
         landed = land(src, index)  # torch moves this block as it lies, in stream order
     else:
-        landed = land(src.clone(memory_format=torch.contiguous_format), index)  # torch reads it now
+        landed = land(_read_now(src, index), index)  # torch reads it now
     result = torch.empty_strided(shape.shape, shape.stride(), dtype=target_dtype, device=landed.device)
     _torch_own("copy_")(result, landed)  # on the current stream, which waits for the staging copy (land)
     return result
@@ -230,9 +252,7 @@ def stage_into(dst: Any, src: Any, next_copy) -> Any:
         # torch reads the (broadcast) source into a host temporary now; a snapshot of the source's own
         # elements holds the same values and keeps the staged bytes (and max_staged_bytes) at its size:
         # the D2D below broadcasts.
-        import torch
-
-        tmp = land(src.clone(memory_format=torch.contiguous_format), index)
+        tmp = land(_read_now(src, index), index)
     elif src.is_contiguous():
         tmp = land(src, index)
     else:  # one dense block: move it as it lies, then view it with the source's strides
@@ -240,6 +260,24 @@ def stage_into(dst: Any, src: Any, next_copy) -> Any:
         tmp = land(block, index).as_strided(tuple(src.shape), tuple(src.stride()), 0)
     _torch_own("copy_")(dst, tmp, non_blocking=True)  # a D2D on the current stream: nothing to emulate
     return dst
+
+
+def _read_now(src: Any, index: int) -> Any:
+    """A contiguous host copy of ``src``'s elements, read now, as torch's own copy reads them at the call (through
+    a host temporary), after the offloaded D2H copies still writing them: the host waits for those, and a failure
+    among them is raised (:func:`._host_writes.order_after_pending_writes`; found in review: the copy was read
+    first, so the staged bytes were stale, and a failed copy's unwritten buffer was uploaded without an error).
+
+    A plain D2H still writing ``src`` (torch's own, on some stream) is not waited for on the host: torch's copy
+    reads ``src`` at the call too, so a program correct under torch has waited for it already (and under CC it
+    finished at its call); the staging stream waits for its event all the same, which orders nothing here.
+    """
+    import torch
+
+    if _host_writes.NOTED_STARTS:
+        staging = _streams._staging.get(index) or _streams.staging_stream(index)
+        _host_writes.order_after_pending_writes(staging, src)
+    return src.clone(memory_format=torch.contiguous_format)
 
 
 def _overlaps_itself(dst: Any) -> bool:

@@ -31,9 +31,9 @@ What is covered:
   ``torch.Event`` is *replaced* by a subclass while installed. Only events
   created afterwards through ``torch.Event(...)`` are covered;
   ``torch.Stream.record_event()`` and other C code still make plain
-  ``torch.Event`` objects, which are not covered, and events created before
-  ``install()`` are not instances of the new ``torch.Event`` (``isinstance``
-  is False for them until ``uninstall()``).
+  ``torch.Event`` objects, which are not covered. ``isinstance`` and
+  ``issubclass`` against the new ``torch.Event`` answer as against torch's
+  own (:func:`_covering_event_type`), for events made before ``install()`` too.
 """
 
 from __future__ import annotations
@@ -132,10 +132,23 @@ def _event_class() -> type:
     return torch.cuda.Event
 
 
+def _compiling():
+    """torch's own ``is_compiling`` (dynamo folds it to True while tracing): every wrapper here asks it first and
+    passes the call straight on while dynamo traces, so no wrapper's reads of the shim's state (the jobs, the
+    covers) become guards of a compiled frame, recompiling it at each offloaded copy. The compiled graph's ops call
+    the patched methods at run time (dynamo's stream and event ops call them through torch's modules)."""
+    import torch
+
+    return torch.compiler.is_compiling
+
+
 def _wrap_event_record(next_record):
     event_class = _event_class()
+    compiling = _compiling()
 
     def record(*args, **kwargs):
+        if compiling():
+            return next_record(*args, **kwargs)
         call = _self_and_stream(args, kwargs, event_class)
         if call is not None:
             _mark(call[0])
@@ -146,8 +159,11 @@ def _wrap_event_record(next_record):
 
 def _wrap_event_wait(next_wait):
     event_class = _event_class()
+    compiling = _compiling()
 
     def wait(*args, **kwargs):
+        if compiling():
+            return next_wait(*args, **kwargs)
         call = _self_and_stream(args, kwargs, event_class)
         if call is not None:
             _wait_marked(call[0])
@@ -158,8 +174,11 @@ def _wrap_event_wait(next_wait):
 
 def _wrap_event_synchronize(next_sync):
     event_class = _event_class()
+    compiling = _compiling()
 
     def synchronize(*args, **kwargs):
+        if compiling():
+            return next_sync(*args, **kwargs)
         result = next_sync(*args, **kwargs)
         event = _only_self(args, kwargs, event_class)
         if event is not None:
@@ -171,8 +190,11 @@ def _wrap_event_synchronize(next_sync):
 
 def _wrap_event_query(next_query):
     event_class = _event_class()
+    compiling = _compiling()
 
     def query(*args, **kwargs):
+        if compiling():
+            return next_query(*args, **kwargs)
         event = _only_self(args, kwargs, event_class)
         if event is not None and _marked_pending(event):
             return False
@@ -200,8 +222,11 @@ def _stream_jobs(stream: Any) -> list:
 
 def _wrap_stream_synchronize(next_sync):
     stream_class = _stream_class()
+    compiling = _compiling()
 
     def synchronize(*args, **kwargs):
+        if compiling():
+            return next_sync(*args, **kwargs)
         stream = _only_self(args, kwargs, stream_class)
         if stream is None:
             return next_sync(*args, **kwargs)  # torch refuses the call
@@ -215,8 +240,11 @@ def _wrap_stream_synchronize(next_sync):
 
 def _wrap_stream_query(next_query):
     stream_class = _stream_class()
+    compiling = _compiling()
 
     def query(*args, **kwargs):
+        if compiling():
+            return next_query(*args, **kwargs)
         stream = _only_self(args, kwargs, stream_class)
         if stream is not None and (_d2h.pending() or _worker.UNRAISED[0]):
             tickets = _stream_jobs(stream)
@@ -232,7 +260,11 @@ def _wrap_stream_query(next_query):
 
 
 def _wrap_device_synchronize(next_sync):
+    compiling = _compiling()
+
     def synchronize(*args, **kwargs):
+        if compiling():
+            return next_sync(*args, **kwargs)  # the graph's op calls torch.accelerator.synchronize (patched) at run time
         # Whatever the device argument, the wait covers every job submitted before the call (conservative).
         tickets = _cover_all()
         result = next_sync(*args, **kwargs)
@@ -281,27 +313,29 @@ def _wrap_capture_end(next_end):
 def _wrap_torch_event(base):
     # Each method takes what the caller gave and calls the base class's (a C method) with it unchanged, so
     # torch reads the call; only torch's own forms are acted on.
+    compiling = _compiling()
+
     def record(*args, **kwargs):
-        call = _self_and_stream(args, kwargs, Event)
+        call = None if compiling() else _self_and_stream(args, kwargs, Event)
         if call is not None:
             _mark(call[0])
         return base.record(*args, **kwargs)
 
     def wait(*args, **kwargs):
-        call = _self_and_stream(args, kwargs, Event)
+        call = None if compiling() else _self_and_stream(args, kwargs, Event)
         if call is not None:
             _wait_marked(call[0])
         return base.wait(*args, **kwargs)
 
     def synchronize(*args, **kwargs):
         result = base.synchronize(*args, **kwargs)
-        event = _only_self(args, kwargs, Event)
+        event = None if compiling() else _only_self(args, kwargs, Event)
         if event is not None:
             _wait_marked(event)
         return result
 
     def query(*args, **kwargs):
-        event = _only_self(args, kwargs, Event)
+        event = None if compiling() else _only_self(args, kwargs, Event)
         if event is not None and _marked_pending(event):
             return False
         return base.query(*args, **kwargs)
@@ -311,13 +345,34 @@ def _wrap_torch_event(base):
         method.__name__ = name
         method.__qualname__ = f"{base.__qualname__}.{name}"
         method.__doc__ = getattr(getattr(base, name, None), "__doc__", None)
-    Event = type(base.__name__, (base,), {
+    Event = _covering_event_type(base)(base.__name__, (base,), {
         **methods,
         "__doc__": "``torch.Event`` whose record/wait/synchronize/query also cover syncless's D2H copies.",
         "__module__": base.__module__,
         "__qualname__": base.__qualname__,
     })
     return Event
+
+
+def _covering_event_type(base: type) -> type:
+    """The metaclass of the ``torch.Event`` put in while installed: ``isinstance`` and ``issubclass`` against it
+    answer as against torch's own ``base``.
+
+    Without it every event torch makes in C (``torch.Stream.record_event()``, and on CUDA builds every
+    ``torch.cuda.Event``, whose C type derives from ``base``) stopped being a ``torch.Event`` while installed, and
+    dynamo, which tells events by ``isinstance(value, torch.Event)`` read as it traces, no longer knew them: their
+    ``record``/``wait``/``synchronize``/``query`` broke a ``torch.compile(fullgraph=True)`` region (found in
+    review). Derived from ``base``'s own metaclass, so the class is a valid subclass of it.
+    """
+
+    class CoveringEventType(type(base)):
+        def __instancecheck__(cls, obj: Any) -> bool:
+            return isinstance(obj, base)
+
+        def __subclasscheck__(cls, sub: type) -> bool:
+            return issubclass(sub, base)
+
+    return CoveringEventType
 
 
 def patch_targets() -> list[tuple[Any, str, Any]]:
@@ -350,7 +405,7 @@ def patch_targets() -> list[tuple[Any, str, Any]]:
 # record, wait, synchronize and indexed write then cost one check each, not a wrapper's reading of the call. The
 # capture hooks always run (they note every capture); ``torch.Event`` is a class, replaced outright.
 _IDLE_WHEN_NOTHING_PENDING = {"record", "wait", "synchronize", "query", "__setitem__", "new_tensor", "as_tensor",
-                              "copy_"}
+                              "asarray", "type", "copy_"}
 
 
 def install_sync_patches() -> None:

@@ -1,4 +1,4 @@
-"""Bookkeeping of registered in-place H2D targets: keyed by storage, weak, lapsing with the tensor."""
+"""Bookkeeping of registered in-place H2D targets: keyed by storage and bytes, weak, lapsing with the tensor."""
 
 import gc
 import threading
@@ -30,7 +30,7 @@ def test_new_target_at_same_key_survives_old_death():
     del old
     gc.collect()
     assert old_alive() is None
-    assert _staging._TARGETS.get(_staging._storage_key(new)) is new
+    assert _staging._TARGETS.get(_staging._storage_key(new) + _staging._span(new)) is new
     del new
     gc.collect()
     assert not _staging._TARGETS
@@ -90,3 +90,26 @@ def test_a_target_whose_storage_moved_no_longer_vouches_for_its_old_address():
         assert not _staging.is_registered_target(stranger), move
         assert not _staging.is_registered_target(target), move  # registered for its old storage only
         _staging._TARGETS.clear()
+
+
+def test_a_target_vouches_for_its_own_bytes_not_for_its_siblings_on_the_storage():
+    """Found in review (session 26): registering one row of a pool tensor matched every tensor on its storage, so
+    an upload into an unregistered row that a kernel was still reading landed in place, ordered after nothing."""
+    pool = torch.zeros(4, 8)
+    row0 = pool[0]
+    assert _staging._remember_target(row0) is True
+    assert _staging.is_registered_target(row0)
+    assert _staging.is_registered_target(row0[2:6])  # a view of it
+    assert _staging.is_registered_target(pool[0, ::2])  # within its bytes
+    assert not _staging.is_registered_target(pool[1])  # a sibling row
+    assert not _staging.is_registered_target(pool)  # the whole pool reaches past it
+    assert not _staging.is_registered_target(pool[:, 0])  # a column: its first byte is row0's, the rest are not
+    assert _staging._remember_target(pool[2]) is True  # a second row of the same storage, registered apart
+    kept = pool[2]
+    assert _staging._remember_target(kept) is True
+    assert _staging.is_registered_target(pool[2, 3:]) and _staging.is_registered_target(row0)
+    assert not _staging.is_registered_target(pool[3]) and not _staging.is_registered_target(pool[1:3])
+    assert _staging.is_registered_target(torch.empty(0)[:0]) is False  # another storage, no bytes
+    del row0, kept
+    gc.collect()
+    assert not _staging.is_registered_target(pool[0])

@@ -9,7 +9,9 @@ from syncless.cc import _staging
 
 
 class FakeGpuTensor:
-    """Stands in for a CUDA tensor: a device index and a storage address, nothing else."""
+    """Stands in for a CUDA tensor of 16 float32 elements: a device index and an address, nothing else."""
+
+    shape, element_size_bytes = (16,), 4
 
     def __init__(self, index, address):
         self.device = types.SimpleNamespace(index=index)
@@ -17,6 +19,18 @@ class FakeGpuTensor:
 
     def untyped_storage(self):
         return types.SimpleNamespace(data_ptr=lambda: self._address)
+
+    def data_ptr(self):
+        return self._address
+
+    def numel(self):
+        return 16
+
+    def stride(self):
+        return (1,)
+
+    def element_size(self):
+        return self.element_size_bytes
 
 
 @pytest.fixture(autouse=True)

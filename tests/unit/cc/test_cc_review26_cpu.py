@@ -1,0 +1,312 @@
+"""Issue 33, the review round of session 26: torch.compile across the sync patches, waits the shim skipped, the H2D
+side's bookkeeping. Each test failed on the code before it (checked against a copy of that tree).
+
+CPU stand-ins throughout: ``cc.install("on")`` on a CPU torch (the conftest pretends a GPU is there), a queue of
+the shim's own (:class:`OrderedWorker`) whose covering wait "runs" a job by writing the host memory, recorders in
+place of the waits that would need a GPU.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+import syncless.cc as cc
+from syncless.cc import _bypass, _d2h, _host_writes, _routing, _shim, _staging, _streams
+from syncless.cc._worker import D2HCopyError, OrderedWorker
+
+
+@pytest.fixture
+def installed():
+    import torch._dynamo  # noqa: F401  (imported before install(), as docs/cc.md asks of compiled programs)
+
+    cc.install("on")
+    try:
+        yield
+    finally:
+        cc.uninstall()
+        torch._dynamo.reset()
+
+
+# torch.compile ---------------------------------------------------------------------------------------------------
+
+
+def test_an_event_made_in_c_is_still_a_torch_event_and_compiles_while_installed(installed):
+    """``torch.Event`` is replaced by a subclass while installed; dynamo tells events apart by
+    ``isinstance(value, torch.Event)``, so an event made in C (on CUDA builds every ``torch.cuda.Event`` too) became
+    an unknown object and its methods broke a ``fullgraph=True`` region."""
+    made_in_c = torch._C.Event("cpu")
+    assert isinstance(made_in_c, torch.Event) and issubclass(torch._C.Event, torch.Event)
+    assert isinstance(torch.Event("cpu"), torch._C.Event)  # the covering subclass's own events too
+    for body in (lambda e: e.query(), lambda e: e.synchronize()):
+        torch._dynamo.reset()
+
+        def step(x, e, body=body):
+            body(e)
+            return x + 1
+
+        assert torch.equal(torch.compile(step, fullgraph=True, backend="eager")(torch.ones(2), made_in_c),
+                           torch.full((2,), 2.0))
+
+
+def test_a_device_synchronize_in_a_compiled_region_compiles_once_while_copies_come_and_go(installed, monkeypatch):
+    """The patched ``torch.cuda.synchronize`` was traced: its reads of the covers and of the queue's count became
+    guards, so each offloaded copy recompiled the frame (up to the limit, which ``fullgraph=True`` turns into an
+    error), and a copy pending at trace time broke the graph on the queue's lock."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+
+    def step(x):
+        torch.cuda.synchronize("cpu")  # plain torch: a no-op dynamo drops
+        return x + 1
+
+    compiled = torch.compile(step, fullgraph=True, backend=counter)
+    worker = OrderedWorker("review26-compile")
+    try:
+        for n in range(1, 11):
+            worker._submitted = worker._completed = n  # the n-th offloaded copy has finished
+            monkeypatch.setattr(_d2h, "_COVER", [((worker, n),)])
+            assert torch.equal(compiled(torch.ones(2)), torch.full((2,), 2.0))
+        assert counter.frame_count == 1, f"compiled {counter.frame_count} times"
+        torch._dynamo.reset()
+        seq = worker.submit(lambda: None, "copy", eager=False)  # a copy in flight while the frame is traced
+        monkeypatch.setattr(_d2h, "_COVER", [((worker, seq),)])
+        monkeypatch.setattr(_d2h, "_PENDING", [1])
+        assert torch.equal(torch.compile(step, fullgraph=True, backend="eager")(torch.ones(2)), torch.full((2,), 2.0))
+        worker.wait_for(seq)
+    finally:
+        worker.shutdown(5.0)
+
+
+def test_uninstall_gives_dynamos_handler_table_back_to_torchs_own_synchronize():
+    """dynamo's table of specially handled callables (keyed by the function) built while installed was keyed by
+    syncless's entry, and ``torch.cuda.synchronize`` lost its handling for the process, after ``uninstall()`` too."""
+    import torch._dynamo
+    from torch._dynamo.variables.torch import TorchInGraphFunctionVariable
+
+    def step(x):
+        torch.cuda.synchronize("cpu")
+        return x + 1
+
+    TorchInGraphFunctionVariable._get_handlers.cache_clear()
+    cc.install("on")
+    try:
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(step, fullgraph=True, backend="eager")(torch.ones(2)), torch.full((2,), 2.0))
+    finally:
+        cc.uninstall()
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(step, fullgraph=True, backend="eager")(torch.ones(2)), torch.full((2,), 2.0))
+    assert torch.cuda.synchronize in TorchInGraphFunctionVariable._get_handlers()
+
+
+# waits the shim skipped ---------------------------------------------------------------------------------------------
+
+
+class _OnGpu(torch.Tensor):
+    """A CPU tensor that says it is on GPU 0 (no override of its own): stands in for a CUDA tensor."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+
+def test_a_blocking_read_under_a_dispatch_mode_still_waits_for_the_d2h_streams_copies(installed, monkeypatch):
+    """Under a ``TorchDispatchMode`` the call never comes back through a wrapper, and the settle was gated on
+    reading the call: ``item()`` on a D2H stream returned before the offloaded copy wrote the buffer."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class PassThrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    settled = []
+    monkeypatch.setattr(_shim, "_settle_d2h_stream", settled.append)
+    monkeypatch.setattr(_d2h, "_PENDING", [1])
+    x = torch.ones(1).as_subclass(_OnGpu)
+    x.item()
+    assert settled == [0]
+    with PassThrough():
+        x.item()
+        x.tolist()
+    assert settled == [0, 0, 0]
+
+
+@pytest.fixture
+def failed_copy_on_d(monkeypatch):
+    """A D2H stream current on GPU 0 whose one offloaded copy has ended with a failure (nothing pending)."""
+    stream = types.SimpleNamespace(cuda_stream=7, device=types.SimpleNamespace(index=0))
+    record = _d2h._D2HStream(stream)
+    monkeypatch.setitem(_d2h._streams_by_key, (0, 7), record)
+    monkeypatch.setattr(_streams, "current_stream", lambda index: stream)
+
+    def failing_copy():
+        raise RuntimeError("the helper process is gone")
+
+    failing_copy.settled = _d2h._settled
+    with _d2h._offload_lock:
+        seq = _d2h._submit_locked(record, failing_copy, False)
+    record.worker.wait_for(seq, timeout_s=5)
+    assert not _d2h.pending() and _d2h.busy()
+    yield record
+    record.worker.take_unreported()
+    record.worker.shutdown(2)
+
+
+@pytest.mark.parametrize("call", ["settle_d2h_stream", "bypass"])
+def test_a_failed_copy_that_has_ended_is_raised_by_the_calls_on_its_stream(failed_copy_on_d, call):
+    """docs/cc.md "Errors": ``cpu()``/``item()``/``tolist()``, copies on ``D`` and the bypassing copies raise a
+    failed copy; once it had ended (nothing pending) they returned, and the program read the unwritten buffer."""
+    settle = (lambda: _shim._settle_d2h_stream(0)) if call == "settle_d2h_stream" else _bypass.settle_current_d2h_streams
+    with pytest.raises(D2HCopyError, match="helper process is gone"):
+        settle()
+    settle()  # this thread has had it: once
+
+
+def test_asarray_and_tensor_type_wait_for_the_current_d2h_streams_copies(installed, monkeypatch):
+    """``torch.asarray(h, device=...)`` and ``x.type(torch.cuda.FloatTensor)`` copy in C++ as ``as_tensor`` does;
+    neither was fronted."""
+    waits = []
+    monkeypatch.setattr(_bypass, "settle_current_d2h_streams", lambda: waits.append(1))
+    h = torch.arange(4.0)
+    torch.asarray(h)
+    h.type(torch.float64)
+    assert waits == []  # nothing pending: straight to torch
+    monkeypatch.setattr(_d2h, "_PENDING", [1])
+    assert torch.equal(torch.asarray(h, dtype=torch.float64), h.double())
+    assert h.type(torch.DoubleTensor).dtype == torch.float64
+    assert len(waits) == 2
+
+
+# the H2D side ------------------------------------------------------------------------------------------------------
+
+
+class _Base:  # stands for torch.cuda.Event.__mro__[1]: torch's own query and wait
+    def query(self):
+        return True
+
+    def wait(self, stream):
+        pass
+
+
+class _DeviceBoundEvent(_Base):
+    """A CUDA event as torch has it: bound to the GPU it is first recorded on, refused on another's stream."""
+
+    def __init__(self):
+        self.device = None
+
+
+def _record_on(event, stream):
+    if event.device is None:
+        event.device = stream.device_index
+    if event.device != stream.device_index:
+        raise RuntimeError(f"Event device {event.device} does not match recording stream's device "
+                           f"{stream.device_index}.")
+
+
+def test_a_recycled_note_event_is_recorded_only_on_its_own_gpu(monkeypatch):
+    """The events of finished plain-D2H notes went back to one pool for every GPU: a readback on GPU 1 then
+    recorded a GPU-0 event and raised, after torch's copy was enqueued."""
+    monkeypatch.setattr(torch.cuda, "Event", _DeviceBoundEvent)
+    monkeypatch.setattr(_streams, "record_event_raw", _record_on)
+    gpu0, gpu1 = types.SimpleNamespace(device_index=0), types.SimpleNamespace(device_index=1)
+    _host_writes.clear()
+    try:
+        h0, h1 = torch.zeros(16).share_memory_(), torch.zeros(16)
+        monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
+        _host_writes.note_plain_d2h(h0, gpu0)
+        _host_writes.order_after_pending_writes(None, h0)  # found done: its event is kept for the next note
+        _host_writes.note_plain_d2h(h1, gpu1)  # raised here
+        _host_writes.note_plain_d2h(torch.zeros(8), gpu0)  # GPU 0's spare goes to GPU 0
+        assert sum(len(events) for events in _host_writes._spare_events.values()) == 0
+    finally:
+        _host_writes.clear()
+
+
+@pytest.fixture
+def offloaded_write(monkeypatch):
+    """Host ``h`` (4 x 6) that offloaded job #5 is still writing; its covering wait runs it (writes the final bytes)."""
+    _host_writes.clear()
+    worker = OrderedWorker("review26-h2d")
+    host = torch.zeros(4, 6)
+    final = torch.arange(24.0).reshape(4, 6)
+    waited = []
+
+    def run_job(seq, **kwargs):
+        host.copy_(final)
+        worker._completed = seq
+        waited.append(seq)
+
+    monkeypatch.setattr(worker, "wait_for", run_job)
+    worker._submitted = 5
+    _host_writes.note_offloaded_d2h(host, (worker, 5))
+    monkeypatch.setattr(_d2h, "_PENDING", [1])
+    monkeypatch.setattr(_streams, "staging_stream", lambda index: "staging")
+    yield host, final, waited
+    _host_writes.clear()
+    worker.shutdown(5.0)
+
+
+@pytest.mark.parametrize("form", ["cast", "copy_into_another_layout"])
+def test_a_staged_upload_torch_reads_at_the_call_waits_before_it_reads(offloaded_write, monkeypatch, form):
+    """A source torch reads at the call (a transposed one cast, or copied into another layout) was cloned on the
+    host before the wait for the offloaded copy writing it: the staged bytes were stale."""
+    host, final, waited = offloaded_write
+
+    def land(src, index, how="to", current=None):  # the real land()'s host-side steps, on the CPU
+        _host_writes.order_after_pending_writes("staging", src)
+        return src.clone()
+
+    monkeypatch.setattr(_staging, "land", land)
+    if form == "cast":
+        assert torch.equal(_staging.land_converted(host.t(), 0, torch.float64, None), final.t().double())
+    else:
+        dst = torch.empty(6, 4)
+        _staging.stage_into(dst, host.t(), None)
+        assert torch.equal(dst, final.t())
+    assert waited == [5]
+
+
+@pytest.mark.parametrize("form", ["to", "cuda", "copy_", "too_large"])
+def test_an_upload_left_to_torch_waits_for_the_offloaded_copy_writing_its_source(offloaded_write, monkeypatch, form):
+    """Only staged and inlined uploads waited: a blocking ``h.to("cuda")``/``h.cuda()``/``y.copy_(h)``, or a
+    ``non_blocking`` one too large to stage, read ``h`` before the offloaded copy wrote it."""
+    host, final, waited = offloaded_write
+    seen = []
+
+    def torchs_copy(*args, **kwargs):  # torch's own copy: reads the host memory now
+        seen.append((args[1] if form == "copy_" else args[0]).clone())
+        return args[0]
+
+    monkeypatch.setattr(_shim, "_present_cuda_index", lambda device: 0)
+    monkeypatch.setattr(_shim, "_settle_d2h_stream", lambda index: None)  # no D2H stream is current
+    monkeypatch.setattr(_shim, "_settle_for_cuda", lambda device: None)
+    if form == "to":
+        _shim._wrap_to(torchs_copy)(host, "cuda:0")
+    elif form == "cuda":
+        _shim._wrap_cuda(torchs_copy)(host)
+    elif form == "copy_":
+        dst = torch.empty(4, 6).as_subclass(_OnGpu)
+        monkeypatch.setattr(_shim, "_plain_same_side", lambda a, b: False)
+        _shim._wrap_copy(torchs_copy)(dst, host)
+    else:
+        monkeypatch.setattr(_shim._STATE, "max_staged_bytes", 8)  # the upload is left to torch as too large
+        monkeypatch.setattr(_streams, "any_current_capture", lambda index: False)
+        _shim._wrap_to(torchs_copy)(host, "cuda:0", non_blocking=True)
+    assert waited == [5] and torch.equal(seen[0], final), f"torch's copy read {seen[0][0]}"
+
+
+def test_an_upload_inside_a_forward_ad_level_is_torchs_own():
+    """A staged upload's tangent was allocated on the staging stream and marked as used by no other: its memory
+    could be handed out again while the current stream still read it. Inside a dual level it is torch's own."""
+    facts = _routing.CopyFacts(src_type="cpu", dst_type="cuda", non_blocking=True, nbytes=64)
+    assert _routing.route_copy(facts, 1 << 20) == (_routing.STAGE_FRESH, "")
+    facts.dual_level = True
+    assert _routing.route_copy(facts, 1 << 20) == (_routing.ORIGINAL, "autograd")
+    facts.into_existing = facts.registered_target = True
+    assert _routing.route_copy(facts, 1 << 20) == (_routing.ORIGINAL, "autograd")
