@@ -273,9 +273,7 @@ def _read_back_into(lane: _Lane, dst: Any, src: Any, device: Any, index: int, re
     finally:
         if pushed:
             _raw.leave_context()
-    COUNTERS.left_alone("idle_stream")
-    if _emulation._installed:
-        COUNTERS.add("emulated_waits")
+    COUNTERS.read_back_at_call(_emulation._installed)
     return dst
 
 

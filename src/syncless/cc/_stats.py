@@ -83,6 +83,14 @@ class StatsCounter:
         with self._lock:
             self._left[reason] += 1
 
+    def read_back_at_call(self, emulated: bool) -> None:
+        """Count one small readback read at the call (``left_alone["idle_stream"]``) and, if CC is emulated, the
+        wait it made (``emulated_waits``): the readback of every decode step, so one call and one lock, not two."""
+        with self._lock:
+            self._left["idle_stream"] += 1
+            if emulated:
+                self._counts["emulated_waits"] += 1
+
     def snapshot(self) -> CopyStats:
         """Return the counters as they are now."""
         with self._lock:

@@ -409,10 +409,10 @@ def test_the_emulators_wait_on_a_gpu_that_is_not_current_makes_it_current_first(
     assert switched == [stream] and waits == []
 
 
-def test_the_readback_read_at_the_call_enters_eight_syncless_functions(monkeypatch):
+def test_the_readback_read_at_the_call_enters_seven_syncless_functions(monkeypatch):
     """docs/cc.md gives the count: the lane's offload check, the way (between trials), the read, the context check
-    (two), the copy and its wait, two counters (the patch entry, the shim's wrapper and the lane's dispatch come
-    before: 11 in all)."""
+    (two), the copy and its wait, the counters (one call since session 26; the patch entry, the shim's wrapper and
+    the lane's dispatch come before: 10 in all)."""
     real_enter_context = _raw.enter_context
     lane, record, driver = _waiting_lane(monkeypatch, drained=True)
     monkeypatch.setattr(_raw, "enter_context", real_enter_context)
@@ -420,7 +420,7 @@ def test_the_readback_read_at_the_call_enters_eight_syncless_functions(monkeypat
     record.choice.phase, record.choice.left = 0, 100  # between two trials (._readback_choice._RUN)
     names = _syncless_calls(lambda: _fast._offload(lane, _SizedBlock(), "cpu", 1 << 20))
     assert names == ["_fast:_offload", "_readback_choice:offload", "_fast:_read_back_into", "_raw:enter_context", "libcuda:current_context",
-                     "_raw:copy_to_host_now", "_stats:left_alone", "_stats:add"], names
+                     "_raw:copy_to_host_now", "_stats:read_back_at_call"], names
     assert [call[:2] for call in driver.log] == [("quick", "cuCtxGetCurrent"), ("quick", "cuMemcpyDtoHAsync_v2"),
                                                  ("blocking", "cuStreamSynchronize")]
 
