@@ -1,8 +1,6 @@
 #!/usr/bin/env bash
-# Session 26 (2026-12-04), run 82: run 80 again at the final code (the readback read at the call counts in one call):
-# for ended failures, uploads left to torch after offloaded writes, per-GPU spare events, registered targets by bytes,
-# dual-level uploads): tests/gpu/cc (test_cc_review26.py among them), bench cc, and the differential fuzzer's 20,000
-# programs with both oracles, all at the final code.
+# Session 26 (2026-12-04), run 82: run 80's calls again at the final code (the readback read at the call counts in
+# one call): tests/gpu/cc, bench cc, and the differential fuzzer's 20,000 programs with both oracles.
 set -u
 LIMIT=${LIMIT:-570}
 source "$(dirname "$0")/gpu-common.sh"
