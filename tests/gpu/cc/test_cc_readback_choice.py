@@ -79,10 +79,11 @@ def long_look(monkeypatch):
 
 
 def test_a_loop_whose_gpu_sets_the_pace_is_offloaded(emulated_cc, cycles_per_ms, long_look):
-    # The host's 150 us come before the step's 300 us kernel: read back at the call, the GPU idles through them
-    # each step (about 450 us a step); offloaded, the host is ready with the next kernel before the GPU is done
-    # (about 300 us a step).
-    choice, at_call = _run_loop(emulated_cc, cycles_per_ms, 150.0, 300.0, 0.0, seed=1)
+    # The host's 150 us come before the step's 600 us kernel: read back at the call, the GPU idles through them
+    # each step (about 750 us a step); offloaded, the host is ready with the next kernel before the GPU is done
+    # (about 600 us a step). (With a 300 us kernel a loaded host's own step, its 150 us and the offload's calls,
+    # came near the kernel's time in run 82, and a later trial took the look back.)
+    choice, at_call = _run_loop(emulated_cc, cycles_per_ms, 150.0, 600.0, 0.0, seed=1)
     assert choice.trials >= 2 and choice.switches >= 1
     assert choice.way is True, (choice.trials, choice.switches)  # OFFLOAD
     assert at_call < STEPS // 3 // 4, at_call  # the last third mostly offloaded (trials of the look aside)
