@@ -587,15 +587,17 @@ def wait_for_stream(record: _D2HStream) -> None:
     record.worker.wait_and_raise(record.last_job)
 
 
-def begin_capture(graph: Any) -> None:
-    """Before ``graph`` begins a CUDA graph capture: refuse new offloads, then wait for every queued copy.
+def begin_capture(graph: Any, global_mode: bool = True) -> None:
+    """Before ``graph`` begins a CUDA graph capture (in torch's global mode or not): refuse new offloads, then wait
+    for every queued copy.
 
     Under ``_offload_lock``, so every offload either was submitted before (and is waited for here) or sees the
     capture and declines. Blocks the host until those copies are done (as ``torch.cuda.graph``'s own synchronize
-    does); a failure among them that this thread has not had yet is raised.
+    does); a failure among them that this thread has not had yet is raised. Whatever the mode: in a thread_local
+    one a job run by the capturing thread (a covering wait helps run it) would make a call that mode forbids.
     """
     with _offload_lock:
-        _streams.note_capture(graph, True)
+        _streams.note_capture(graph, True, global_mode)
     try:
         wait_for_tickets(all_tickets(), raise_errors=True)
     except BaseException:

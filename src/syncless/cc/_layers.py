@@ -29,6 +29,21 @@ TENSOR_ATTRS = ("to", "cuda", "copy_")
 SYNCING_ATTRS = ("cpu", "item", "tolist")
 
 
+def call_for_waiting(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    """Whether a wrapper may read a ``Tensor.to/cuda/copy_``-like call's devices to wait around it (the emulator's
+    wait after a copy, the shim's wait for offloaded copies before one): its first argument is a tensor and no
+    ``__torch_function__`` override takes the call.
+
+    Wider than :func:`call_for_routing`: an override's call back into torch comes through the wrapper again (and
+    waits then), but a call under a ``TorchDispatchMode`` or a functorch transform, or of a ``__torch_dispatch__``
+    tensor, never does, and its copy is as real (found in review: such copies were never waited for). The wait
+    reads the tensors' devices and no data, and runs no op a mode would see.
+    """
+    import torch
+
+    return bool(args) and isinstance(args[0], torch.Tensor) and not has_override(args, kwargs)
+
+
 def call_for_routing(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[Any, tuple] | None:
     """Return ``(tensor, the other arguments)`` of a ``Tensor.to/cuda/copy_`` call a wrapper may read, else None.
 

@@ -135,4 +135,6 @@ def needs_emulated_wait(src_type: str, dst_type: str, non_blocking: bool, compil
     """
     if not non_blocking or compiling or capturing:
         return False
-    return (src_type == "cuda") != (dst_type == "cuda") and "cuda" in (src_type, dst_type)
+    # One side CUDA, the other the host (a copy to ``meta`` or another backend moves no bytes across PCIe: found in
+    # review, it waited).
+    return {src_type, dst_type} == {"cuda", "cpu"}

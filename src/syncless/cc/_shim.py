@@ -22,10 +22,9 @@ from typing import Any
 from syncless._core import config, patching
 from syncless._core.compiling import is_compiling
 from syncless._core.layouts import broadcasts_to
-from syncless._core.tensor_calls import (has_override, maybe_non_blocking_to, parse_to, read_copy, read_cuda,
-                                         reads_as_cuda_device)
+from syncless._core.tensor_calls import maybe_non_blocking_to, parse_to, read_copy, read_cuda, reads_as_cuda_device
 from syncless.cc import _d2h, _emulation, _fast, _helper, _host_writes, _routing, _staging, _streams, _sync_patches
-from syncless.cc._layers import SHIM_KEY, SYNCING_ATTRS, TENSOR_ATTRS, call_for_routing
+from syncless.cc._layers import SHIM_KEY, SYNCING_ATTRS, TENSOR_ATTRS, call_for_routing, call_for_waiting
 from syncless.cc._stats import COUNTERS
 
 _log = logging.getLogger(__name__)
@@ -191,11 +190,11 @@ def _wrap_to(next_to):
                 return result
         rest = args[1:]
         if not maybe_non_blocking_to(rest, kwargs):  # the hot path: reads no tensor
-            if _d2h.busy() and _may_settle(args, kwargs):
+            if _d2h.busy() and call_for_waiting(args, kwargs):
                 _settle_for_to(args[0], rest, kwargs)
             return next_to(*args, **kwargs)
         if call_for_routing(args, kwargs) is None:
-            if _d2h.busy() and _may_settle(args, kwargs):
+            if _d2h.busy() and call_for_waiting(args, kwargs):
                 _settle_for_to(args[0], rest, kwargs)  # a dispatch mode's copy: after D's offloaded ones
             return next_to(*args, **kwargs)  # torch refuses the call, or an override takes it
         self = args[0]
@@ -259,12 +258,12 @@ def _wrap_cuda(next_cuda):
             # is_compiling() is asked before the pending count is read: dynamo guards on what traced code reads,
             # and a count that changes per call recompiled the frame until it fell back to eager (issue 33 item 1)
             if (not is_compiling() and _d2h.busy()
-                    and _may_settle(args, kwargs) and args[0].device.type != "cuda"):
+                    and call_for_waiting(args, kwargs) and args[0].device.type != "cuda"):
                 _settle_for_cuda(device)
                 _wait_for_writes_into(args[0])
             return next_cuda(*args, **kwargs)
         if call_for_routing(args, kwargs) is None:
-            if _d2h.busy() and _may_settle(args, kwargs) and args[0].device.type != "cuda":
+            if _d2h.busy() and call_for_waiting(args, kwargs) and args[0].device.type != "cuda":
                 _settle_for_cuda(device)  # a dispatch mode's copy: after D's offloaded ones
             return next_cuda(*args, **kwargs)  # torch refuses the call, or an override takes it
         self = args[0]
@@ -340,21 +339,6 @@ def _wait_for_writes_into(host: Any) -> None:
         _host_writes.wait_for_offloaded_writes(host)
 
 
-def _may_settle(args: tuple, kwargs: dict) -> bool:
-    """Whether a call the shim does not route may first wait for the offloaded copies of a D2H stream: its first
-    argument is a tensor and no ``__torch_function__`` override takes the call.
-
-    An override's call back into torch comes through the wrapper again, and waits then. A call under a
-    ``TorchDispatchMode``, or of a ``__torch_dispatch__`` tensor, which :func:`._layers.call_for_routing` leaves
-    unread, never comes back through a wrapper, so it waits at its first: the wait reads the tensor's device and
-    no data, and runs no op a mode would see (found in review: under a mode, a blocking read or copy on a D2H
-    stream skipped the wait and read a buffer its offloaded copy had not written).
-    """
-    import torch
-
-    return bool(args) and isinstance(args[0], torch.Tensor) and not has_override(args, kwargs)
-
-
 def _plain_same_side(a: Any, b: Any) -> bool:
     """Whether ``a`` and ``b`` are plain tensors both on a GPU or both off one (a copy between them touches no host
     memory an offloaded copy writes): two type checks and two attribute reads, before the call is read in full."""
@@ -415,7 +399,7 @@ def _wrap_copy(next_copy):
             # The hot path: a blocking copy goes straight beneath, unless D2H copies are still queued (asked
             # after is_compiling(), which dynamo folds: see _wrap_cuda).
             if (not is_compiling() and _d2h.busy()
-                    and not _plain_same_side(args[0], other) and _may_settle(args, kwargs)
+                    and not _plain_same_side(args[0], other) and call_for_waiting(args, kwargs)
                     and isinstance(other, torch.Tensor) and _touches_host(args[0].device.type, other.device.type)):
                 _settle_d2h_stream(_cuda_index(args[0], other))
                 _wait_for_writes_into(other if args[0].device.type == "cuda" else args[0])  # the host side
@@ -423,7 +407,7 @@ def _wrap_copy(next_copy):
         if is_compiling() or not isinstance(other, torch.Tensor):
             return next_copy(*args, **kwargs)  # compiling, or torch refuses the call
         if call_for_routing(args, kwargs) is None:
-            if (_d2h.busy() and _may_settle(args, kwargs)
+            if (_d2h.busy() and call_for_waiting(args, kwargs)
                     and _touches_host(args[0].device.type, other.device.type)):
                 _settle_d2h_stream(_cuda_index(args[0], other))  # a dispatch mode's copy: after D's offloaded ones
             return next_copy(*args, **kwargs)  # an override takes it, or a dispatch mode sees it
@@ -477,7 +461,7 @@ def _wrap_syncing(next_fn):
     """
     def syncing(*args, **kwargs):
         if not is_compiling() and _d2h.busy():  # is_compiling() first: see _wrap_cuda
-            if _may_settle(args, kwargs) and args[0].device.type == "cuda":
+            if call_for_waiting(args, kwargs) and args[0].device.type == "cuda":
                 _settle_d2h_stream(args[0].device.index)
         return next_fn(*args, **kwargs)
 

@@ -377,21 +377,33 @@ def is_capturing(stream: Any) -> bool:
     return status != drv.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
 
 
-# CUDA graphs between CUDAGraph.capture_begin and capture_end, on any thread (the shim patches both: see
-# ._sync_patches). A capture in torch's default "global" mode is invalidated by a host synchronize on any other
-# thread, so while one is open nothing is offloaded (the D2H worker synchronizes) and no emulated wait is made.
-_capturing_graphs: set[int] = set()
-CAPTURES = [0]
+# CUDA graphs between CUDAGraph.capture_begin and capture_end, on any thread (the shim and the emulator patch both:
+# see ._sync_patches, ._emulation), each with whether it captures in torch's default "global" mode. Such a capture
+# is invalidated by a host synchronize on any other thread, so while one is open the emulator makes no wait; while
+# any capture is open (conservatively, whatever its mode) nothing is offloaded (the D2H worker synchronizes).
+_capturing_graphs: dict[int, bool] = {}
+CAPTURES = [0]  # captures open, any mode
+GLOBAL_CAPTURES = [0]  # of those, the ones in global mode
 
 
-def note_capture(graph: Any, capturing: bool) -> None:
-    """Record that ``graph`` began (``capturing``) or ended its capture; host-only bookkeeping."""
+def capture_mode_is_global(args: tuple, kwargs: dict) -> bool:
+    """Whether ``CUDAGraph.capture_begin(*args, **kwargs)`` captures in global mode (torch's default), read from its
+    ``capture_error_mode`` (``self, pool=None, capture_error_mode="global"``); any form not understood counts as
+    global (the conservative reading)."""
+    mode = kwargs.get("capture_error_mode", args[2] if len(args) > 2 else "global")
+    return mode not in ("thread_local", "relaxed")
+
+
+def note_capture(graph: Any, capturing: bool, global_mode: bool = True) -> None:
+    """Record that ``graph`` began (``capturing``, in global mode or not) or ended its capture; host-only
+    bookkeeping."""
     with _lock:
         if capturing:
-            _capturing_graphs.add(id(graph))
+            _capturing_graphs[id(graph)] = global_mode
         else:
-            _capturing_graphs.discard(id(graph))
+            _capturing_graphs.pop(id(graph), None)
         CAPTURES[0] = len(_capturing_graphs)
+        GLOBAL_CAPTURES[0] = sum(_capturing_graphs.values())
 
 
 def forget_captures() -> None:
@@ -399,6 +411,40 @@ def forget_captures() -> None:
     with _lock:
         _capturing_graphs.clear()
         CAPTURES[0] = 0
+        GLOBAL_CAPTURES[0] = 0
+
+
+def wrap_capture_begin(next_begin, before=None):
+    """A ``CUDAGraph.capture_begin`` layer that notes the capture (``before(graph, global_mode)`` if given, which
+    must note it, else :func:`note_capture`) before it begins, and forgets it if beginning fails."""
+
+    def capture_begin(*args, **kwargs):
+        graph = args[0] if args else None
+        global_mode = capture_mode_is_global(args, kwargs)
+        (before or _note_begun)(graph, global_mode)
+        try:
+            return next_begin(*args, **kwargs)
+        except BaseException:
+            note_capture(graph, False)
+            raise
+
+    return capture_begin
+
+
+def _note_begun(graph: Any, global_mode: bool) -> None:
+    note_capture(graph, True, global_mode)
+
+
+def wrap_capture_end(next_end):
+    """A ``CUDAGraph.capture_end`` layer that forgets the capture once it has ended (or failed to)."""
+
+    def capture_end(*args, **kwargs):
+        try:
+            return next_end(*args, **kwargs)
+        finally:
+            note_capture(args[0] if args else None, False)
+
+    return capture_end
 
 
 def any_current_capture(index: int) -> bool:

@@ -285,26 +285,11 @@ def _wrap_device_synchronize(next_sync):
 
 
 def _wrap_capture_begin(next_begin):
-    def capture_begin(*args, **kwargs):
-        graph = args[0] if args else None
-        _d2h.begin_capture(graph)
-        try:
-            return next_begin(*args, **kwargs)
-        except BaseException:
-            _streams.note_capture(graph, False)
-            raise
-
-    return capture_begin
+    return _streams.wrap_capture_begin(next_begin, before=_d2h.begin_capture)
 
 
 def _wrap_capture_end(next_end):
-    def capture_end(*args, **kwargs):
-        try:
-            return next_end(*args, **kwargs)
-        finally:
-            _streams.note_capture(args[0] if args else None, False)
-
-    return capture_end
+    return _streams.wrap_capture_end(next_end)
 
 
 # torch.Event -------------------------------------------------------------------------

@@ -310,3 +310,108 @@ def test_an_upload_inside_a_forward_ad_level_is_torchs_own():
     assert _routing.route_copy(facts, 1 << 20) == (_routing.ORIGINAL, "autograd")
     facts.into_existing = facts.registered_target = True
     assert _routing.route_copy(facts, 1 << 20) == (_routing.ORIGINAL, "autograd")
+
+
+# the emulator (the oracle "CC without the shim") --------------------------------------------------------------------
+
+
+@pytest.fixture
+def emulated_waits(monkeypatch):
+    """``cc.emulate()`` over a layer that plays torch's copy (returns the tensor); the emulated waits, recorded."""
+    from syncless._core import patching
+    from syncless.cc import _emulation
+
+    waits = []
+    monkeypatch.setattr(_emulation, "_emulate_wait", lambda device: waits.append(str(device)))
+
+    def beneath(next_fn):
+        def to(self, *args, **kwargs):
+            return self  # stands for torch's real H2D (this torch has no GPU)
+
+        return to
+
+    patching.add_layer(torch.Tensor, "to", "test.beneath", patching.RANK_CC_EMULATION - 1, beneath)
+    handle = cc.emulate()
+    try:
+        yield waits
+    finally:
+        handle.stop()
+        patching.remove_layer(torch.Tensor, "to", "test.beneath")
+
+
+def test_the_emulator_waits_after_a_copy_under_a_dispatch_mode_or_functorch(emulated_waits):
+    """The real copy under a ``TorchDispatchMode``, inside ``vmap`` or of a ``__torch_dispatch__`` tensor runs at the
+    aten level and never comes back through ``Tensor.to``: the emulator took it for an override's call and made no
+    wait, so the oracle under-waited."""
+    from torch.testing._internal.two_tensor import TwoTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class PassThrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(4)
+    x.to("cuda", non_blocking=True)
+    assert len(emulated_waits) == 1
+    with PassThrough():
+        x.to("cuda", non_blocking=True)
+    torch.func.vmap(lambda t: t.to("cuda", non_blocking=True))(torch.randn(3, 4))
+    TwoTensor(torch.randn(4), torch.randn(4)).to("cuda", non_blocking=True)
+    assert len(emulated_waits) == 4
+    x.to("meta", non_blocking=True)  # moves no bytes across PCIe: no wait (it waited)
+    assert len(emulated_waits) == 4
+
+
+@pytest.mark.parametrize("setup", ["emulate", "install"])
+@pytest.mark.parametrize("mode", ["global", "thread_local", "relaxed"])
+def test_the_emulator_skips_its_wait_only_for_another_threads_global_capture(monkeypatch, setup, mode):
+    """With the emulator alone another thread's capture was not seen (its wait would invalidate a global-mode
+    capture); with the shim every capture was skipped, where a thread_local or relaxed one allows the wait and CC's
+    driver makes it."""
+    import threading
+
+    from syncless.cc import _emulation
+
+    waits = []
+    monkeypatch.setattr(_streams, "is_current_stream_capturing", lambda index: False)  # this thread's stream is not
+    monkeypatch.setattr(_streams, "current_stream", lambda index: f"stream {index}")
+    monkeypatch.setattr(_streams, "device_index", lambda device: 0)
+    monkeypatch.setattr(_streams, "wait_stream_raw", waits.append)
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin",
+                        lambda self, pool=None, capture_error_mode="global": None, raising=False)
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_end", lambda self: None, raising=False)
+    handle = cc.emulate() if setup == "emulate" else None
+    if handle is None:
+        cc.install("emulate")
+    try:
+        graph = object()
+        torch.cuda.CUDAGraph.capture_begin(graph, capture_error_mode=mode)  # another thread's capture, open
+        other = threading.Thread(target=_emulation._emulate_wait, args=(torch.device("cuda", 0),))
+        other.start()
+        other.join()
+        torch.cuda.CUDAGraph.capture_end(graph)
+        assert len(waits) == (0 if mode == "global" else 1)
+        _emulation._emulate_wait(torch.device("cuda", 0))  # the capture has ended
+        assert len(waits) == (1 if mode == "global" else 2)
+    finally:
+        if handle is not None:
+            handle.stop()
+        else:
+            cc.uninstall()
+
+
+def test_an_emulation_handle_ends_only_the_emulation_it_started():
+    """``uninstall()`` and a new ``install("emulate")`` inside a ``with cc.emulate():`` block: the handle's exit
+    removed the new emulation, leaving the shim installed without it (benchmarks would then call plain copies
+    emulated)."""
+    with cc.emulate():
+        cc.uninstall()
+        cc.install("emulate")
+    try:
+        assert cc.is_emulating() and _shim.is_shim_installed()
+    finally:
+        cc.uninstall()
+    assert not cc.is_emulating()
+    with cc.emulate() as handle:
+        assert cc.is_emulating()
+    assert not cc.is_emulating() and handle.started
