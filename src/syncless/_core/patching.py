@@ -167,6 +167,27 @@ def _prime_compiler_tables() -> None:
     build = _dynamo_handlers()
     if build is not None:
         build()
+    # torch's set of factory functions a default device applies to (``torch.set_default_device``, ``with
+    # torch.device(...)``), keyed by the function: built while an entry is installed it held the entry, while the
+    # device mode is handed torch's own function, so ``torch.as_tensor``/``torch.asarray`` ignored the default
+    # device, for the process (found in review). A small module of torch's own, imported here if it is not yet.
+    import torch.utils._device as device_module
+
+    constructors = getattr(device_module, "_device_constructors", None)
+    if callable(constructors):
+        constructors()
+
+
+def forget_dynamo_class_table() -> None:
+    """Drop dynamo's cached set of classes it builds in the graph (``torch.Event`` among them, by identity), so it is
+    built again from the class there now: after a class is replaced (``torch.Event`` while cc is installed) and
+    after it is restored (found in review: built with either, ``torch.Event(...)`` in a ``fullgraph=True`` region
+    failed with the other, after ``uninstall()`` too)."""
+    variables = sys.modules.get("torch._dynamo.variables.user_defined")
+    table = getattr(getattr(variables, "UserDefinedClassVariable", None), "_in_graph_classes", None)
+    clear = getattr(table, "cache_clear", None)
+    if callable(clear):
+        clear()
 
 
 def _dynamo_handlers() -> Any:

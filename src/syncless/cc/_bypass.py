@@ -1,9 +1,8 @@
 """Host<->device copies that do not go through ``Tensor.to/cuda/copy_``, ordered after a D2H stream's offloads.
 
 torch runs ``h[:] = x`` (``Tensor.__setitem__``), ``x.new_tensor(h)``,
-``torch.as_tensor(h, device=...)``, ``torch.asarray(h, device=...)``,
-``x.type(torch.cuda.FloatTensor)`` and ``UntypedStorage.copy_`` through its
-C++ copy, on the current stream, without calling the patched ``Tensor.copy_``.
+``torch.as_tensor(h, device=...)``, ``torch.asarray(h, device=...)`` and
+``UntypedStorage.copy_`` through its C++ copy, on the current stream, without calling the patched ``Tensor.copy_``.
 Issued while a D2H stream ``D`` is current, torch orders such a copy after
 the copies queued on ``D`` before it; an offloaded copy is not on ``D``::
 
@@ -42,9 +41,13 @@ def settle_current_d2h_streams() -> None:
         record = _d2h.lookup(_streams.current_stream(index))
         # A failure kept is raised whether or not its copy has finished (found in review: once a failed copy had
         # ended, these calls returned without it, and the program read the buffer it never wrote).
-        if record is not None and (record.worker.is_pending(record.last_job) or _d2h.UNRAISED[0]):
+        if record is None:
+            continue
+        if record.worker.is_pending(record.last_job):
             COUNTERS.add("bypass_waits")
             _d2h.wait_for_stream(record)
+        elif _d2h.UNRAISED[0]:
+            _d2h.wait_for_stream(record)  # waits for nothing: raises a failure this thread has not had
 
 
 def _crosses(a: Any, b: Any) -> bool:
@@ -70,8 +73,8 @@ def _wrap_setitem(next_setitem):
 
 
 def _wrap_settling(next_fn):
-    """``new_tensor``, ``as_tensor``, ``asarray``, ``Tensor.type``, ``UntypedStorage.copy_``: rare enough to settle
-    whenever a copy is pending or a failure is kept."""
+    """``new_tensor``, ``as_tensor``, ``asarray``, ``UntypedStorage.copy_``: rare enough to settle whenever a copy is
+    pending or a failure is kept."""
 
     def settling(*args, **kwargs):
         if not is_compiling() and (_d2h._PENDING[0] or _d2h.UNRAISED[0]):  # is_compiling() first: see _wrap_setitem
@@ -90,6 +93,5 @@ def patch_targets() -> list[tuple[Any, str, Any]]:
         (torch.Tensor, "new_tensor", _wrap_settling),
         (torch, "as_tensor", _wrap_settling),
         (torch, "asarray", _wrap_settling),  # copies in C++ as as_tensor does (found in review)
-        (torch.Tensor, "type", _wrap_settling),  # x.type(torch.cuda.FloatTensor): a copy in C++ as well
         (torch.UntypedStorage, "copy_", _wrap_settling),
     ]

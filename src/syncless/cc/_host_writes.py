@@ -210,19 +210,45 @@ def wait_for_offloaded_writes(src: Any) -> None:
     ordered (a stream wait, a synchronize), which holds for torch's own copy as it is; under CC it has finished at
     its call. Blocks the host only while such an offloaded copy is unfinished.
 
+    Reads only the offloaded copies' entries: a plain note's event is never queried here (found in review: the
+    query of an event is not allowed while a graph captures, and the shim leaves uploads to torch then).
+
     Raises:
         D2HCopyError: an offloaded copy into ``src``'s memory failed (once per thread, as for a staged upload).
     """
-    found = _range_if_noted_nearby(src)
+    try:
+        found = _range_if_noted_nearby(src)
+    except RuntimeError:
+        return  # no memory of its own to read (torch raises at its storage's address): nothing of it is noted
     if found is None:
         return
     start, end = found
-    jobs = [entry[1] for entry in _unfinished_writes(start, end) if entry[0] == "job"]
-    if jobs:
+    pending = _offloaded_writes(start, end)
+    if pending:
         from syncless.cc import _d2h
 
-        _d2h.wait_for_tickets(jobs, raise_errors=False)
-        _unfinished_writes(start, end)  # drops them now that they are done, or raises a failure among them
+        _d2h.wait_for_tickets(pending, raise_errors=False)
+        _offloaded_writes(start, end)  # raises a failure among them that this thread has not had
+
+
+def _offloaded_writes(start: int, end: int) -> list:
+    """The tickets of the offloaded copies over ``[start, end)`` still writing; raise the first failed one's error
+    if this thread has not had it (it then has). Drops nothing (the other lookups do)."""
+    failed = None
+    pending = []
+    with _lock:
+        for _, item in _overlapping(start, end):
+            entry = item[1]
+            if entry[0] != "job":
+                continue
+            worker, seq = entry[1]
+            if worker.is_pending(seq):
+                pending.append(entry[1])
+            elif failed is None and worker.newest_failure >= seq:
+                failed = worker.claim_failure(seq)  # None: it did not fail, or this thread had it
+    if failed is not None:
+        raise failed
+    return pending
 
 
 def order_after_pending_writes(staging: Any, src: Any) -> None:

@@ -39,6 +39,7 @@ class _State:
 
 
 _STATE = _State()
+_PLAIN_DISPATCH: list = [None]  # torch.Tensor.__torch_dispatch__, read once (see _wait_for_writes_into)
 
 
 def _nbytes(t: Any) -> int:
@@ -335,7 +336,16 @@ def _wait_for_writes_into(host: Any) -> None:
     blocking one, one too large to stage) read the memory before the offloaded copy had written it; a copy into
     it would be overwritten by the offloaded one, issued before it. Two integer reads while no offloaded copy is
     pending and no failure is kept: one that finished without a failure leaves nothing to wait for."""
-    if _d2h.busy() and _host_writes.NOTED_STARTS:
+    if not (_d2h.busy() and _host_writes.NOTED_STARTS) or _streams.CAPTURES[0]:
+        return
+    plain = _PLAIN_DISPATCH[0]
+    if plain is None:
+        import torch
+
+        plain = _PLAIN_DISPATCH[0] = torch.Tensor.__torch_dispatch__
+    if type(host).__torch_dispatch__ is plain:
+        # (while a graph captures, torch's copy is a graph node that reads the memory at each replay, not now; a
+        # __torch_dispatch__ tensor, a wrapper or a fake one, has no host memory of its own that a copy was noted in)
         _host_writes.wait_for_offloaded_writes(host)
 
 

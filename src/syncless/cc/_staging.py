@@ -22,11 +22,12 @@ from syncless._core import patching
 from syncless._core.layouts import broadcasts_to, same_dense_layout
 from syncless.cc import _emulation, _host_writes, _streams
 
-# Registered targets by (device index, storage address, first byte, end byte): several tensors over one storage (the
-# rows of one pool tensor) are registered apart. The values are weak: an entry lapses when its tensor dies, and the
-# old tensor's death never removes the entry of a newer tensor with the same key (the dictionary drops a key only
-# while its reference is dead).
-_TARGETS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+# Registered targets: (device index, storage address) -> {(first byte, end byte): a weak reference to the target}.
+# Several tensors over one storage (the rows of one pool tensor) are registered apart, and a lookup asks only the
+# targets on its own storage (the exact span first: a copy into the registered row itself). An entry lapses when its
+# tensor dies (the reference's callback, which takes no lock: a collection can run it on a thread that holds
+# ``_target_lock``), and the old tensor's death never removes the entry of a newer tensor at the same span.
+_TARGETS: dict[tuple[int | None, int], dict[tuple[int, int], Any]] = {}
 _target_lock = threading.Lock()
 
 
@@ -43,14 +44,32 @@ def _span(t: Any) -> tuple[int, int]:
     return start, start + (last + 1) * t.element_size()
 
 
+def _lapse(storage: tuple, span: tuple[int, int]):
+    def lapse(ref: Any) -> None:
+        spans = _TARGETS.get(storage)
+        if spans is not None and spans.get(span) is ref:
+            spans.pop(span, None)
+
+    return lapse
+
+
 def _remember_target(t: Any) -> bool:
     """Record ``t`` as a registered target (plain bookkeeping); return whether it is new."""
-    key = _storage_key(t) + _span(t)
+    storage, span = _storage_key(t), _span(t)
     with _target_lock:
-        if _TARGETS.get(key) is t:
+        spans = _TARGETS.setdefault(storage, {})
+        ref = spans.get(span)
+        if ref is not None and ref() is t:
             return False
-        _TARGETS[key] = t
+        spans[span] = weakref.ref(t, _lapse(storage, span))
+        for key in [key for key, entries in _TARGETS.items() if not entries]:
+            del _TARGETS[key]  # storages whose targets all lapsed
         return True
+
+
+def live_targets() -> int:
+    """How many registered targets are alive (tests: entries lapse with their tensors)."""
+    return sum(1 for spans in tuple(_TARGETS.values()) for ref in tuple(spans.values()) if ref() is not None)
 
 
 def register_inplace_h2d_target(t: Any) -> None:
@@ -97,7 +116,8 @@ def is_registered_target(t: Any) -> bool:
     moved (``resize_`` growing it, ``set_``, ``.data =``) no longer vouches for its old address, which the
     caching allocator may hand to an unrelated tensor (found in review); its entry is dropped. A tensor without
     memory of its own (a ZeroTensor: torch raises at the read of its storage's address) shares none: False.
-    Costs a look at each registered target while any is live.
+    A dictionary lookup while no target shares ``t``'s storage; one more for the exact span (the target itself,
+    or a view of all of it); otherwise a look at each target on that storage.
     """
     if not _TARGETS:
         return False
@@ -105,21 +125,34 @@ def is_registered_target(t: Any) -> bool:
         storage = _storage_key(t)
     except RuntimeError:
         return False  # no storage address to share (the copy then goes on as torch's, which raises its own error)
-    span = None
-    for key, target in list(_TARGETS.items()):
-        if key[:2] != storage:
-            continue
-        if _storage_key(target) != storage:
-            with _target_lock:
-                if _TARGETS.get(key) is target:
-                    del _TARGETS[key]
-            continue
-        if span is None:
-            span = _span(t)
-        first, end = _span(target)  # as it is now (a registered tensor resized within its storage vouches for that)
-        if first <= span[0] and span[1] <= end:
+    spans = _TARGETS.get(storage)
+    if not spans:
+        return False
+    span = _span(t)
+    ref = spans.get(span)
+    if ref is not None and _vouches(ref, storage, span):
+        return True
+    for (first, end), ref in tuple(spans.items()):  # a snapshot: other threads may register or lapse meanwhile
+        if first <= span[0] and span[1] <= end and _vouches(ref, storage, span):
             return True
     return False
+
+
+def _vouches(ref: Any, storage: tuple, span: tuple[int, int]) -> bool:
+    """Whether the target ``ref`` names is alive, still owns ``storage``, and (as it is now: one resized within its
+    storage vouches for that) spans ``span``; a target whose storage moved is dropped."""
+    target = ref()
+    if target is None:
+        return False
+    if _storage_key(target) != storage:
+        with _target_lock:
+            spans = _TARGETS.get(storage)
+            if spans is not None:
+                for key in [key for key, entry in spans.items() if entry is ref]:
+                    del spans[key]
+        return False
+    first, end = _span(target)
+    return first <= span[0] and span[1] <= end
 
 
 def _torch_own(name: str):

@@ -40,8 +40,8 @@ class CopyStats:
         emulated_waits: host waits the CC emulation added after a copy.
         left_alone: copies kept on torch's own path, by reason.
         bypass_waits: host waits before a host<->device copy that bypasses ``Tensor.to/cuda/copy_``
-            (``h[:] = x``, ``new_tensor``, ``torch.as_tensor``, ``torch.asarray``, ``Tensor.type``,
-            ``UntypedStorage.copy_``) issued on a D2H stream
+            (``h[:] = x``, ``new_tensor``, ``torch.as_tensor``, ``torch.asarray``, ``UntypedStorage.copy_``)
+            issued on a D2H stream
             with offloaded copies pending, for those copies (docs/cc.md).
     """
 

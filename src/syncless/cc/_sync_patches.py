@@ -333,6 +333,7 @@ def _wrap_torch_event(base):
     Event = _covering_event_type(base)(base.__name__, (base,), {
         **methods,
         "__doc__": "``torch.Event`` whose record/wait/synchronize/query also cover syncless's D2H copies.",
+        "_syncless_covers": True,
         "__module__": base.__module__,
         "__qualname__": base.__qualname__,
     })
@@ -351,11 +352,17 @@ def _covering_event_type(base: type) -> type:
     """
 
     class CoveringEventType(type(base)):
+        # Only the covering class itself answers as ``base``: a subclass of it defined while installed (torch's own
+        # _EventBase, a program's) keeps Python's own answer (found in review: every subclass claimed every event).
         def __instancecheck__(cls, obj: Any) -> bool:
-            return isinstance(obj, base)
+            if "_syncless_covers" in cls.__dict__:
+                return isinstance(obj, base)
+            return type.__instancecheck__(cls, obj)
 
         def __subclasscheck__(cls, sub: type) -> bool:
-            return issubclass(sub, base)
+            if "_syncless_covers" in cls.__dict__:
+                return issubclass(sub, base)
+            return type.__subclasscheck__(cls, sub)
 
     return CoveringEventType
 
@@ -390,7 +397,7 @@ def patch_targets() -> list[tuple[Any, str, Any]]:
 # record, wait, synchronize and indexed write then cost one check each, not a wrapper's reading of the call. The
 # capture hooks always run (they note every capture); ``torch.Event`` is a class, replaced outright.
 _IDLE_WHEN_NOTHING_PENDING = {"record", "wait", "synchronize", "query", "__setitem__", "new_tensor", "as_tensor",
-                              "asarray", "type", "copy_"}
+                              "asarray", "copy_"}
 
 
 def install_sync_patches() -> None:
@@ -399,10 +406,12 @@ def install_sync_patches() -> None:
     for owner, name, wrap in patch_targets():
         idle = _d2h.busy if name in _IDLE_WHEN_NOTHING_PENDING else None
         patching.add_layer(owner, name, SHIM_KEY, patching.RANK_CC_SHIM, wrap, idle=idle)
+    patching.forget_dynamo_class_table()  # torch.Event is the covering class now
 
 
 def uninstall_sync_patches() -> None:
     """Remove the shim's layer from every synchronization entry point."""
     for owner, name, _ in patch_targets():
         patching.remove_layer(owner, name, SHIM_KEY)
+    patching.forget_dynamo_class_table()  # torch.Event is torch's own again
     _streams.forget_captures()

@@ -18,7 +18,7 @@ def test_register_lookup_and_lapse():
     assert not _staging.is_registered_target(torch.randn(64))
     del target
     gc.collect()
-    assert not _staging._TARGETS
+    assert not _staging.live_targets()
 
 
 def test_new_target_at_same_key_survives_old_death():
@@ -30,10 +30,10 @@ def test_new_target_at_same_key_survives_old_death():
     del old
     gc.collect()
     assert old_alive() is None
-    assert _staging._TARGETS.get(_staging._storage_key(new) + _staging._span(new)) is new
+    assert _staging._TARGETS[_staging._storage_key(new)][_staging._span(new)]() is new
     del new
     gc.collect()
-    assert not _staging._TARGETS
+    assert not _staging.live_targets()
 
 
 def test_dead_target_does_not_match_a_tensor_at_its_address():
@@ -44,7 +44,7 @@ def test_dead_target_does_not_match_a_tensor_at_its_address():
     gc.collect()
     newcomer = torch.randn(1024)  # may reuse the address; it was never registered
     assert not _staging.is_registered_target(newcomer)
-    assert _staging._TARGETS.get(key) is None
+    assert not _staging._TARGETS.get(key)
     assert _staging._remember_target(newcomer) is True
     assert _staging.is_registered_target(newcomer)
 
@@ -64,7 +64,7 @@ def test_lapse_during_a_locked_section_does_not_deadlock():
     worker = threading.Thread(target=collect_while_locked, daemon=True)
     worker.start()
     assert finished.wait(10), "the lapse callback deadlocked on the targets' lock"
-    assert not _staging._TARGETS
+    assert not _staging.live_targets()
 
 
 def test_a_target_whose_storage_moved_no_longer_vouches_for_its_old_address():
@@ -78,7 +78,8 @@ def test_a_target_whose_storage_moved_no_longer_vouches_for_its_old_address():
         _staging._remember_target(target)
         old_address = target.untyped_storage().data_ptr()
         # Stands for a new tensor the caching allocator puts at the old address (CPU memory cannot be forced).
-        stranger = SimpleNamespace(device=target.device,
+        stranger = SimpleNamespace(device=target.device, data_ptr=lambda: old_address, numel=lambda: 64,
+                                   shape=(64,), stride=lambda: (1,), element_size=lambda: 4,
                                    untyped_storage=lambda: SimpleNamespace(data_ptr=lambda: old_address))
         if move == "resize_":
             target.resize_(1 << 20)
@@ -113,3 +114,33 @@ def test_a_target_vouches_for_its_own_bytes_not_for_its_siblings_on_the_storage(
     del row0, kept
     gc.collect()
     assert not _staging.is_registered_target(pool[0])
+
+
+def test_a_lookup_is_safe_while_other_threads_register_and_targets_lapse():
+    """The lookup walked the registry while another thread registered (found in review: ``dictionary changed size
+    during iteration`` out of the user's ``copy_``); it now walks a snapshot of one storage's targets."""
+    pool = torch.zeros(256, 4)
+    rows = [pool[i] for i in range(0, 256, 2)]
+    stop = threading.Event()
+    errors = []
+
+    def register():
+        try:
+            while not stop.is_set():
+                for row in rows:
+                    _staging._remember_target(row)
+                    _staging._remember_target(pool[1][:2])  # made and dropped: lapses at once
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    thread = threading.Thread(target=register, daemon=True)
+    thread.start()
+    try:
+        for _ in range(2000):
+            assert not _staging.is_registered_target(pool[3, 1:])  # scans the storage's targets
+            _staging.is_registered_target(rows[5][1:3])
+    finally:
+        stop.set()
+        thread.join(10)
+    assert not errors, errors
+    assert _staging.is_registered_target(rows[7])

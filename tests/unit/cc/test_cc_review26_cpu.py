@@ -168,19 +168,72 @@ def test_a_failed_copy_that_has_ended_is_raised_by_the_calls_on_its_stream(faile
     settle()  # this thread has had it: once
 
 
-def test_asarray_and_tensor_type_wait_for_the_current_d2h_streams_copies(installed, monkeypatch):
-    """``torch.asarray(h, device=...)`` and ``x.type(torch.cuda.FloatTensor)`` copy in C++ as ``as_tensor`` does;
-    neither was fronted."""
+def test_asarray_waits_for_the_current_d2h_streams_copies(installed, monkeypatch):
+    """``torch.asarray(h, device=...)`` copies in C++ as ``as_tensor`` does, and was not fronted."""
     waits = []
     monkeypatch.setattr(_bypass, "settle_current_d2h_streams", lambda: waits.append(1))
     h = torch.arange(4.0)
     torch.asarray(h)
-    h.type(torch.float64)
     assert waits == []  # nothing pending: straight to torch
     monkeypatch.setattr(_d2h, "_PENDING", [1])
     assert torch.equal(torch.asarray(h, dtype=torch.float64), h.double())
-    assert h.type(torch.DoubleTensor).dtype == torch.float64
-    assert len(waits) == 2
+    assert len(waits) == 1
+
+
+def test_asarray_and_as_tensor_keep_the_default_device_while_installed_and_after():
+    """torch's set of factories a default device applies to is keyed by the function: built while installed it held
+    syncless's entries, and ``torch.asarray``/``torch.as_tensor`` under ``with torch.device(...)`` ignored it, for
+    the process. It is built from torch's own functions before any entry is installed."""
+    import torch.utils._device as device_module
+
+    device_module._device_constructors.cache_clear()
+    cc.install("on")
+    try:
+        with torch.device("meta"):
+            assert torch.asarray([1.0, 2.0]).device.type == "meta"
+            assert torch.as_tensor([1.0, 2.0]).device.type == "meta"
+    finally:
+        cc.uninstall()
+    with torch.device("meta"):
+        assert torch.asarray([1.0, 2.0]).device.type == "meta"
+
+
+def test_a_subclass_of_the_covering_event_keeps_pythons_own_isinstance(installed):
+    """Every subclass of the covering ``torch.Event`` inherited its metaclass and claimed every event (and every
+    other subclass) as its own."""
+    class Mine(torch.Event):
+        pass
+
+    class Other(torch.Event):
+        pass
+
+    made_in_c = torch._C.Event("cpu")
+    assert isinstance(made_in_c, torch.Event) and not isinstance(made_in_c, Mine)
+    assert isinstance(Mine("cpu"), Mine) and not isinstance(Other("cpu"), Mine) and not issubclass(Other, Mine)
+    assert issubclass(Mine, torch.Event) and issubclass(Mine, torch._C.Event)
+
+
+def test_an_event_made_in_a_compiled_region_compiles_while_installed_and_after():
+    """dynamo's set of classes it builds in the graph held ``torch.Event`` by identity: built before ``install()``,
+    ``torch.Event(...)`` in a ``fullgraph=True`` region failed while installed; built while installed, it failed
+    after ``uninstall()``, for plain torch."""
+    import torch._dynamo
+
+    def step(x):
+        torch.Event("cpu")
+        return x + 1
+
+    def compiles() -> bool:
+        torch._dynamo.reset()
+        return torch.equal(torch.compile(step, fullgraph=True, backend="eager")(torch.ones(2)), torch.full((2,), 2.0))
+
+    assert compiles()  # plain torch, the table built with torch's own class
+    cc.install("on")
+    try:
+        assert compiles()
+    finally:
+        cc.uninstall()
+    assert compiles()
 
 
 # the H2D side ------------------------------------------------------------------------------------------------------
@@ -415,3 +468,30 @@ def test_an_emulation_handle_ends_only_the_emulation_it_started():
     with cc.emulate() as handle:
         assert cc.is_emulating()
     assert not cc.is_emulating() and handle.started
+
+
+def test_the_wait_before_an_upload_left_to_torch_reads_no_event_and_skips_captures_and_wrappers(
+        offloaded_write, monkeypatch):
+    """Found in the review of this round's own change: the wait queried plain notes' events (not allowed while a
+    graph captures, where the shim leaves uploads to torch), ran during captures, and read the storage address of a
+    ``__torch_dispatch__`` wrapper (which raises)."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    host, final, waited = offloaded_write
+
+    def no_query(entry):
+        raise AssertionError(f"queried {entry}")
+
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
+    monkeypatch.setattr(_streams, "record_event_raw", lambda event, stream: None)
+    monkeypatch.setattr(torch.cuda, "Event", _DeviceBoundEvent)
+    _host_writes.note_plain_d2h(host, types.SimpleNamespace(device_index=0))  # a plain note over the same bytes
+    monkeypatch.setattr(_host_writes, "_is_done", no_query)
+    monkeypatch.setattr(_streams, "CAPTURES", [1])
+    _shim._wait_for_writes_into(host)  # a capture is open: nothing
+    assert waited == []
+    monkeypatch.setattr(_streams, "CAPTURES", [0])
+    _shim._wait_for_writes_into(TwoTensor(torch.zeros(2), torch.zeros(2)))  # a wrapper: no memory of its own
+    assert waited == []
+    _shim._wait_for_writes_into(host)
+    assert waited == [5] and torch.equal(host, final)
