@@ -50,6 +50,12 @@ def test_a_dataloader_with_worker_processes_runs_while_a_copy_is_pending(emulate
     from syncless.cc import _d2h
 
     assert _d2h.pending()
+    # Garbage earlier tests left in reference cycles (dynamo's caches hold events) must not be collected in a forked
+    # worker: destroying a CUDA event in a forked child aborts it (torch's own hazard with fork, shim or not; run 83
+    # hit it once the compiled-region tests ran before this one).
+    import gc
+
+    gc.collect()
     data = _Batches(64, seed=int(torch.randint(0, 1 << 30, ()).item()))
     loader = torch.utils.data.DataLoader(data, batch_size=8, num_workers=2,
                                          multiprocessing_context="fork", timeout=60)
