@@ -26,6 +26,14 @@ bench_cc() {
   grep -E "goal|readback|1 MiB" "$log" | head -30
   sed -n '/Host-bound decode/,/One step/p' "$dir/cc.md"
 }
+# The differential fuzzer's 20,000 programs with both oracles, in what is left of the limit less 25 s, its log $1.
+fuzz_cc() {
+  echo "== fuzzer (t=${SECONDS}s)"
+  local fuzz_s=$(( $(left) > 60 ? $(left) - 25 : 20 ))
+  SYNCLESS_FUZZ_PROGRAMS=20000 SYNCLESS_FUZZ_TIME_S=$fuzz_s \
+    timeout -k 5 $(slot $((fuzz_s + 15))) python3 -m pytest -q -s -rfE -p no:cacheprovider tests/gpu/cc/test_cc_fuzz.py > "$1" 2>&1
+  grep -iE "cc fuzz: programs" "$1" | tail -2; tail -1 "$1"
+}
 # One pytest run as suite $1 within a slot of $2 seconds (the rest of the arguments go to pytest), its log $OUT/$1.log
 # and one line in $OUT/summary.log. A script sets SUITE_FLAGS for its verbosity and timeouts.
 SUITE_FLAGS=${SUITE_FLAGS:--q -rfEs --timeout 120}
