@@ -137,6 +137,7 @@ def install_emulation() -> bool:
             return False
         for name in TENSOR_ATTRS:
             patching.add_layer(torch.Tensor, name, EMULATION_KEY, patching.RANK_CC_EMULATION, _WRAPPERS[name])
+        _streams.start_noting("emulation")
         for owner, name, wrap in _capture_targets():
             patching.add_layer(owner, name, EMULATION_KEY, patching.RANK_CC_EMULATION, wrap)
         _generation[0] += 1
@@ -157,6 +158,7 @@ def uninstall_emulation(generation: int | None = None) -> bool:
             patching.remove_layer(torch.Tensor, name, EMULATION_KEY)
         for owner, name, _ in _capture_targets():
             patching.remove_layer(owner, name, EMULATION_KEY)
+        _streams.stop_noting("emulation")
         _installed = False
         return True
 

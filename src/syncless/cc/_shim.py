@@ -336,16 +336,19 @@ def _wait_for_writes_into(host: Any) -> None:
     blocking one, one too large to stage) read the memory before the offloaded copy had written it; a copy into
     it would be overwritten by the offloaded one, issued before it. Two integer reads while no offloaded copy is
     pending and no failure is kept: one that finished without a failure leaves nothing to wait for."""
-    if not (_d2h.busy() and _host_writes.NOTED_STARTS) or _streams.CAPTURES[0]:
+    if not (_d2h.busy() and _host_writes.NOTED_STARTS):
         return
     plain = _PLAIN_DISPATCH[0]
     if plain is None:
         import torch
 
         plain = _PLAIN_DISPATCH[0] = torch.Tensor.__torch_dispatch__
-    if type(host).__torch_dispatch__ is plain:
-        # (while a graph captures, torch's copy is a graph node that reads the memory at each replay, not now; a
-        # __torch_dispatch__ tensor, a wrapper or a fake one, has no host memory of its own that a copy was noted in)
+    # A __torch_dispatch__ tensor (a wrapper, a fake one) has no host memory of its own that a copy was noted in.
+    # While this thread's stream captures, torch's copy is a graph node that reads the memory at each replay, not
+    # now. Another thread's capture does not matter: while one is open nothing is pending, and while its
+    # capture_begin still drains the offloaded copies, this wait must wait for them too (found in review: skipping
+    # on any capture let an upload read memory a copy had not yet written).
+    if type(host).__torch_dispatch__ is plain and not _streams.this_thread_captures():
         _host_writes.wait_for_offloaded_writes(host)
 
 

@@ -24,9 +24,10 @@ from syncless.cc import _emulation, _host_writes, _streams
 
 # Registered targets: (device index, storage address) -> {(first byte, end byte): a weak reference to the target}.
 # Several tensors over one storage (the rows of one pool tensor) are registered apart, and a lookup asks only the
-# targets on its own storage (the exact span first: a copy into the registered row itself). An entry lapses when its
-# tensor dies (the reference's callback, which takes no lock: a collection can run it on a thread that holds
-# ``_target_lock``), and the old tensor's death never removes the entry of a newer tensor at the same span.
+# targets on its own storage (the exact span first: a copy into the registered row itself). A dead reference
+# vouches for nothing; dead ones are dropped at the next registration. The dictionaries change only under
+# ``_target_lock`` (no weakref callback changes them: one ran during a lookup's snapshot, found in review), and a
+# lookup that scans reads a copy made under it.
 _TARGETS: dict[tuple[int | None, int], dict[tuple[int, int], Any]] = {}
 _target_lock = threading.Lock()
 
@@ -44,32 +45,27 @@ def _span(t: Any) -> tuple[int, int]:
     return start, start + (last + 1) * t.element_size()
 
 
-def _lapse(storage: tuple, span: tuple[int, int]):
-    def lapse(ref: Any) -> None:
-        spans = _TARGETS.get(storage)
-        if spans is not None and spans.get(span) is ref:
-            spans.pop(span, None)
-
-    return lapse
-
-
 def _remember_target(t: Any) -> bool:
     """Record ``t`` as a registered target (plain bookkeeping); return whether it is new."""
     storage, span = _storage_key(t), _span(t)
     with _target_lock:
+        for key, spans in list(_TARGETS.items()):  # drop the targets that have died
+            for dead in [entry for entry, ref in spans.items() if ref() is None]:
+                del spans[dead]
+            if not spans:
+                del _TARGETS[key]
         spans = _TARGETS.setdefault(storage, {})
         ref = spans.get(span)
         if ref is not None and ref() is t:
             return False
-        spans[span] = weakref.ref(t, _lapse(storage, span))
-        for key in [key for key, entries in _TARGETS.items() if not entries]:
-            del _TARGETS[key]  # storages whose targets all lapsed
+        spans[span] = weakref.ref(t)
         return True
 
 
 def live_targets() -> int:
     """How many registered targets are alive (tests: entries lapse with their tensors)."""
-    return sum(1 for spans in tuple(_TARGETS.values()) for ref in tuple(spans.values()) if ref() is not None)
+    with _target_lock:
+        return sum(1 for spans in _TARGETS.values() for ref in spans.values() if ref() is not None)
 
 
 def register_inplace_h2d_target(t: Any) -> None:
@@ -117,7 +113,7 @@ def is_registered_target(t: Any) -> bool:
     caching allocator may hand to an unrelated tensor (found in review); its entry is dropped. A tensor without
     memory of its own (a ZeroTensor: torch raises at the read of its storage's address) shares none: False.
     A dictionary lookup while no target shares ``t``'s storage; one more for the exact span (the target itself,
-    or a view of all of it); otherwise a look at each target on that storage.
+    or a view of all of it); otherwise a copy of that storage's targets, made under the lock, and a look at each.
     """
     if not _TARGETS:
         return False
@@ -132,15 +128,18 @@ def is_registered_target(t: Any) -> bool:
     ref = spans.get(span)
     if ref is not None and _vouches(ref, storage, span):
         return True
-    for (first, end), ref in tuple(spans.items()):  # a snapshot: other threads may register or lapse meanwhile
+    with _target_lock:
+        items = list(spans.items())  # a copy: other threads may register meanwhile
+    for (first, end), ref in items:
         if first <= span[0] and span[1] <= end and _vouches(ref, storage, span):
             return True
     return False
 
 
 def _vouches(ref: Any, storage: tuple, span: tuple[int, int]) -> bool:
-    """Whether the target ``ref`` names is alive, still owns ``storage``, and (as it is now: one resized within its
-    storage vouches for that) spans ``span``; a target whose storage moved is dropped."""
+    """Whether the target ``ref`` names is alive, still owns ``storage``, and spans ``span`` as it is now; a target
+    whose storage moved is dropped. (A target resized or moved within its storage after registration vouches for
+    the bytes it spans both then and now: register it again to cover more.)"""
     target = ref()
     if target is None:
         return False

@@ -407,11 +407,35 @@ def note_capture(graph: Any, capturing: bool, global_mode: bool = True) -> None:
 
 
 def forget_captures() -> None:
-    """Forget every capture noted (install/uninstall: a capture begun or ended unpatched is not seen)."""
+    """Forget every capture noted (a forked child; tests)."""
     with _lock:
         _capturing_graphs.clear()
         CAPTURES[0] = 0
         GLOBAL_CAPTURES[0] = 0
+
+
+_noters: set[str] = set()  # the installed layers that note captures ("shim", "emulation")
+
+
+def start_noting(key: str) -> None:
+    """Layer ``key``'s capture hooks are installed: with no other such layer installed before it, captures noted
+    earlier are forgotten (begun or ended while nothing noted them, they are not seen); with one, they stay (found
+    in review: installing the shim over the emulator forgot a capture the emulator had noted, still open)."""
+    with _lock:
+        if not _noters:
+            _capturing_graphs.clear()
+            CAPTURES[0] = GLOBAL_CAPTURES[0] = 0
+        _noters.add(key)
+
+
+def stop_noting(key: str) -> None:
+    """Layer ``key``'s capture hooks are removed: once no such layer is left, the captures noted are forgotten (one
+    that ends unseen would otherwise stay noted, and the emulator make no wait for good; found in review)."""
+    with _lock:
+        _noters.discard(key)
+        if not _noters:
+            _capturing_graphs.clear()
+            CAPTURES[0] = GLOBAL_CAPTURES[0] = 0
 
 
 def wrap_capture_begin(next_begin, before=None):
@@ -451,6 +475,17 @@ def any_current_capture(index: int) -> bool:
     """Return whether a capture is open: any graph between ``CUDAGraph.capture_begin`` and ``capture_end`` on any
     thread (while the shim is installed), or the current stream of GPU ``index`` or of the current device."""
     return bool(CAPTURES[0]) or is_current_stream_capturing(index)
+
+
+def this_thread_captures() -> bool:
+    """Whether this thread's current stream of the current device is capturing a graph (False on a torch built
+    without CUDA, where torch refuses to ask)."""
+    import torch
+
+    try:
+        return torch.cuda.is_current_stream_capturing()
+    except (RuntimeError, AssertionError):
+        return False
 
 
 def is_current_stream_capturing(index: int) -> bool:

@@ -402,7 +402,7 @@ _IDLE_WHEN_NOTHING_PENDING = {"record", "wait", "synchronize", "query", "__setit
 
 def install_sync_patches() -> None:
     """Add the shim's layer to every synchronization entry point (idempotent per attribute)."""
-    _streams.forget_captures()
+    _streams.start_noting("shim")
     for owner, name, wrap in patch_targets():
         idle = _d2h.busy if name in _IDLE_WHEN_NOTHING_PENDING else None
         patching.add_layer(owner, name, SHIM_KEY, patching.RANK_CC_SHIM, wrap, idle=idle)
@@ -414,4 +414,4 @@ def uninstall_sync_patches() -> None:
     for owner, name, _ in patch_targets():
         patching.remove_layer(owner, name, SHIM_KEY)
     patching.forget_dynamo_class_table()  # torch.Event is torch's own again
-    _streams.forget_captures()
+    _streams.stop_noting("shim")

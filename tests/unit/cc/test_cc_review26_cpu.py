@@ -473,8 +473,10 @@ def test_an_emulation_handle_ends_only_the_emulation_it_started():
 def test_the_wait_before_an_upload_left_to_torch_reads_no_event_and_skips_captures_and_wrappers(
         offloaded_write, monkeypatch):
     """Found in the review of this round's own change: the wait queried plain notes' events (not allowed while a
-    graph captures, where the shim leaves uploads to torch), ran during captures, and read the storage address of a
-    ``__torch_dispatch__`` wrapper (which raises)."""
+    graph captures, where the shim leaves uploads to torch), ran during this thread's capture, and read the storage
+    address of a ``__torch_dispatch__`` wrapper (which raises). Another thread's capture does not stop it: while
+    that thread's ``capture_begin`` drains the offloaded copies, this upload must wait for them too (found in the
+    third review: skipping on any capture read memory a copy had not yet written)."""
     from torch.testing._internal.two_tensor import TwoTensor
 
     host, final, waited = offloaded_write
@@ -487,11 +489,60 @@ def test_the_wait_before_an_upload_left_to_torch_reads_no_event_and_skips_captur
     monkeypatch.setattr(torch.cuda, "Event", _DeviceBoundEvent)
     _host_writes.note_plain_d2h(host, types.SimpleNamespace(device_index=0))  # a plain note over the same bytes
     monkeypatch.setattr(_host_writes, "_is_done", no_query)
-    monkeypatch.setattr(_streams, "CAPTURES", [1])
-    _shim._wait_for_writes_into(host)  # a capture is open: nothing
+    monkeypatch.setattr(_streams, "this_thread_captures", lambda: True)
+    _shim._wait_for_writes_into(host)  # this thread's stream captures: torch's copy is a graph node
     assert waited == []
-    monkeypatch.setattr(_streams, "CAPTURES", [0])
+    monkeypatch.setattr(_streams, "this_thread_captures", lambda: False)
     _shim._wait_for_writes_into(TwoTensor(torch.zeros(2), torch.zeros(2)))  # a wrapper: no memory of its own
     assert waited == []
+    monkeypatch.setattr(_streams, "CAPTURES", [1])  # another thread's capture_begin, still draining
     _shim._wait_for_writes_into(host)
     assert waited == [5] and torch.equal(host, final)
+
+
+def test_the_registry_changes_only_under_its_lock_and_a_lookup_scans_a_copy():
+    """A target that died in a collection run by the lookup's own snapshot popped from the dictionary being read
+    (``dictionary changed size during iteration`` out of the user's ``copy_``); a weakref callback could also drop
+    a newer registration at the same span. Dead references now vouch for nothing and go at the next registration."""
+    import gc
+
+    pool = torch.zeros(64, 4)
+    kept = [pool[i] for i in range(0, 64, 2)]
+    for row in kept:
+        _staging._remember_target(row)
+    for i in range(1, 64, 2):  # rows held only by a cycle: they die in a collection
+        row = pool[i]
+        row.cycle = row
+        _staging._remember_target(row)
+        del row
+    gc.collect()
+    assert _staging.live_targets() == len(kept)
+    assert not _staging.is_registered_target(pool[1][1:])  # the scan: a dead row vouches for nothing
+    assert _staging.is_registered_target(pool[2][1:])
+    _staging._remember_target(pool[0])  # a registration drops the dead
+    assert sum(len(spans) for spans in _staging._TARGETS.values()) == len(kept)
+    del kept
+    gc.collect()
+    assert not _staging.live_targets()
+
+
+def test_installing_or_removing_one_capture_noting_layer_keeps_the_others_captures(monkeypatch):
+    """Installing the shim over the emulator forgot a capture the emulator had noted, still open (the emulator then
+    waited during it); removing the emulator left a capture that ended unseen noted for good (no wait ever again)."""
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin",
+                        lambda self, pool=None, capture_error_mode="global": None, raising=False)
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_end", lambda self: None, raising=False)
+    handle = cc.emulate()
+    graph = object()
+    try:
+        torch.cuda.CUDAGraph.capture_begin(graph)
+        assert _streams.GLOBAL_CAPTURES[0] == 1
+        cc.install("on")  # the shim, over the emulator, while the capture is open
+        assert _streams.GLOBAL_CAPTURES[0] == 1 and _streams.CAPTURES[0] == 1
+        torch.cuda.CUDAGraph.capture_end(graph)
+        assert _streams.CAPTURES[0] == 0
+        torch.cuda.CUDAGraph.capture_begin(graph)
+    finally:
+        cc.uninstall()  # the shim and the emulator go; the capture never ends through a hook
+        handle.stop()
+    assert _streams.CAPTURES[0] == _streams.GLOBAL_CAPTURES[0] == 0
