@@ -39,7 +39,6 @@ class _State:
 
 
 _STATE = _State()
-_PLAIN_DISPATCH: list = [None]  # torch.Tensor.__torch_dispatch__, read once (see _wait_for_writes_into)
 
 
 def _nbytes(t: Any) -> int:
@@ -338,17 +337,13 @@ def _wait_for_writes_into(host: Any) -> None:
     pending and no failure is kept: one that finished without a failure leaves nothing to wait for."""
     if not (_d2h.busy() and _host_writes.NOTED_STARTS):
         return
-    plain = _PLAIN_DISPATCH[0]
-    if plain is None:
-        import torch
-
-        plain = _PLAIN_DISPATCH[0] = torch.Tensor.__torch_dispatch__
+    import torch
     # A __torch_dispatch__ tensor (a wrapper, a fake one) has no host memory of its own that a copy was noted in.
     # While this thread's stream captures, torch's copy is a graph node that reads the memory at each replay, not
     # now. Another thread's capture does not matter: while one is open nothing is pending, and while its
     # capture_begin still drains the offloaded copies, this wait must wait for them too (found in review: skipping
     # on any capture let an upload read memory a copy had not yet written).
-    if type(host).__torch_dispatch__ is plain and not _streams.this_thread_captures():
+    if type(host).__torch_dispatch__ is torch.Tensor.__torch_dispatch__ and not _streams.this_thread_captures():
         _host_writes.wait_for_offloaded_writes(host)
 
 

@@ -297,18 +297,17 @@ def stage_into(dst: Any, src: Any, next_copy) -> Any:
 def _read_now(src: Any, index: int) -> Any:
     """A contiguous host copy of ``src``'s elements, read now, as torch's own copy reads them at the call (through
     a host temporary), after the offloaded D2H copies still writing them: the host waits for those, and a failure
-    among them is raised (:func:`._host_writes.order_after_pending_writes`; found in review: the copy was read
+    among them is raised (:func:`._host_writes.wait_for_offloaded_writes`; found in review: the copy was read
     first, so the staged bytes were stale, and a failed copy's unwritten buffer was uploaded without an error).
 
-    A plain D2H still writing ``src`` (torch's own, on some stream) is not waited for on the host: torch's copy
-    reads ``src`` at the call too, so a program correct under torch has waited for it already (and under CC it
-    finished at its call); the staging stream waits for its event all the same, which orders nothing here.
+    A plain D2H still writing ``src`` (torch's own, on some stream) is not waited for: torch's copy reads ``src``
+    at the call too, so a program correct under torch has waited for it already (and under CC it finished at its
+    call).
     """
     import torch
 
     if _host_writes.NOTED_STARTS:
-        staging = _streams._staging.get(index) or _streams.staging_stream(index)
-        _host_writes.order_after_pending_writes(staging, src)
+        _host_writes.wait_for_offloaded_writes(src)
     return src.clone(memory_format=torch.contiguous_format)
 
 

@@ -407,11 +407,15 @@ def note_capture(graph: Any, capturing: bool, global_mode: bool = True) -> None:
 
 
 def forget_captures() -> None:
-    """Forget every capture noted (a forked child; tests)."""
+    """Forget every capture noted (tests)."""
     with _lock:
-        _capturing_graphs.clear()
-        CAPTURES[0] = 0
-        GLOBAL_CAPTURES[0] = 0
+        _clear_captures()
+
+
+def _clear_captures() -> None:
+    """Forget every capture noted (the caller holds ``_lock``)."""
+    _capturing_graphs.clear()
+    CAPTURES[0] = GLOBAL_CAPTURES[0] = 0
 
 
 _noters: set[str] = set()  # the installed layers that note captures ("shim", "emulation")
@@ -423,8 +427,7 @@ def start_noting(key: str) -> None:
     in review: installing the shim over the emulator forgot a capture the emulator had noted, still open)."""
     with _lock:
         if not _noters:
-            _capturing_graphs.clear()
-            CAPTURES[0] = GLOBAL_CAPTURES[0] = 0
+            _clear_captures()
         _noters.add(key)
 
 
@@ -434,8 +437,7 @@ def stop_noting(key: str) -> None:
     with _lock:
         _noters.discard(key)
         if not _noters:
-            _capturing_graphs.clear()
-            CAPTURES[0] = GLOBAL_CAPTURES[0] = 0
+            _clear_captures()
 
 
 def wrap_capture_begin(next_begin, before=None):

@@ -288,8 +288,7 @@ def _wrap_capture_begin(next_begin):
     return _streams.wrap_capture_begin(next_begin, before=_d2h.begin_capture)
 
 
-def _wrap_capture_end(next_end):
-    return _streams.wrap_capture_end(next_end)
+_wrap_capture_end = _streams.wrap_capture_end
 
 
 # torch.Event -------------------------------------------------------------------------
